@@ -1,0 +1,14 @@
+# Quickstart: `make run` (set up, then run the main job) and `make test` (set up, then run the tests).
+.PHONY: setup run test bench
+
+setup:
+	@bash scripts/setup.sh
+
+run: setup
+	.venv/bin/agentspec demo
+
+test: setup
+	.venv/bin/python -m pytest tests -q --durations=15
+
+bench: setup
+	.venv/bin/python benchmarks/bench_e2e.py

@@ -1,0 +1,26 @@
+"""agentspec: model-free speculative decoding for coding agents."""
+
+from .config import SpecConfig
+from .drafting import Draft, Drafter, PromptLookupDrafter, default_drafter
+from .engine import EmbeddedEngine, Engine, Generation, GenerationStats
+from .errors import AgentSpecError, ConfigError, ContextLengthError, InvalidRequestError, ModelLoadError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AgentSpecError",
+    "ConfigError",
+    "ContextLengthError",
+    "Draft",
+    "Drafter",
+    "EmbeddedEngine",
+    "Engine",
+    "Generation",
+    "GenerationStats",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "PromptLookupDrafter",
+    "SpecConfig",
+    "__version__",
+    "default_drafter",
+]

@@ -1,0 +1,179 @@
+"""Command line: ``agentspec generate`` and ``agentspec demo``.
+
+The server (``serve``), workspace indexing (``index``), log statistics (``stats``) and
+benchmarks (``bench``) arrive with their issues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {v}")
+        return v
+
+    return parse
+
+
+def _nonneg_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {v}")
+        return v
+
+    return parse
+
+
+def _nonneg_float(name: str):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not v >= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {text}")
+        return v
+
+    return parse
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="a .gguf file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    p.add_argument("--deterministic", action="store_true",
+                   help="fixed-shape decode steps: greedy identity with plain decoding by construction")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentspec", description="Model-free speculative decoding for coding agents.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion for a prompt (file or stdin)")
+    g.add_argument("prompt_file", nargs="?", default="-", help="file holding the prompt, or - for stdin (default)")
+    g.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=256)
+    g.add_argument("--temperature", type=_nonneg_float("--temperature"), default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=_nonneg_int("--top-k"), default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--budget", type=_nonneg_int("--budget"), default=32, help="max draft tokens per step")
+    g.add_argument("--no-spec", action="store_true", help="plain decoding, no speculation")
+    g.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
+    g.add_argument("--json", action="store_true", help="print text, token ids and stats as one JSON object")
+    _engine_args(g)
+
+    d = sub.add_parser("demo", help="rewrite a file with and without speculation; print both speeds")
+    d.add_argument("--file", help="file to rewrite (default: a source file of this package)")
+    d.add_argument("--instruction", default="Add a module docstring at the top. Keep everything else unchanged.")
+    d.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=256)
+    _engine_args(d)
+    return parser
+
+
+def _read_prompt(path: str) -> str:
+    if path == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            raise SystemExit("agentspec generate: no prompt: give a prompt file or pipe the prompt on stdin")
+        return sys.stdin.read()
+    p = Path(path)
+    if not p.is_file():
+        raise SystemExit(f"agentspec generate: prompt file not found: {path!r}")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise SystemExit(f"agentspec generate: prompt file is not UTF-8 text: {path!r}") from None
+
+
+def _make_engine(args):
+    from . import Engine
+
+    return Engine.embedded(model=args.model, device=args.device, dtype=args.dtype, deterministic=args.deterministic)
+
+
+def cmd_generate(args) -> int:
+    import msgspec
+
+    from . import SpecConfig
+
+    text = _read_prompt(args.prompt_file)
+    if not text.strip():
+        raise SystemExit("agentspec generate: the prompt is empty")
+    engine = _make_engine(args)
+    prompt = engine.tokenizer.encode(text) if args.raw else text
+    spec = None if args.no_spec else SpecConfig(budget=args.budget)
+    g = engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, seed=args.seed, stop=args.stop, spec=spec)
+    if args.json:
+        print(msgspec.json.encode(g).decode())
+    else:
+        print(g.text)
+        s = g.stats
+        print(f"[agentspec] {s.completion_tokens} tokens in {s.seconds:.2f}s ({s.tokens_per_second:.1f} tok/s), "
+              f"spec {'on' if s.spec_enabled else 'off'} ({s.spec_reason}), steps {s.steps}, "
+              f"MAT {s.mean_acceptance_length:.2f}", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from . import SpecConfig
+
+    path = Path(args.file) if args.file else Path(__file__).with_name("verify.py")
+    if not path.is_file():
+        raise SystemExit(f"agentspec demo: file not found: {str(path)!r}")
+    code = path.read_text(encoding="utf-8", errors="replace")
+    engine = _make_engine(args)
+    prompt = (f"Apply this change to `{path.name}`:\n\n{args.instruction}\n\nCurrent contents of `{path.name}`:\n"
+              f"```\n{code}\n```\n\nReply with the complete updated file and nothing else.")
+    ids = engine.encode(prompt)
+    print(f"rewriting {path} ({len(ids)} prompt tokens, up to {args.max_tokens} new tokens)", flush=True)
+    engine.generate(ids, max_tokens=8, spec=None)  # warm up
+    plain = engine.generate(ids, max_tokens=args.max_tokens, spec=None)
+    print(f"  plain decoding : {plain.stats.completion_tokens} tokens, {plain.stats.tokens_per_second:6.1f} tok/s", flush=True)
+    spec = engine.generate(ids, max_tokens=args.max_tokens, spec=SpecConfig())
+    s = spec.stats
+    print(f"  speculative    : {s.completion_tokens} tokens, {s.tokens_per_second:6.1f} tok/s "
+          f"(MAT {s.mean_acceptance_length:.2f}, {s.steps} steps)")
+    same = plain.token_ids == spec.token_ids
+    speedup = s.tokens_per_second / max(plain.stats.tokens_per_second, 1e-9)
+    print(f"  speedup {speedup:.2f}x, outputs identical: {same}")
+    print("---- output (first 30 lines) ----")
+    print("\n".join(spec.text.splitlines()[:30]))
+    return 0 if same else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import AgentSpecError
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "demo":
+            return cmd_demo(args)
+    except AgentSpecError as e:
+        print(f"agentspec {args.command}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

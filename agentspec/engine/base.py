@@ -1,0 +1,70 @@
+"""The engine role and the structs a generation returns."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ..config import SpecConfig
+
+if TYPE_CHECKING:
+    from .embedded import EmbeddedEngine
+
+__all__ = ["DEFAULT_SPEC", "Engine", "Generation", "GenerationStats"]
+
+DEFAULT_SPEC = SpecConfig()
+
+
+class GenerationStats(msgspec.Struct, kw_only=True):
+    """What one generation did. A *step* is one decode forward after prefill."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    spec_enabled: bool = False
+    spec_reason: str = ""          # why speculation is on or off for this request
+    steps: int = 0
+    draft_tokens: int = 0          # proposed and verified
+    accepted_tokens: int = 0       # draft tokens that passed verification
+    acceptance_lengths: list[int] = []  # per step: accepted + 1 (the bonus token)
+    mean_acceptance_length: float = 0.0  # MAT over steps
+    draft_sources: dict[str, int] = {}   # steps whose draft came from each source
+    prefill_seconds: float = 0.0   # time to first token
+    decode_seconds: float = 0.0
+    draft_seconds: float = 0.0     # time inside the drafter (propose + extend)
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class Generation(msgspec.Struct, kw_only=True):
+    text: str
+    token_ids: list[int]
+    finish_reason: str             # "stop" (EOS or a stop string) or "length" (max_tokens)
+    stats: GenerationStats
+
+
+class Engine(abc.ABC):
+    """Generates text for prompts, speculating as ``spec`` says."""
+
+    @staticmethod
+    def embedded(**options: Any) -> "EmbeddedEngine":
+        """The torch engine on CPU or one GPU; the bundled model unless ``model=PATH``."""
+        from .embedded import EmbeddedEngine
+
+        return EmbeddedEngine(**options)
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        spec: SpecConfig | None = DEFAULT_SPEC,
+        **options: Any,
+    ) -> Generation: ...

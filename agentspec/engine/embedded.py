@@ -1,0 +1,460 @@
+"""The embedded engine: torch on CPU or one CUDA GPU, exact tree speculation, one request at a time.
+
+One decode step (DESIGN.md section 4): the drafter proposes a tree; the model runs one forward
+over ``[last committed token] + draft`` with a tree attention mask; greedy verification keeps the
+longest path the target agrees with plus the bonus token; the KV cache keeps the accepted path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..config import SpecConfig
+from ..drafting import EMPTY_DRAFT, Draft, Drafter, default_drafter
+from ..errors import ContextLengthError, InvalidRequestError
+from ..kernels.tree import tree_depths, tree_mask, with_root
+from ..verify import greedy_verify
+from .base import DEFAULT_SPEC, Engine, Generation, GenerationStats
+from .model import KVCache, Transformer, round_up
+from .tokenizer import Tokenizer
+from .weights import load_checkpoint
+
+__all__ = ["EmbeddedEngine"]
+
+_req_counter = itertools.count()
+
+
+class EmbeddedEngine(Engine):
+    """Torch engine for Llama-family models.
+
+    Options (keyword-only):
+      model: a ``.gguf`` file or Hugging Face folder; None = the bundled SmolLM2-135M-Instruct.
+      device: "cpu" (default) or "cuda".
+      dtype: torch dtype or its name; default bfloat16 on CUDA and on CPUs with bf16 dot products
+        (AVX512-BF16, AMX, Arm BF16), float32 on other CPUs.
+      kv_dtype: KV cache and attention dtype; default float32 (see ``KVCache``).
+      max_context: context window in tokens; default the model's (capped at 8192).
+      deterministic: pad every decode forward to fixed shapes (``deterministic_width`` rows,
+        a per-request fixed key length) and verify linear drafts only, so that a token's logits
+        never depend on what else shares the forward: greedy speculation then equals plain
+        decoding by construction. Costs time per plain step; see README "Exactness".
+      drafter: the Drafter to use; default ``agentspec.drafting.default_drafter()``.
+      threads: torch CPU threads (default: torch's choice).
+      quiet: no progress or log lines on stderr.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: str | None = None,
+        device: str = "cpu",
+        dtype: str | torch.dtype | None = None,
+        kv_dtype: str | torch.dtype | None = None,
+        max_context: int | None = None,
+        deterministic: bool = False,
+        deterministic_width: int = 33,
+        drafter: Drafter | None = None,
+        threads: int | None = None,
+        quiet: bool = False,
+    ) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidRequestError(f"device {device!r} requested but CUDA is not available", param="device")
+        if dtype is None:
+            dtype = torch.bfloat16 if self.device.type == "cuda" or cpu_has_fast_bf16() else torch.float32
+        else:
+            dtype = _dtype(dtype, "dtype")
+        if threads is not None:
+            torch.set_num_threads(int(threads))
+        if deterministic_width < 2:
+            raise InvalidRequestError(f"deterministic_width must be >= 2, got {deterministic_width}")
+        self.dtype = dtype
+        self.kv_dtype = torch.float32 if kv_dtype is None else _dtype(kv_dtype, "kv_dtype")
+        self.quiet = quiet
+        t0 = time.perf_counter()
+        ckpt = load_checkpoint(model, quiet=quiet)
+        self.args = ckpt.args
+        self.model_path = ckpt.source
+        self.tokenizer: Tokenizer = ckpt.tokenizer
+        self.model = Transformer(ckpt.args)
+        missing, unexpected = self.model.load_state_dict(ckpt.state, strict=False)
+        missing = [m for m in missing if not m.startswith("rope_")]
+        if missing or unexpected:
+            raise RuntimeError(f"state dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        self.model.to(device=self.device, dtype=dtype)
+        self.model.rope_cos = self.model.rope_cos.float()
+        self.model.rope_sin = self.model.rope_sin.float()
+        self.model.eval()
+        self.max_context = min(max_context or min(ckpt.args.max_seq_len, 8192), ckpt.args.max_seq_len)
+        self.deterministic = deterministic
+        self.deterministic_width = deterministic_width
+        self.drafter: Drafter = drafter if drafter is not None else default_drafter()
+        self._cache: KVCache | None = None
+        self._lock = threading.Lock()
+        self.load_seconds = time.perf_counter() - t0
+        if not quiet:
+            n = self.model.param_count()
+            print(f"[agentspec] model ready: {n / 1e6:.0f}M parameters, {str(dtype).removeprefix('torch.')} "
+                  f"on {self.device}, context {self.max_context} ({self.load_seconds:.1f}s)",
+                  file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------------------------------
+    # prompts
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+    def encode(self, prompt: str | Sequence[int] | Sequence[dict]) -> list[int]:
+        """Token ids for a prompt: text and messages get the chat template; ids are used as given."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", param="prompt")
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+        if isinstance(prompt, (bytes, bytearray)):
+            raise InvalidRequestError("prompt must be str, a list of token ids or a list of messages, got bytes",
+                                      param="prompt")
+        try:
+            items = list(prompt)
+        except TypeError:
+            raise InvalidRequestError(
+                f"prompt must be str, a list of token ids or a list of messages, got {type(prompt).__name__}",
+                param="prompt") from None
+        if not items:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if all(isinstance(m, dict) for m in items):
+            for i, m in enumerate(items):
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise InvalidRequestError(f"messages[{i}] needs string 'role' and 'content', got {m!r}",
+                                              param="prompt")
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(items))
+        ids: list[int] = []
+        for i, t in enumerate(items):
+            if isinstance(t, bool) or isinstance(t, float):
+                raise InvalidRequestError(f"token id at index {i} must be an integer, got {t!r}", param="prompt")
+            try:
+                v = operator.index(t)
+            except TypeError:
+                raise InvalidRequestError(f"token id at index {i} must be an integer, got {t!r}",
+                                          param="prompt") from None
+            if not 0 <= v < self.vocab_size:
+                raise InvalidRequestError(
+                    f"token id {v} at index {i} is out of the vocabulary [0, {self.vocab_size})", param="prompt")
+            ids.append(v)
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    # ------------------------------------------------------------------------------------------
+    # generation
+
+    def generate(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        spec: SpecConfig | None = DEFAULT_SPEC,
+        drafter: Drafter | None = None,
+        tenant: str = "default",
+    ) -> Generation:
+        """Generate up to ``max_tokens`` tokens. ``spec=None`` is plain decoding."""
+        stream = self.generate_stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                      top_k=top_k, seed=seed, stop=stop, spec=spec, drafter=drafter,
+                                      tenant=tenant)
+        while True:
+            try:
+                next(stream)
+            except StopIteration as done:
+                return done.value
+
+    def generate_stream(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        spec: SpecConfig | None = DEFAULT_SPEC,
+        drafter: Drafter | None = None,
+        tenant: str = "default",
+    ) -> Iterator[list[int]]:
+        """Yield the newly committed token ids after every step; return the ``Generation``.
+
+        Validation happens here, before the first ``next()``: bad input raises at once.
+        """
+        ids = self.encode(prompt)
+        _check_int("max_tokens", max_tokens, lo=1)
+        temperature = _check_float("temperature", temperature, lo=0.0, hi=100.0)
+        top_p = _check_float("top_p", top_p, lo=0.0, hi=1.0)
+        if top_p == 0.0:
+            raise InvalidRequestError("top_p must be in (0, 1], got 0", param="top_p")
+        _check_int("top_k", top_k, lo=0)
+        if seed is not None:
+            _check_int("seed", seed, lo=-(2**63), hi=2**64 - 1)
+        stops = _check_stop(stop)
+        if spec is not None and not isinstance(spec, SpecConfig):
+            raise InvalidRequestError(f"spec must be a SpecConfig or None, got {type(spec).__name__}", param="spec")
+        if len(ids) + max_tokens > self.max_context:
+            raise ContextLengthError(
+                f"prompt of {len(ids)} tokens plus max_tokens={max_tokens} exceeds the context window of "
+                f"{self.max_context} tokens", param="max_tokens" if len(ids) < self.max_context else "prompt")
+        return self._run(ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                         seed=seed, stops=stops, spec=spec, drafter=drafter or self.drafter, tenant=tenant)
+
+    def _run(self, ids: list[int], *, max_tokens, temperature, top_p, top_k, seed, stops, spec, drafter,
+             tenant) -> Iterator[list[int]]:
+        if spec is None:
+            spec_on, reason = False, "disabled by request (spec=None)"
+        elif temperature > 0:
+            spec_on, reason = False, "temperature > 0: exact tree sampling is not implemented yet"
+        elif spec.budget == 0:
+            spec_on, reason = False, "budget 0"
+        else:
+            spec_on, reason = True, "greedy" + (", deterministic" if self.deterministic else "")
+        budget_cap = spec.budget if spec_on else 0
+        width = self.deterministic_width if self.deterministic else 0
+        if width:
+            budget_cap = min(budget_cap, width - 1)
+        stats = GenerationStats(prompt_tokens=len(ids), spec_enabled=spec_on, spec_reason=reason)
+        gen = None
+        if temperature > 0:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed if seed is not None else torch.seed())
+        req_id = f"gen-{next(_req_counter)}"
+        t_start = time.perf_counter()
+        with self._lock:
+            need = len(ids) + max_tokens + max(budget_cap, width) + 2
+            cache = self._ensure_cache(need)
+            cache.reset()
+            # fixed key length for deterministic mode: a function of the request alone
+            key_len = min(round_up(need, 256), cache.capacity) if width else 0
+            out: list[int] = []
+            finish = "length"
+            if spec_on:
+                td = time.perf_counter()
+                drafter.start(req_id, ids, tenant=tenant)
+                stats.draft_seconds += time.perf_counter() - td
+            try:
+                # prefill: the whole prompt; its last logits give the first token
+                logits = self.model(torch.tensor(ids, device=self.device),
+                                    torch.arange(len(ids), device=self.device), cache,
+                                    logits_rows=slice(-1, None))
+                cache.commit(list(range(len(ids))))
+                first = self._pick(logits[0], temperature, top_p, top_k, gen)
+                stats.prefill_seconds = time.perf_counter() - t_start
+                new = [first]
+                while True:
+                    new, finish, done = self._accept(out, new, max_tokens, stops)
+                    if new:
+                        yield new
+                    if done:
+                        break
+                    if spec_on:
+                        td = time.perf_counter()
+                        drafter.extend(req_id, new)
+                        budget = min(budget_cap, max_tokens - len(out) - 1)
+                        draft = drafter.propose(req_id, budget) if budget > 0 else EMPTY_DRAFT
+                        stats.draft_seconds += time.perf_counter() - td
+                        draft.validate(max(budget, 0))
+                        if width and draft.token_ids:
+                            draft = _main_chain(draft)
+                    else:
+                        draft = EMPTY_DRAFT
+                    new = self._step(out[-1], draft, cache, temperature, top_p, top_k, gen, stats, width, key_len)
+            finally:
+                if spec_on:
+                    drafter.stop(req_id)
+        stats.completion_tokens = len(out)
+        stats.seconds = time.perf_counter() - t_start
+        stats.decode_seconds = stats.seconds - stats.prefill_seconds
+        if stats.steps:
+            stats.mean_acceptance_length = sum(stats.acceptance_lengths) / stats.steps
+        text = self.tokenizer.decode(out)
+        if stops:
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+        return Generation(text=text, token_ids=out, finish_reason=finish, stats=stats)
+
+    def _accept(self, out: list[int], new: list[int], max_tokens: int, stops: list[str]):
+        """Append ``new`` to ``out`` up to EOS / max_tokens / a stop string. Returns (added, finish, done)."""
+        added: list[int] = []
+        eos = self.tokenizer.eos_token_ids
+        for t in new:
+            if t in eos:
+                return added, "stop", True
+            out.append(t)
+            added.append(t)
+            if stops and self._hit_stop(out, stops):
+                return added, "stop", True
+            if len(out) >= max_tokens:
+                return added, "length", True
+        return added, "length", False
+
+    def _hit_stop(self, out: list[int], stops: list[str]) -> bool:
+        # decode a tail wide enough for the longest stop string (tokens are >= 1 char, but a
+        # multi-byte char can span tokens: add slack)
+        width = max(len(s) for s in stops) + 8
+        tail = self.tokenizer.decode(out[-width:])
+        return any(s in tail for s in stops)
+
+    def _step(self, root: int, draft: Draft, cache: KVCache, temperature, top_p, top_k, gen,
+              stats: GenerationStats, width: int, key_len: int) -> list[int]:
+        """One forward over ``[root] + draft``; verify; commit. Returns the new committed tokens."""
+        start = cache.length
+        tokens = [root, *draft.token_ids]
+        parents = with_root(draft.parents)
+        depths = tree_depths(parents)
+        T = len(tokens)
+        dev = self.device
+        if width:
+            # fixed shapes: `width` rows, `key_len` keys; pad rows see only themselves
+            pad = width - T
+            tok_t = torch.tensor(tokens + [root] * pad, device=dev)
+            pos_t = torch.tensor([start + d for d in depths] + [start] * pad, device=dev)
+            mask = torch.zeros(width, key_len, dtype=torch.bool, device=dev)
+            mask[:, :start] = True
+            mask[:T, start:start + T] = tree_mask(parents, device=dev)
+            idx = torch.arange(T, width, device=dev)
+            mask[idx, :start] = False
+            mask[idx, start + idx] = True
+            logits = self.model(tok_t, pos_t, cache, mask, logits_rows=slice(0, T), key_len=key_len)
+        else:
+            # At least 2 rows: some CPU matmul kernels take another path for a single row, and a
+            # token's logits must not depend on how many tokens share its forward.
+            rows = max(T, 2)
+            pad = rows - T
+            tok_t = torch.tensor(tokens + [root] * pad, device=dev)
+            pos_t = torch.tensor([start + d for d in depths] + [start] * pad, device=dev)
+            mask = torch.zeros(rows, start + rows, dtype=torch.bool, device=dev)
+            mask[:, :start] = True
+            mask[:T, start:start + T] = tree_mask(parents, device=dev)
+            for i in range(T, rows):  # padding rows see the prefix and themselves
+                mask[i, start + i] = True
+            logits = self.model(tok_t, pos_t, cache, mask)[:T]
+        stats.steps += 1
+        if temperature > 0:  # plain sampling (speculation is off for sampled requests)
+            tok = self._pick(logits[0], temperature, top_p, top_k, gen)
+            cache.commit([0])
+            stats.acceptance_lengths.append(1)
+            return [tok]
+        target = logits.argmax(dim=-1).tolist()
+        path, bonus = greedy_verify(tokens, parents, target)
+        cache.commit(path)
+        n_acc = len(path) - 1
+        if draft.token_ids:
+            stats.draft_tokens += len(draft.token_ids)
+            stats.accepted_tokens += n_acc
+            src = draft.source or "unknown"
+            stats.draft_sources[src] = stats.draft_sources.get(src, 0) + 1
+        stats.acceptance_lengths.append(n_acc + 1)
+        return [tokens[i] for i in path[1:]] + [bonus]
+
+    def _pick(self, logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen) -> int:
+        # logits: [vocab] float32
+        if temperature <= 0:
+            return int(logits.argmax())
+        return int(sample(logits, temperature, top_p, top_k, gen))
+
+    def _ensure_cache(self, need: int) -> KVCache:
+        if self._cache is None or self._cache.capacity < need:
+            cap = min(round_up(max(need, 1024), 1024), round_up(self.max_context + 1024, 256))
+            self._cache = None
+            self._cache = KVCache(self.args, max(cap, need), dtype=self.kv_dtype, device=self.device)
+        return self._cache
+
+
+def _dtype(value, name: str) -> torch.dtype:
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if isinstance(value, torch.dtype) and value in names.values():
+        return value
+    if isinstance(value, str) and value in names:
+        return names[value]
+    raise InvalidRequestError(f"{name} must be float32, bfloat16 or float16, got {value!r}", param=name)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when this CPU has bfloat16 dot-product instructions (AVX512-BF16, AMX or Arm BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "").split()
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16", "bf16"} & set(flags))
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen) -> int:
+    """Draw one token from ``softmax(logits / temperature)`` restricted by top-k and top-p."""
+    x = logits.float() / temperature
+    if top_k and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k).values[-1]
+        x = x.masked_fill(x < kth, -math.inf)
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_x = sorted_x.masked_fill(drop, -math.inf)
+        x = torch.full_like(x, -math.inf).scatter(0, order, sorted_x)
+    probs = torch.softmax(x, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _main_chain(draft: Draft) -> Draft:
+    """The first root-to-leaf chain of a tree (deterministic mode verifies chains only)."""
+    keep: list[int] = []
+    last = -1
+    for i, p in enumerate(draft.parents):
+        if p == last:
+            keep.append(i)
+            last = i
+    return Draft.chain([draft.token_ids[i] for i in keep], [draft.probs[i] for i in keep], source=draft.source)
+
+
+def _check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
+    if lo is not None and value < lo:
+        raise InvalidRequestError(f"{name} must be >= {lo}, got {value}", param=name)
+    if hi is not None and value > hi:
+        raise InvalidRequestError(f"{name} must be <= {hi}, got {value}", param=name)
+    return value
+
+
+def _check_float(name: str, value: Any, *, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
+    v = float(value)
+    if not (lo <= v <= hi):  # also rejects NaN
+        raise InvalidRequestError(f"{name} must be in [{lo}, {hi}], got {value!r}", param=name)
+    return v
+
+
+def _check_stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+        raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}", param="stop")
+    if any(s == "" for s in items):
+        raise InvalidRequestError("stop strings must not be empty", param="stop")
+    if len(items) > 16:
+        raise InvalidRequestError(f"at most 16 stop strings, got {len(items)}", param="stop")
+    return list(items)

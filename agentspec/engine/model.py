@@ -1,0 +1,255 @@
+"""A minimal Llama-family transformer (gpt-fast style) with a KV cache for tree verification.
+
+One ``forward`` serves prefill, plain decoding and draft-tree verification: it takes the new
+tokens, their positions and an attention mask over ``cache[:start] + new tokens``, writes the new
+keys/values at slots ``[start, start + T)`` and returns logits for every new token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["KVCache", "ModelArgs", "Transformer"]
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int
+    vocab_size: int
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = True
+    head_dim: int = 0  # 0: dim // n_heads
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class KVCache(nn.Module):
+    """Keys and values of every layer: ``[n_layers, n_kv_heads, capacity, head_dim]`` each.
+
+    Float32 by default even for bfloat16 weights: attention then runs in float32, whose CPU
+    kernels give a query row the same result whatever the number of keys or other rows (bf16
+    kernels switch blocking with the shape), which keeps speculation's logits equal to plain
+    decoding's.
+
+    ``length`` counts committed tokens. A forward writes its T new tokens at ``[length, length+T)``
+    without committing them; ``commit`` keeps a subset of those slots (the accepted path),
+    moving them to ``[length, length + len(keep))``.
+    """
+
+    def __init__(self, args: ModelArgs, capacity: int, *, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        capacity = round_up(capacity, KEY_CHUNK)  # small_attention reads whole key chunks
+        shape = (args.n_layers, args.n_kv_heads, capacity, args.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def commit(self, keep: list[int]) -> None:
+        """Commit the uncommitted slots ``length + keep[i]`` (ascending) as the next tokens."""
+        n = len(keep)
+        if keep != list(range(n)):  # a branch was accepted: move its slots down
+            src = torch.tensor(keep, device=self.k.device) + self.length
+            dst = torch.arange(self.length, self.length + n, device=self.k.device)
+            self.k[:, :, dst] = self.k[:, :, src]
+            self.v[:, :, dst] = self.v[:, :, src]
+        self.length += n
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(args: ModelArgs, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[max_seq_len, head_dim]`` in float32 (Hugging Face ``rotate_half`` layout)."""
+    inv = 1.0 / (args.rope_base ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    t = torch.arange(args.max_seq_len, dtype=torch.float64)
+    freqs = torch.outer(t, inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().float().to(device), emb.sin().float().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [H, T, D]; cos/sin: [T, D]
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        hd = args.head_dim
+        self.q_size = args.n_heads * hd
+        self.kv_size = args.n_kv_heads * hd
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.wqkv = nn.Linear(args.dim, self.q_size + 2 * self.kv_size, bias=False)
+        self.wo = nn.Linear(self.q_size, args.dim, bias=False)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.w_gate_up = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)
+        self.w_down = nn.Linear(args.hidden_dim, args.dim, bias=False)
+
+    def forward(self, x, layer: int, cache: KVCache, start: int, cos, sin, mask, causal: bool, key_len: int):
+        # x: [T, dim]; cos/sin: [T, head_dim]; mask: [T, start + T] bool, or None with `causal`
+        a = self.args
+        T = x.shape[0]
+        qkv = self.wqkv(self.attn_norm(x))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(T, a.n_heads, a.head_dim).transpose(0, 1), cos, sin)    # [H, T, D]
+        k = apply_rope(k.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1), cos, sin)  # [Hkv, T, D]
+        v = v.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1)
+        end = start + T
+        cache.k[layer, :, start:end] = k
+        cache.v[layer, :, start:end] = v
+        qa = q.to(cache.k.dtype)  # attention runs in the cache's dtype (float32 by default)
+        if causal or T > SMALL_T:
+            keys = cache.k[layer, :, :key_len]               # [Hkv, L, D]
+            values = cache.v[layer, :, :key_len]
+            o = F.scaled_dot_product_attention(
+                qa.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                attn_mask=mask, is_causal=causal, enable_gqa=True,
+            ).squeeze(0)                                      # [H, T, D]
+        else:
+            o = small_attention(qa, cache.k[layer], cache.v[layer], mask, key_len)
+        o = o.to(x.dtype)
+        o = o.transpose(0, 1).reshape(T, self.q_size)
+        x = x + self.wo(o)
+        gate, up = self.w_gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
+SMALL_T = 128  # up to this many new tokens, attention runs as plain matmuls (decode/verify)
+
+
+KEY_CHUNK = 256  # p @ v runs over fixed-size key chunks (see small_attention)
+
+
+def small_attention(
+    q: torch.Tensor,          # [H, T, D]
+    k: torch.Tensor,          # [Hkv, Lc, D]  cache slots, Lc >= round_up(L, KEY_CHUNK)
+    v: torch.Tensor,          # [Hkv, Lc, D]
+    mask: torch.Tensor | None,  # [T, L] bool; None = all L keys visible
+    L: int,                   # keys in use
+) -> torch.Tensor:            # [H, T, D]
+    """Attention for a few queries over a long cache: GQA groups folded into the query rows.
+
+    On CPU this beats SDPA's flash kernel for decode and tree verification. It is written so
+    that a query row's result does not depend on how many rows or keys share the call: the
+    key axis is padded to a multiple of KEY_CHUNK (padding masked out) and ``p @ v`` runs as one
+    batched GEMM per fixed-size chunk, summed in chunk order, because float GEMM kernels pick
+    their blocking, and so their rounding, by the reduction length. Extra all-masked chunks add
+    exact zeros; the softmax denominator is summed in float64. This keeps greedy speculation
+    equal to plain decoding, for chains and trees (README, "Exactness").
+    """
+    H, T, D = q.shape
+    Hkv = k.shape[0]
+    G = H // Hkv
+    Lp = round_up(max(L, 1), KEY_CHUNK)
+    n = Lp // KEY_CHUNK
+    qg = q.reshape(Hkv, G * T, D)                          # query head h = kv * G + g
+    scores = torch.bmm(qg, k[:, :Lp].transpose(1, 2)) * (1.0 / math.sqrt(D))  # [Hkv, G*T, Lp]
+    visible = torch.zeros(T, Lp, dtype=torch.bool, device=q.device)
+    if mask is None:
+        visible[:, :L] = True
+    else:
+        visible[:, :L] = mask
+    scores = scores.view(Hkv, G, T, Lp).masked_fill(~visible, -math.inf).view(Hkv, G * T, Lp)
+    # softmax with an order-insensitive denominator: a tree node's visible keys sit at other
+    # slots than the same token's keys in plain decoding, and a vectorised float32 sum would
+    # associate them differently; a float64 sum rounds to the same float32 either way
+    e = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
+    p = e.div_(e.sum(dim=-1, keepdim=True, dtype=torch.float64).to(e.dtype))
+    pc = p.view(Hkv, G * T, n, KEY_CHUNK).transpose(1, 2).reshape(Hkv * n, G * T, KEY_CHUNK)
+    vc = v[:, :Lp].reshape(Hkv * n, KEY_CHUNK, D)
+    partial = torch.bmm(pc, vc).view(Hkv, n, G * T, D)    # one GEMM of reduction KEY_CHUNK each
+    out = partial[:, 0]
+    for c in range(1, n):                                 # fixed order, float32
+        out = out + partial[:, c]
+    return out.view(H, T, D)
+
+
+def causal_mask(start: int, T: int, device) -> torch.Tensor:
+    """``[T, start + T]`` bool: every new token sees the prefix and the new tokens before it."""
+    m = torch.ones(T, start + T, dtype=torch.bool, device=device)
+    m[:, start:] = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    return m
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        cos, sin = rope_tables(args)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,      # [T] int64
+        positions: torch.Tensor,   # [T] int64
+        cache: KVCache,
+        mask: torch.Tensor | None = None,  # [T, key_len] bool; None = causal
+        *,
+        logits_rows: torch.Tensor | slice | None = None,  # which rows need logits (None: all)
+        key_len: int | None = None,  # attend over cache slots [0, key_len) (default: start + T)
+    ) -> torch.Tensor:             # [rows, vocab] float32
+        start = cache.length
+        if start + tokens.shape[0] > cache.capacity:
+            raise RuntimeError(f"KV cache overflow: {start} + {tokens.shape[0]} > {cache.capacity}")
+        dtype = self.embed.weight.dtype
+        x = self.embed(tokens)
+        cos = self.rope_cos[positions].to(dtype)
+        sin = self.rope_sin[positions].to(dtype)
+        T = tokens.shape[0]
+        causal = False
+        if mask is None and T > 1:
+            if start == 0:
+                causal = True  # prefill from an empty cache: SDPA's own causal path
+            else:
+                mask = causal_mask(start, T, tokens.device)
+        key_len = start + T if key_len is None else key_len
+        for i, layer in enumerate(self.layers):
+            x = layer(x, i, cache, start, cos, sin, mask, causal, key_len)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        x = self.norm(x)
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, w).float()
+
+    def param_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def round_up(n: int, m: int) -> int:
+    return int(math.ceil(n / m) * m)

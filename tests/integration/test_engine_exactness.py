@@ -1,0 +1,145 @@
+"""Greedy speculation equals plain decoding, token for token, on real prompts with the real model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import agentspec
+from agentspec import Draft, SpecConfig
+from agentspec.drafting import PromptLookupDrafter
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 96
+
+
+def _pairs(engine, prompts, **kw):
+    out = []
+    for ids in prompts:
+        plain = engine.generate(ids, max_tokens=MAX_TOKENS, spec=None, **kw)
+        spec = engine.generate(ids, max_tokens=MAX_TOKENS, **kw)
+        out.append((plain, spec))
+    return out
+
+
+def test_greedy_identity_rewrites_and_chat(engine, rewrite_prompts, chat_prompts):
+    prompts = rewrite_prompts + chat_prompts
+    assert len(prompts) >= 14
+    pairs = _pairs(engine, prompts)
+    mismatches = [i for i, (p, s) in enumerate(pairs) if p.token_ids != s.token_ids]
+    assert not mismatches, f"speculative output differs from plain decoding on prompts {mismatches}"
+    for plain, spec in pairs:
+        assert plain.text == spec.text and plain.finish_reason == spec.finish_reason
+        assert not plain.stats.spec_enabled and spec.stats.spec_enabled
+        assert spec.stats.completion_tokens == 1 + sum(spec.stats.acceptance_lengths) or spec.finish_reason == "stop" \
+            or spec.stats.completion_tokens == MAX_TOKENS
+    # speculation must really have happened: rewrites copy from their prompt
+    rw = [s.stats for _, s in pairs[: len(rewrite_prompts)]]
+    assert sum(s.accepted_tokens for s in rw) > 0.3 * sum(s.completion_tokens for s in rw)
+    assert sum(s.steps for s in rw) < sum(s.completion_tokens for s in rw)
+    # chat prompts are where drafts get rejected: the loop must survive that too
+    chat = [s.stats for _, s in pairs[len(rewrite_prompts):]]
+    assert sum(s.draft_tokens - s.accepted_tokens for s in chat) >= 0
+
+
+class NoisyTreeDrafter:
+    """Prompt lookup plus wrong and random branches: every draft is a real tree.
+
+    The true continuation (when prompt lookup finds it) sits at a random child slot, so the
+    verifier must pick non-first branches and the KV cache must be compacted.
+    """
+
+    def __init__(self, seed: int, vocab: int):
+        self.inner = PromptLookupDrafter()
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+
+    def start(self, req_id, prompt, *, tenant="default"):
+        self.inner.start(req_id, prompt, tenant=tenant)
+
+    def extend(self, req_id, tokens):
+        self.inner.extend(req_id, tokens)
+
+    def stop(self, req_id):
+        self.inner.stop(req_id)
+
+    def propose(self, req_id, budget):
+        chain = self.inner.propose(req_id, max(budget // 2, 1)).token_ids
+        tokens, parents = [], []
+        parent = -1
+        for t in chain:
+            if len(tokens) + 2 > budget:
+                break
+            decoy = (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+            pair = [decoy, t] if self.rng.random() < 0.5 else [t, decoy]
+            for tok in pair:
+                tokens.append(tok)
+                parents.append(parent)
+            parent = len(tokens) - (1 if pair[1] == t else 2)
+        while len(tokens) < budget and len(tokens) < 12:  # random twigs anywhere
+            parents.append(self.rng.randrange(-1, len(tokens)))
+            tokens.append(self.rng.randrange(self.vocab))
+        return Draft(tokens, parents, [0.5] * len(tokens), source="noisy-tree")
+
+
+def test_greedy_identity_with_tree_drafts(engine, rewrite_prompts, chat_prompts):
+    drafter = NoisyTreeDrafter(seed=1234, vocab=engine.vocab_size)
+    branch_accepts = 0
+    for ids in rewrite_prompts[:5] + chat_prompts[:2]:
+        plain = engine.generate(ids, max_tokens=64, spec=None)
+        tree = engine.generate(ids, max_tokens=64, spec=SpecConfig(budget=16), drafter=drafter)
+        assert tree.token_ids == plain.token_ids
+        branch_accepts += tree.stats.accepted_tokens
+    assert branch_accepts > 20  # the true branches were found among the decoys
+
+
+def test_kv_compaction_equals_sequential_feeding(engine, rewrite_prompts):
+    """The cache after a verified tree equals the cache from feeding the accepted tokens one by one."""
+    from agentspec.engine.model import KVCache
+    from agentspec.kernels import tree_depths, tree_mask, with_root
+    from agentspec.verify import greedy_verify
+
+    ids = rewrite_prompts[0][:300]
+    g = engine.generate(ids, max_tokens=4, spec=None).token_ids
+    model, args, dt = engine.model, engine.args, engine.dtype
+    # tree: root -> [decoy, g1]; g1 -> [g2]; g2 -> [decoy2]  (accepted path: root, g1, g2)
+    root = g[0]
+    draft_tokens = [(g[1] + 1) % args.vocab_size, g[1], g[2], (g[3] + 7) % args.vocab_size]
+    parents = with_root([-1, -1, 1, 2])
+    tokens = [root, *draft_tokens]
+
+    cache = KVCache(args, 512, dtype=dt, device=engine.device)
+    model(torch.tensor(ids), torch.arange(len(ids)), cache)
+    cache.commit(list(range(len(ids))))
+    start = cache.length
+    mask = torch.ones(len(tokens), start + len(tokens), dtype=torch.bool)
+    mask[:, start:] = tree_mask(parents)
+    pos = torch.tensor([start + d for d in tree_depths(parents)])
+    logits = model(torch.tensor(tokens), pos, cache, mask)
+    path, bonus = greedy_verify(tokens, parents, logits.argmax(-1).tolist())
+    assert path == [0, 2, 3] and bonus == g[3]
+    cache.commit(path)
+
+    ref = KVCache(args, 512, dtype=dt, device=engine.device)
+    model(torch.tensor(ids), torch.arange(len(ids)), ref)
+    ref.commit(list(range(len(ids))))
+    for t in (root, g[1], g[2]):
+        model(torch.tensor([t]), torch.tensor([ref.length]), ref)
+        ref.commit([0])
+    assert cache.length == ref.length == len(ids) + 3
+    n = cache.length
+    tol = dict(atol=1e-4, rtol=1e-4) if dt == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(cache.k[:, :, :n], ref.k[:, :, :n], **tol)
+    torch.testing.assert_close(cache.v[:, :, :n], ref.v[:, :, :n], **tol)
+
+
+def test_deterministic_mode_identity(rewrite_prompts, chat_prompts):
+    det = agentspec.Engine.embedded(deterministic=True, quiet=True)
+    for ids in rewrite_prompts[:6] + chat_prompts[:2]:
+        plain = det.generate(ids, max_tokens=64, spec=None)
+        spec = det.generate(ids, max_tokens=64)
+        assert spec.token_ids == plain.token_ids
+        assert "deterministic" in spec.stats.spec_reason
