@@ -1,14 +1,16 @@
-"""Prompt lookup: draft by copying what followed an earlier occurrence of the recent tokens.
+"""Prompt lookup: draft by copying what followed earlier occurrences of the recent tokens.
 
-The request's own context (prompt + generated tokens) is the only source. Among the earlier
-occurrences of the last ``n`` tokens (``max_ngram`` down to ``min_ngram``), the one whose
-preceding tokens agree longest with the current context wins; this acts as a copy pointer when
-a response is rewriting text from its prompt, and re-synchronises after an edited region as
-soon as ``min_ngram`` tokens agree again. Draft length grows with that agreement.
+The request's own context (prompt + generated tokens) is the only source. The earlier
+occurrences of the last ``n`` tokens (``max_ngram`` down to ``min_ngram``) are ranked by how
+far their preceding tokens agree with the current context: the best acts as a copy pointer when
+a response rewrites text from its prompt, and drafting re-synchronises after an edited region as
+soon as ``min_ngram`` tokens agree again. The best candidates' continuations are merged into a
+draft tree; its depth grows with the agreement.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 from .base import EMPTY_DRAFT, Draft
@@ -26,16 +28,18 @@ class _Request:
 
 
 class PromptLookupDrafter:
-    """A linear drafter over the request's own context (the ``Drafter`` protocol)."""
+    """A tree drafter over the request's own context (the ``Drafter`` protocol)."""
 
     def __init__(
         self,
         *,
-        min_ngram: int = 2,
+        min_ngram: int = 1,
         max_ngram: int = 4,
         max_candidates: int = 64,
         max_agreement: int = 64,
-        min_draft: int = 4,
+        min_draft: int = 8,
+        max_branches: int = 8,
+        min_survival: float = 0.05,
     ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
@@ -43,7 +47,9 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.max_candidates = max_candidates  # most recent occurrences compared per step
         self.max_agreement = max_agreement    # how far back agreement is measured
-        self.min_draft = min_draft            # draft length for the weakest match
+        self.min_draft = min_draft            # draft depth for the weakest match
+        self.max_branches = max_branches      # candidate continuations merged into the tree
+        self.min_survival = min_survival      # drop draft tokens less likely than this
         self._reqs: dict[str, _Request] = {}
 
     def start(self, req_id: str, prompt: Sequence[int], *, tenant: str = "default") -> None:
@@ -75,8 +81,7 @@ class PromptLookupDrafter:
             positions = r.index[n - 1].get(tuple(toks[end - n:]))
             if not positions:
                 continue
-            best, best_agree = -1, -1
-            checked = 0
+            cands: list[tuple[int, int]] = []  # (agreement, position)
             for pos in reversed(positions):
                 if pos >= end:  # the occurrence that is the current suffix itself
                     continue
@@ -84,19 +89,69 @@ class PromptLookupDrafter:
                 limit = min(self.max_agreement, pos)
                 while agree < limit and toks[pos - agree - 1] == toks[end - agree - 1]:
                     agree += 1
-                if agree > best_agree:
-                    best, best_agree = pos, agree
-                checked += 1
-                if checked >= self.max_candidates or agree >= self.max_agreement:
+                cands.append((agree, pos))
+                if len(cands) >= self.max_candidates:
                     break
-            if best < 0:
-                continue
-            length = min(budget, max(self.min_draft, 2 * best_agree), end - best)
-            draft = toks[best:best + length]
-            # survival estimate: longer agreement, higher confidence per token
-            p = 1.0 - 1.0 / (2.0 + best_agree)
-            return Draft.chain(draft, p, source="prompt_lookup")
+            if cands:
+                return self._tree(toks, cands, budget)
         return EMPTY_DRAFT
+
+    def _tree(self, toks: list[int], cands: list[tuple[int, int]], budget: int) -> Draft:
+        """Merge the continuations of the best candidates into a trie; keep the likeliest nodes.
+
+        A candidate weighs more the longer its agreement (recency breaks ties, earlier in
+        ``cands`` = more recent). A node's probability given its parent is the share of its
+        parent's candidate weight that passes through it, times a per-token confidence that
+        grows with the best agreement; nodes are taken best-first by survival (the product
+        along the path) until the budget or ``min_survival``.
+        """
+        cands.sort(key=lambda c: -c[0])  # stable: more recent first among equal agreement
+        cands = cands[: self.max_branches]
+        best_agree = cands[0][0]
+        conf = 1.0 - 1.0 / (2.0 + best_agree)
+        depth_cap = min(budget, max(self.min_draft, 2 * best_agree))
+        end = len(toks)
+        # trie over continuations: node -> {token: child}; weights per node
+        children: list[dict[int, int]] = [{}]
+        weight = [0.0]
+        tok_of = [-1]
+        parent_of = [-1]
+        for agree, pos in cands:
+            w = float(agree * agree)
+            node = 0
+            weight[0] += w
+            for t in toks[pos:min(pos + depth_cap, end)]:
+                nxt = children[node].get(t)
+                if nxt is None:
+                    nxt = len(tok_of)
+                    children[node][t] = nxt
+                    children.append({})
+                    weight.append(0.0)
+                    tok_of.append(t)
+                    parent_of.append(node)
+                weight[nxt] += w
+                node = nxt
+        # best-first selection by survival
+        heap = [(-conf * weight[c] / weight[0], c) for c in children[0].values()]
+        heapq.heapify(heap)
+        chosen: list[int] = []
+        index_of = {0: -1}
+        survival_of = {0: 1.0}
+        probs: list[float] = []
+        while heap and len(chosen) < budget:
+            neg, node = heapq.heappop(heap)
+            s = -neg
+            if s < self.min_survival:
+                break
+            index_of[node] = len(chosen)
+            chosen.append(node)
+            survival_of[node] = s
+            probs.append(s / survival_of[parent_of[node]])
+            for c in children[node].values():
+                heapq.heappush(heap, (-s * conf * weight[c] / weight[node], c))
+        token_ids = [tok_of[n] for n in chosen]
+        parents = [index_of[parent_of[n]] for n in chosen]
+        return Draft(token_ids, parents, probs, float(sum(survival_of[n] for n in chosen)), "prompt_lookup")
 
     def stop(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)

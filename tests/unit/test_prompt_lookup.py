@@ -60,3 +60,15 @@ def test_bad_input():
         PromptLookupDrafter(min_ngram=3, max_ngram=2)
     d.stop("a")
     d.stop("a")  # stopping twice is harmless
+
+
+def test_several_candidates_make_a_tree():
+    # "5 6" is followed once by "7 8" and once by "9 9": both continuations become branches
+    d = PromptLookupDrafter()
+    d.start("r", [5, 6, 7, 8, 0, 1, 5, 6, 9, 9, 0, 2, 5, 6])
+    draft = d.propose("r", 8)
+    draft.validate(8)
+    roots = [t for t, p in zip(draft.token_ids, draft.parents) if p == -1]
+    assert sorted(roots) == [7, 9]
+    assert 0 < draft.score <= len(draft)
+    assert all(0.0 < p <= 1.0 for p in draft.probs)
