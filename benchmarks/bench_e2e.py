@@ -95,8 +95,13 @@ def run_hf(prompts, max_tokens: int, dtype: str, lookup: int | None) -> dict:
     from agentspec.engine.weights import bundled_model_path
 
     path = bundled_model_path()
+    load_kw: dict = {}
+    try:  # transformers >= 5 keeps GGUF weights packed unless asked; a user runs the dense model
+        load_kw["quantization_config"] = transformers.GgufConfig(dequantize=True)
+    except AttributeError:
+        pass
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)).eval()
+        str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype), **load_kw).eval()
     eos = [2, 0]
     kw = dict(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=2)
     if lookup:
