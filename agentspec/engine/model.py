@@ -42,10 +42,8 @@ class ModelArgs:
 class KVCache(nn.Module):
     """Keys and values of every layer: ``[n_layers, n_kv_heads, capacity, head_dim]`` each.
 
-    Float32 by default even for bfloat16 weights: attention then runs in float32, whose CPU
-    kernels give a query row the same result whatever the number of keys or other rows (bf16
-    kernels switch blocking with the shape), which keeps speculation's logits equal to plain
-    decoding's.
+    Decode-time attention (``small_attention``) is written so that a row's result does not
+    depend on the cache length or on the other rows of its forward, whatever this dtype.
 
     ``length`` counts committed tokens. A forward writes its T new tokens at ``[length, length+T)``
     without committing them; ``commit`` keeps a subset of those slots (the accepted path),
@@ -164,8 +162,9 @@ def small_attention(
     key axis is padded to a multiple of KEY_CHUNK (padding masked out) and ``p @ v`` runs as one
     batched GEMM per fixed-size chunk, summed in chunk order, because float GEMM kernels pick
     their blocking, and so their rounding, by the reduction length. Extra all-masked chunks add
-    exact zeros; the softmax denominator is summed in float64. This keeps greedy speculation
-    equal to plain decoding, for chains and trees (README, "Exactness").
+    exact zeros; the softmax runs in float32 with its denominator summed in float64, and chunk
+    partials are summed in float32. The matmuls run in the cache's dtype. This keeps greedy
+    speculation equal to plain decoding, for chains and trees (README, "Exactness").
     """
     H, T, D = q.shape
     Hkv = k.shape[0]
@@ -173,7 +172,7 @@ def small_attention(
     Lp = round_up(max(L, 1), KEY_CHUNK)
     n = Lp // KEY_CHUNK
     qg = q.reshape(Hkv, G * T, D)                          # query head h = kv * G + g
-    scores = torch.bmm(qg, k[:, :Lp].transpose(1, 2)) * (1.0 / math.sqrt(D))  # [Hkv, G*T, Lp]
+    scores = torch.bmm(qg, k[:, :Lp].transpose(1, 2)).float() * (1.0 / math.sqrt(D))  # [Hkv, G*T, Lp]
     visible = torch.zeros(T, Lp, dtype=torch.bool, device=q.device)
     if mask is None:
         visible[:, :L] = True
@@ -184,11 +183,11 @@ def small_attention(
     # slots than the same token's keys in plain decoding, and a vectorised float32 sum would
     # associate them differently; a float64 sum rounds to the same float32 either way
     e = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
-    p = e.div_(e.sum(dim=-1, keepdim=True, dtype=torch.float64).to(e.dtype))
+    p = e.div_(e.sum(dim=-1, keepdim=True, dtype=torch.float64).to(e.dtype)).to(v.dtype)
     pc = p.view(Hkv, G * T, n, KEY_CHUNK).transpose(1, 2).reshape(Hkv * n, G * T, KEY_CHUNK)
     vc = v[:, :Lp].reshape(Hkv * n, KEY_CHUNK, D)
     partial = torch.bmm(pc, vc).view(Hkv, n, G * T, D)    # one GEMM of reduction KEY_CHUNK each
-    out = partial[:, 0]
+    out = partial[:, 0].float()
     for c in range(1, n):                                 # fixed order, float32
         out = out + partial[:, c]
     return out.view(H, T, D)
