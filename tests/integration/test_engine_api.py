@@ -162,3 +162,12 @@ def test_cli_generate_json_and_errors(tmp_path):
     badmodel = subprocess.run([sys.executable, "-m", "agentspec", "generate", str(prompt), "--model", "/no/such.gguf"],
                               capture_output=True, text=True, timeout=60)
     assert badmodel.returncode == 2 and "model path does not exist: '/no/such.gguf'" in badmodel.stderr
+
+
+def test_bad_engine_options():
+    with pytest.raises(InvalidRequestError, match="dtype must be float32, bfloat16 or float16, got 'fp8'"):
+        agentspec.Engine.embedded(dtype="fp8", quiet=True)
+    with pytest.raises(InvalidRequestError, match="kv_dtype must be float32, bfloat16 or float16, got 'int8'"):
+        agentspec.Engine.embedded(kv_dtype="int8", quiet=True)
+    with pytest.raises(InvalidRequestError, match="deterministic_width must be >= 2, got 1"):
+        agentspec.Engine.embedded(deterministic_width=1, quiet=True)
