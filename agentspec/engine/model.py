@@ -42,8 +42,9 @@ class ModelArgs:
 class KVCache(nn.Module):
     """Keys and values of every layer: ``[n_layers, n_kv_heads, capacity, head_dim]`` each.
 
-    Decode-time attention (``small_attention``) is written so that a row's result does not
-    depend on the cache length or on the other rows of its forward, whatever this dtype.
+    The engine keeps it float32 by default: decode-time attention (``small_attention``) then
+    gives a row the same result whatever the cache length or the other rows of its forward. In
+    bfloat16 the ``p @ v`` chunk GEMMs still change with the row count, so it is not exact.
 
     ``length`` counts committed tokens. A forward writes its T new tokens at ``[length, length+T)``
     without committing them; ``commit`` keeps a subset of those slots (the accepted path),
@@ -163,8 +164,9 @@ def small_attention(
     batched GEMM per fixed-size chunk, summed in chunk order, because float GEMM kernels pick
     their blocking, and so their rounding, by the reduction length. Extra all-masked chunks add
     exact zeros; the softmax runs in float32 with its denominator summed in float64, and chunk
-    partials are summed in float32. The matmuls run in the cache's dtype. This keeps greedy
-    speculation equal to plain decoding, for chains and trees (README, "Exactness").
+    partials are summed in float32. The matmuls run in the cache's dtype; with a float32 cache
+    this keeps greedy speculation equal to plain decoding, for chains and trees (README,
+    "Exactness"); a bfloat16 cache does not (see ``KVCache``).
     """
     H, T, D = q.shape
     Hkv = k.shape[0]
