@@ -1,6 +1,9 @@
-"""Suffix index over requests, tenant history and workspace documents (native core: next issue).
+"""Suffix index: drafting source over request contexts, tenant histories and documents.
 
-Until the core lands, ``agentspec.drafting.PromptLookupDrafter`` is the engine's default drafter.
+``SuffixIndex`` (index.py) wraps the native core ``suffix_index._core`` (C++17, nanobind);
+``reference.py`` is the plain-Python specification the core is tested against.
 """
 
-__all__: list[str] = []
+from .index import MAX_TOKEN_ID, SuffixIndex
+
+__all__ = ["MAX_TOKEN_ID", "SuffixIndex"]

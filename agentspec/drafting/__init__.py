@@ -6,14 +6,23 @@ from typing import Any
 
 from .base import EMPTY_DRAFT, Draft, Drafter
 from .prompt_lookup import PromptLookupDrafter
+from .suffix import SuffixDrafter
 
-__all__ = ["EMPTY_DRAFT", "Draft", "Drafter", "PromptLookupDrafter", "default_drafter"]
+__all__ = ["EMPTY_DRAFT", "Draft", "Drafter", "PromptLookupDrafter", "SuffixDrafter", "default_drafter"]
 
 
-def default_drafter(**overrides: Any) -> Drafter:
-    """The drafter the engine uses unless told otherwise.
+def default_drafter(*, workspace: Any = None, **overrides: Any) -> Drafter:
+    """The drafter the engine uses unless told otherwise: the suffix drafter.
 
-    For now: prompt lookup over the request's own context. Keyword overrides go to its
-    constructor (``min_ngram``, ``max_ngram``, ...).
+    Each request drafts from its own context, its tenant's earlier outputs and, with
+    ``workspace`` (an object with an ``index`` attribute holding a ``SuffixIndex``, as the
+    workspace indexer provides), the tenant's workspace documents. Keyword overrides are
+    ``SuffixIndex`` options (``max_ngram``, ``max_branches``, ``history_tokens``, ...); they
+    cannot be combined with a workspace, whose index is already built.
     """
-    return PromptLookupDrafter(**overrides)
+    if workspace is not None:
+        index = getattr(workspace, "index", None)
+        if index is None:
+            raise ValueError(f"workspace must have an `index` (a SuffixIndex), got {type(workspace).__name__}")
+        return SuffixDrafter(index, **overrides)
+    return SuffixDrafter(**overrides)

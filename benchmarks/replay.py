@@ -1,0 +1,272 @@
+#!/usr/bin/env python
+"""Teacher-forced acceptance replay of recorded traffic: our drafters against their peers, one run.
+
+Each record's response is replayed token by token as if the target produced it: at every step a
+drafter proposes a tree (budget tokens) for the context (prompt + response so far), the accepted
+length is the longest root path that matches the recorded continuation, and the accepted tokens
+plus the bonus token are committed. Records are replayed in file order as one tenant (a request's
+output joins the tenant's history when it stops), like arctic-inference's simulator.
+
+Methods, same tokens (bundled model's tokenizer, prompt rendered with its chat template):
+- ``agentspec``: our default drafter (``agentspec.drafting.default_drafter()``);
+- ``prompt_lookup``: the request's own context only, n <= 3 (chain);
+- ``oracle``: drafts the recorded answer itself (an upper bound for the budget);
+- ``arctic``: arctic-inference's ``SuffixDecodingCache`` (its own venv; benchmarks/peers/arctic_replay.py);
+- ``sglang_ngram``: SGLang 0.5.23's NGRAM corpus, as its worker feeds it and with the prompt as
+  an external corpus (its own venv; benchmarks/peers/sglang_ngram_replay.py).
+
+Reported per dataset and split (``dev``: the records the drafter was tuned on; ``held_out``: the
+rest): MAT (mean committed tokens per step, bonus included), drafted tokens per step, drafter time
+per step (propose + extend, p50/p99 µs), and the speedup estimated from the engine's measured
+cost of verifying n tokens vs 1 (``--costs``, from benchmarks/results/step_costs*.json).
+
+    python benchmarks/replay.py [--data ../shared/data] [--budget 32] [--limit N]
+        [--methods agentspec,prompt_lookup,oracle,arctic,sglang_ngram] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import replay_data  # noqa: E402
+
+# Records tuned on: the first DEV_RECORDS[name] records of each file; the rest are held out.
+DEV_RECORDS = {"file_rewrites": 100, "agent_turns": 150}
+
+
+def log(msg: str) -> None:
+    print(f"[replay] {msg}", file=sys.stderr, flush=True)
+
+
+def accepted_length(draft_tokens, parents, target) -> int:
+    """Longest root path of the tree whose tokens equal ``target[0], target[1], ...``."""
+    n = len(draft_tokens)
+    if n == 0 or len(target) == 0:
+        return 0
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    node, depth = -1, 0
+    while depth < len(target):
+        nxt = None
+        for c in children.get(node, ()):
+            if draft_tokens[c] == target[depth]:
+                nxt = c
+                break
+        if nxt is None:
+            break
+        node, depth = nxt, depth + 1
+    return depth
+
+
+def replay_drafter(drafter, records, budget: int, stop_at: int, tenant: str = "replay") -> list[dict]:
+    out = []
+    clock = time.perf_counter_ns
+    for k, (rid, prompt, resp) in enumerate(records[:stop_at]):
+        req = f"r{k}"
+        drafter.start(req, prompt, tenant=tenant)
+        n, pos = len(resp), 0
+        acc, drafted, ns = [], [], []
+        resp_list = resp.tolist()
+        while pos < n:
+            t0 = clock()
+            d = drafter.propose(req, budget)
+            t1 = clock()
+            a = accepted_length(d.token_ids, d.parents, resp_list[pos:pos + len(d.token_ids)])
+            c = min(a + 1, n - pos)
+            t2 = clock()
+            drafter.extend(req, resp[pos:pos + c])
+            t3 = clock()
+            acc.append(a)
+            drafted.append(len(d.token_ids))
+            ns.append((t1 - t0) + (t3 - t2))
+            pos += c
+        drafter.stop(req)
+        out.append({"id": rid, "n": n, "accepted": acc, "drafted": drafted, "ns": ns})
+    return out
+
+
+class OracleDrafter:
+    """Knows the recorded answer: drafts its next ``budget`` tokens."""
+
+    def __init__(self, records):
+        self._answers = {f"r{k}": r.tolist() for k, (_, _, r) in enumerate(records)}
+        self._pos: dict[str, int] = {}
+
+    def start(self, req_id, prompt, *, tenant="default"):
+        self._pos[req_id] = 0
+
+    def extend(self, req_id, tokens):
+        self._pos[req_id] += len(tokens)
+
+    def propose(self, req_id, budget):
+        from agentspec.drafting import Draft
+
+        p = self._pos[req_id]
+        return Draft.chain(self._answers[req_id][p:p + budget], source="oracle")
+
+    def stop(self, req_id):
+        self._pos.pop(req_id, None)
+
+
+class PromptLookupChain:
+    """Classic prompt lookup (as in transformers / vLLM ``ngram``): the most recent earlier
+    occurrence of the last n tokens (n = 3, 2, 1) in the request's own context, copied as a chain."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._reqs: dict[str, tuple[list[int], dict, dict]] = {}
+
+    def start(self, req_id, prompt, *, tenant="default"):
+        self._reqs[req_id] = ([], {}, {})
+        self.extend(req_id, prompt)
+
+    def extend(self, req_id, tokens):
+        toks, last, prev = self._reqs[req_id]
+        for t in np.asarray(tokens).tolist():
+            toks.append(t)
+            end = len(toks)
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                key = tuple(toks[end - n:end])
+                if key in last:
+                    prev[key] = last[key]
+                last[key] = end  # position just after this occurrence
+
+    def propose(self, req_id, budget):
+        from agentspec.drafting import Draft
+
+        toks, last, prev = self._reqs[req_id]
+        end = len(toks)
+        for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
+            pos = prev.get(tuple(toks[end - n:]))  # last[...] is the current suffix itself
+            if pos is not None:
+                return Draft.chain(toks[pos:pos + budget], source="prompt_lookup")
+        return Draft.chain([], source="prompt_lookup")
+
+    def stop(self, req_id):
+        self._reqs.pop(req_id, None)
+
+
+def summarize(records: list[dict], costs: dict[int, float] | None = None) -> dict:
+    steps = sum(len(r["accepted"]) for r in records)
+    if steps == 0:
+        return {"records": len(records), "steps": 0}
+    # committed per step is accepted + 1, except at the end of a response: the response length
+    committed = sum(r["n"] if "n" in r else sum(r["accepted"]) + len(r["accepted"]) for r in records)
+    ns = np.asarray([x for r in records for x in r["ns"]], dtype=np.float64)
+    drafted = np.asarray([x for r in records for x in r["drafted"]], dtype=np.float64)
+    out = {
+        "records": len(records),
+        "steps": steps,
+        "tokens": committed,
+        "mat": round(committed / steps, 3),
+        "mat_per_record_median": round(statistics.median(
+            (sum(r["accepted"]) + len(r["accepted"])) / len(r["accepted"]) for r in records if r["accepted"]), 3),
+        "drafted_per_step": round(float(drafted.mean()), 2),
+        "drafter_us_p50": round(float(np.percentile(ns, 50)) / 1e3, 2),
+        "drafter_us_p99": round(float(np.percentile(ns, 99)) / 1e3, 2),
+    }
+    if costs:
+        # estimated time = sum over steps of cost(drafted+1 rows); plain = tokens * cost(1 row)
+        def cost(n_rows: int) -> float:
+            keys = sorted(costs)
+            for k in keys:
+                if n_rows <= k:
+                    return costs[k]
+            return costs[keys[-1]] * n_rows / keys[-1]
+
+        spec_t = sum(cost(d + 1) for r in records for d in r["drafted"])
+        plain_t = committed * cost(1)
+        out["est_speedup"] = round(plain_t / spec_t, 3)
+    return out
+
+
+def run_peer(script: str, python: str, streams: Path, budget: int, stop: int, extra: list[str]) -> list[dict] | None:
+    if not Path(python).exists():
+        log(f"{script}: {python} not found, skipped")
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        cmd = [python, str(ROOT / "benchmarks" / "peers" / script), "--streams", str(streams), "--out", str(out),
+               "--budget", str(budget), "--records", f"0:{stop}", *extra]
+        log(" ".join(cmd))
+        res = subprocess.run(cmd, stderr=sys.stderr, stdout=subprocess.DEVNULL)
+        if res.returncode != 0 or not out.exists():
+            log(f"{script} failed with exit code {res.returncode}")
+            return None
+        return json.loads(out.read_text())["records"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--datasets", default=",".join(replay_data.DATASETS))
+    ap.add_argument("--budget", type=int, default=32)
+    ap.add_argument("--limit", type=int, default=None, help="replay only the first N records of each file")
+    ap.add_argument("--methods", default="agentspec,prompt_lookup,oracle,arctic,sglang_ngram,sglang_ngram_prompt")
+    ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
+    ap.add_argument("--sglang-python", default="/work/venvs/sglang/bin/python")
+    ap.add_argument("--costs", type=Path, default=None, help="step-cost JSON {rows: seconds}")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    from agentspec.drafting import default_drafter
+
+    costs = None
+    if args.costs and args.costs.exists():
+        costs = {int(k): float(v) for k, v in json.loads(args.costs.read_text())["step_seconds"].items()}
+    methods = args.methods.split(",")
+    result = {"budget": args.budget, "dev_records": DEV_RECORDS, "datasets": {}}
+    for name in args.datasets.split(","):
+        streams = replay_data.tokenize(args.data, name)
+        records = replay_data.load(streams)
+        stop = len(records) if args.limit is None else min(args.limit, len(records))
+        cut = DEV_RECORDS[name]
+        per_method = {}
+        for m in methods:
+            t0 = time.perf_counter()
+            if m == "agentspec":
+                recs = replay_drafter(default_drafter(), records, args.budget, stop)
+            elif m == "prompt_lookup":
+                recs = replay_drafter(PromptLookupChain(), records, args.budget, stop)
+            elif m == "oracle":
+                recs = replay_drafter(OracleDrafter(records), records, args.budget, stop)
+            elif m == "arctic":
+                recs = run_peer("arctic_replay.py", args.vllm_python, streams, args.budget, stop, [])
+            elif m == "sglang_ngram":
+                recs = run_peer("sglang_ngram_replay.py", args.sglang_python, streams, args.budget, stop,
+                                ["--mode", "worker"])
+            elif m == "sglang_ngram_prompt":
+                recs = run_peer("sglang_ngram_replay.py", args.sglang_python, streams, args.budget, stop,
+                                ["--mode", "prompt-corpus"])
+            else:
+                raise SystemExit(f"unknown method {m!r}")
+            if recs is None:
+                continue
+            per_method[m] = {"dev": summarize(recs[:cut], costs), "held_out": summarize(recs[cut:], costs)}
+            log(f"{name} {m}: {json.dumps(per_method[m])} ({time.perf_counter() - t0:.0f} s)")
+        result["datasets"][name] = per_method
+    text = json.dumps(result, indent=1)
+    if args.out:
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, args.out)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
