@@ -89,7 +89,7 @@ def replay_drafter(drafter, records, budget: int, stop_at: int, tenant: str = "r
             a = accepted_length(d.token_ids, d.parents, resp_list[pos:pos + len(d.token_ids)])
             c = min(a + 1, n - pos)
             t2 = clock()
-            drafter.extend(req, resp[pos:pos + c])
+            drafter.extend(req, resp_list[pos:pos + c])
             t3 = clock()
             acc.append(a)
             drafted.append(len(d.token_ids))
@@ -257,6 +257,8 @@ def main() -> None:
                 raise SystemExit(f"unknown method {m!r}")
             if recs is None:
                 continue
+            for k, r in enumerate(recs):   # peers report steps; the response length is ours
+                r["n"] = len(records[k][2])
             per_method[m] = {"dev": summarize(recs[:cut], costs), "held_out": summarize(recs[cut:], costs)}
             log(f"{name} {m}: {json.dumps(per_method[m])} ({time.perf_counter() - t0:.0f} s)")
         result["datasets"][name] = per_method

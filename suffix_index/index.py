@@ -31,6 +31,7 @@ _INT_OPTIONS = {
     "min_ngram": (1, 16),
     "max_ngram": (1, 16),
     "max_candidates": (0, 4096),
+    "min_candidates": (1, 4096),
     "max_agreement": (1, 1 << 20),
     "max_branches": (1, 4096),
     "min_draft": (1, 1 << 16),
@@ -38,10 +39,12 @@ _INT_OPTIONS = {
 }
 
 
-def _draft_type():
+def _Draft(*args):
+    global _Draft
     from agentspec.drafting.base import Draft  # late: agentspec.drafting imports this package
 
-    return Draft
+    _Draft = Draft
+    return Draft(*args)
 
 
 class SuffixIndex:
@@ -50,6 +53,7 @@ class SuffixIndex:
     Options (defaults measured best on recorded traffic, see benchmarks/replay.py):
       min_ngram, max_ngram: lengths of the context suffix looked up (longest first);
       max_candidates: occurrences examined per source and step, and live candidates kept;
+      min_candidates: back off to shorter suffixes until at least this many candidates;
       max_agreement: how far back a candidate's agreement with the context is measured;
       max_branches: candidates merged into a draft tree;
       min_draft: draft depth for the weakest match (depth grows as 2 x agreement);
@@ -65,7 +69,8 @@ class SuffixIndex:
         *,
         min_ngram: int = 1,
         max_ngram: int = 4,
-        max_candidates: int = 64,
+        max_candidates: int = 16,
+        min_candidates: int = 8,
         max_agreement: int = 64,
         max_branches: int = 16,
         min_draft: int = 8,
@@ -76,7 +81,7 @@ class SuffixIndex:
         vocab_size: int | None = None,
     ) -> None:
         opts: dict[str, Any] = dict(
-            min_ngram=min_ngram, max_ngram=max_ngram, max_candidates=max_candidates,
+            min_ngram=min_ngram, max_ngram=max_ngram, max_candidates=max_candidates, min_candidates=min_candidates,
             max_agreement=max_agreement, max_branches=max_branches, min_draft=min_draft,
             history_tokens=history_tokens,
         )
@@ -98,9 +103,10 @@ class SuffixIndex:
         p.min_survival = float(min_survival)
         p.arena_weight = float(arena_weight)
         p.keep_outputs = bool(keep_outputs)
+        self._max_token = (vocab_size - 1) if vocab_size is not None else MAX_TOKEN_ID
+        p.max_token = self._max_token
         self.options = dict(opts, min_survival=float(min_survival), arena_weight=float(arena_weight),
                             keep_outputs=bool(keep_outputs), vocab_size=vocab_size)
-        self._max_token = (vocab_size - 1) if vocab_size is not None else MAX_TOKEN_ID
         self._core = _core.Index(p)
         self._lock = threading.Lock()
 
@@ -112,40 +118,31 @@ class SuffixIndex:
         _check_name("tenant", tenant)
         toks = self._tokens(prompt, "prompt")
         with self._lock:
-            if self._core.has_request(req_id):
-                raise ValueError(f"request {req_id!r} already started")
-            self._core.start(req_id, toks, tenant)
+            self._call(self._core.start, "prompt", prompt, req_id, toks, tenant)
 
     def extend(self, req_id: str, tokens: Sequence[int] | np.ndarray) -> None:
         """Append committed tokens (accepted + bonus) to a request's context."""
         toks = self._tokens(tokens, "tokens")
         with self._lock:
-            self._known(req_id)
-            self._core.extend(req_id, toks)
+            self._call(self._core.extend, "tokens", tokens, req_id, toks)
 
     def propose(self, req_id: str, budget: int):
         """A draft tree (``agentspec.drafting.Draft``) of at most ``budget`` tokens."""
-        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
+        if type(budget) is not int and (isinstance(budget, bool) or not isinstance(budget, np.integer)) or budget < 0:
             raise ValueError(f"budget must be an integer >= 0, got {budget!r}")
-        Draft = _draft_type()
         with self._lock:
-            self._known(req_id)
             toks, parents, probs, score = self._core.propose(req_id, int(min(budget, 1 << 20)))
-        if not toks:
-            return Draft([], [], [], 0.0, "suffix")
-        return Draft(toks, parents, probs, score, "suffix")
+        return _Draft(toks, parents, probs, score, "suffix")
 
     def stop(self, req_id: str) -> None:
         """Close a request; its output joins its tenant's history (``keep_outputs``)."""
         with self._lock:
-            self._known(req_id)
             self._core.stop(req_id)
 
     def candidates(self, req_id: str) -> list[tuple[int, int, int]]:
         """This step's ranked candidates ``(source, pos, agreement)``; source 0 = the request's
         context, 1 = the tenant's arena. Updates the live set as ``propose`` does."""
         with self._lock:
-            self._known(req_id)
             return self._core.candidates(req_id)
 
     # ---- documents --------------------------------------------------------------------------
@@ -156,7 +153,7 @@ class SuffixIndex:
         _check_name("tenant", tenant)
         toks = self._tokens(tokens, "tokens")
         with self._lock:
-            self._core.add_document(doc_id, toks, tenant)
+            self._call(self._core.add_document, "tokens", tokens, doc_id, toks, tenant)
 
     def remove_document(self, doc_id: str) -> bool:
         """Remove a document; False if there was none with this id."""
@@ -228,7 +225,23 @@ class SuffixIndex:
         if not isinstance(req_id, str) or not self._core.has_request(req_id):
             raise ValueError(f"unknown request id {req_id!r}")
 
-    def _tokens(self, tokens, what: str) -> np.ndarray:
+    def _call(self, fn, what: str, original, *args):
+        """Call the core; a list the core could not convert gets the full check for its message."""
+        try:
+            return fn(*args)
+        except TypeError:
+            self._tokens(np.asarray(original) if not isinstance(original, list) else original, what, strict=True)
+            raise
+        except ValueError as e:
+            if str(e).startswith("token id"):
+                raise ValueError(f"{what}: {e}") from None
+            raise
+
+    def _tokens(self, tokens, what: str, *, strict: bool = False):
+        """Tokens as the core takes them: a list (converted and range-checked by the core) or a
+        contiguous uint32 array. ``strict`` checks a list element by element (for the message)."""
+        if type(tokens) is list and not strict:
+            return tokens
         if isinstance(tokens, np.ndarray):
             arr = tokens
         elif isinstance(tokens, (str, bytes, bytearray)) or not isinstance(tokens, Sequence):
@@ -237,18 +250,17 @@ class SuffixIndex:
         elif len(tokens) == 0:
             return np.zeros(0, np.uint32)
         else:
-            if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in tokens):
-                bad = next(t for t in tokens if isinstance(t, bool) or not isinstance(t, (int, np.integer)))
-                raise ValueError(f"{what} must hold integer token ids, got {bad!r}")
-            try:
-                arr = np.asarray(tokens, dtype=np.int64)
-            except OverflowError:
-                raise ValueError(f"{what}: token id out of range [0, {self._max_token}]") from None
+            for t in tokens:
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                    raise ValueError(f"{what} must hold integer token ids, got {t!r}")
+                if not 0 <= t <= self._max_token:
+                    raise ValueError(f"{what}: token id {t} out of range [0, {self._max_token}]")
+            arr = np.asarray(tokens, dtype=np.int64)
         if arr.ndim != 1:
             raise ValueError(f"{what} must be one-dimensional, got shape {arr.shape}")
         if arr.dtype.kind not in "iu":
             raise ValueError(f"{what} must have an integer dtype, got {arr.dtype}")
-        if arr.size:
+        if arr.size and (arr.dtype.kind == "i" or arr.dtype.itemsize > 4):
             lo, hi = int(arr.min()), int(arr.max())
             if lo < 0 or hi > self._max_token:
                 bad = lo if lo < 0 else hi

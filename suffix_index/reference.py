@@ -29,7 +29,8 @@ one per committed token that matched its continuation, dropped at the first that
 joined by the occurrences of the context's last ``n`` tokens (in the arena: those followed by
 at least one token) for ``n`` from ``max_ngram`` down to
 ``min_ngram``: the ``max_candidates`` most recent in the request, then the ``max_candidates`` most
-recent in the tenant arena; the first ``n`` that yields any candidate ends the search. A new
+recent in the tenant arena; the search ends at the first ``n`` after which there are at least
+``min_candidates`` candidates (shorter matches add alternatives when long ones are few). A new
 candidate's agreement is measured by comparing backwards once; live candidates carry theirs.
 Candidates are ranked by agreement, then request before arena, then the more recent; the best
 ``max_candidates`` stay live for the next step, and the best ``max_branches`` make the draft.
@@ -85,7 +86,8 @@ class _Request:
 class Params:
     min_ngram: int = 1
     max_ngram: int = 4
-    max_candidates: int = 64
+    max_candidates: int = 16
+    min_candidates: int = 8         # back off to shorter n until this many candidates
     max_agreement: int = 64
     max_branches: int = 16
     min_draft: int = 8
@@ -151,7 +153,7 @@ class ReferenceIndex:
                         found += 1
                         if (src, e) not in cands:
                             cands[(src, e)] = self._agreement(ctx, text, e, n)
-            if cands:
+            if len(cands) >= max(1, p.min_candidates):
                 break
         ranked = sorted(((s, pos, a) for (s, pos), a in cands.items()), key=lambda c: (-c[2], c[0], -c[1]))
         r.live = ranked[: p.max_candidates]

@@ -134,12 +134,13 @@ Tenant& Index::tenant(const std::string& name) {
 
 Request& Index::req(const std::string& req_id) {
     auto it = reqs_.find(req_id);
-    if (it == reqs_.end()) throw std::out_of_range("unknown request id");
+    if (it == reqs_.end()) throw std::invalid_argument("unknown request id '" + req_id + "'");
     return *it->second;
 }
 
 void Index::start(const std::string& req_id, const uint32_t* prompt, size_t n, const std::string& tname) {
-    if (reqs_.count(req_id)) throw std::invalid_argument("request already started");
+    if (reqs_.count(req_id)) throw std::invalid_argument("request '" + req_id + "' already started");
+    check_tokens(prompt, n);
     Tenant& t = tenant(tname);
     auto r = std::make_unique<Request>();
     r->tenant = &t;
@@ -159,8 +160,17 @@ void Index::sync(Request& r) {
     }
 }
 
+void Index::check_tokens(const uint32_t* toks, size_t n) const {
+    uint32_t hi = 0;
+    for (size_t i = 0; i < n; ++i) hi = std::max(hi, toks[i]);
+    if (n && hi > p_.max_token)
+        throw std::invalid_argument("token id " + std::to_string(hi) + " out of range [0, " +
+                                    std::to_string(p_.max_token) + "]");
+}
+
 void Index::extend(const std::string& req_id, const uint32_t* toks, size_t n) {
     Request& r = req(req_id);
+    check_tokens(toks, n);
     sync(r);
     const auto& arena = r.tenant->arena.tokens;
     for (size_t i = 0; i < n; ++i) {
@@ -183,7 +193,7 @@ void Index::extend(const std::string& req_id, const uint32_t* toks, size_t n) {
 
 void Index::stop(const std::string& req_id) {
     auto it = reqs_.find(req_id);
-    if (it == reqs_.end()) throw std::out_of_range("unknown request id");
+    if (it == reqs_.end()) throw std::invalid_argument("unknown request id '" + req_id + "'");
     Request& r = *it->second;
     if (p_.keep_outputs && r.ctx.size() > r.prompt_len) {
         Tenant& t = *r.tenant;
@@ -247,7 +257,7 @@ void Index::ranked_candidates(Request& r, std::vector<Candidate>& cands) {
                 return found < p_.max_candidates;
             });
         }
-        if (!cands.empty()) break;
+        if (cands.size() >= size_t(std::max(1, p_.min_candidates))) break;
     }
     std::sort(cands.begin(), cands.end(), rank_less);
     r.live.assign(cands.begin(), cands.begin() + std::min<size_t>(cands.size(), size_t(p_.max_candidates)));
@@ -395,6 +405,7 @@ void Index::maybe_compact(Tenant& t) {
 }
 
 void Index::add_document(const std::string& doc_id, const uint32_t* toks, size_t n, const std::string& tname) {
+    check_tokens(toks, n);
     if (doc_tenant_.count(doc_id)) remove_document(doc_id);
     Tenant& t = tenant(tname);
     add_text(t, false, doc_id, toks, n);

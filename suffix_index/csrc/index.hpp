@@ -22,7 +22,8 @@ constexpr int MAX_NGRAM_LIMIT = 16;
 struct Params {
     int min_ngram = 1;
     int max_ngram = 4;
-    int max_candidates = 64;
+    int max_candidates = 16;
+    int min_candidates = 8;
     int max_agreement = 64;
     int max_branches = 16;
     int min_draft = 8;
@@ -30,6 +31,7 @@ struct Params {
     double arena_weight = 1.0;
     int64_t history_tokens = int64_t(1) << 20;
     bool keep_outputs = true;
+    uint32_t max_token = 0x7FFFFFFFu;   // token ids above this are refused
 };
 
 // Token storage plus hash chains. Entry id = e * K + (n - nmin) names the n-gram that ends at
@@ -133,6 +135,7 @@ class Index {
     Tenant& tenant(const std::string& name);
     Request& req(const std::string& req_id);
     void sync(Request& r);
+    void check_tokens(const uint32_t* toks, size_t n) const;
     int agreement(const ChainedText& ctx, const std::vector<uint32_t>& text, size_t e, int n) const;
     void add_text(Tenant& t, bool history, const std::string& key, const uint32_t* toks, size_t n);
     void kill(Tenant& t, const TextInfo& x);

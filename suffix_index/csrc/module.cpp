@@ -14,7 +14,7 @@ namespace nb = nanobind;
 using namespace suffix_index;
 
 // Bump when the Python-visible interface of _core changes incompatibly.
-static constexpr int kAbiVersion = 2;
+static constexpr int kAbiVersion = 3;
 
 using Tokens = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
@@ -38,13 +38,15 @@ NB_MODULE(_core, m) {
         .def_rw("min_ngram", &Params::min_ngram)
         .def_rw("max_ngram", &Params::max_ngram)
         .def_rw("max_candidates", &Params::max_candidates)
+        .def_rw("min_candidates", &Params::min_candidates)
         .def_rw("max_agreement", &Params::max_agreement)
         .def_rw("max_branches", &Params::max_branches)
         .def_rw("min_draft", &Params::min_draft)
         .def_rw("min_survival", &Params::min_survival)
         .def_rw("arena_weight", &Params::arena_weight)
         .def_rw("history_tokens", &Params::history_tokens)
-        .def_rw("keep_outputs", &Params::keep_outputs);
+        .def_rw("keep_outputs", &Params::keep_outputs)
+        .def_rw("max_token", &Params::max_token);
 
     nb::class_<Index>(m, "Index")
         .def(nb::init<const Params&>())
@@ -52,8 +54,16 @@ NB_MODULE(_core, m) {
              [](Index& ix, const std::string& req_id, Tokens prompt, const std::string& tenant) {
                  ix.start(req_id, prompt.data(), prompt.shape(0), tenant);
              })
+        .def("start",
+             [](Index& ix, const std::string& req_id, const std::vector<uint32_t>& prompt, const std::string& tenant) {
+                 ix.start(req_id, prompt.data(), prompt.size(), tenant);
+             })
         .def("extend",
              [](Index& ix, const std::string& req_id, Tokens toks) { ix.extend(req_id, toks.data(), toks.shape(0)); })
+        .def("extend",
+             [](Index& ix, const std::string& req_id, const std::vector<uint32_t>& toks) {
+                 ix.extend(req_id, toks.data(), toks.size());
+             })
         .def("stop", &Index::stop)
         .def("has_request", &Index::has_request)
         .def("propose",
@@ -67,6 +77,10 @@ NB_MODULE(_core, m) {
         .def("add_document",
              [](Index& ix, const std::string& doc_id, Tokens toks, const std::string& tenant) {
                  ix.add_document(doc_id, toks.data(), toks.shape(0), tenant);
+             })
+        .def("add_document",
+             [](Index& ix, const std::string& doc_id, const std::vector<uint32_t>& toks, const std::string& tenant) {
+                 ix.add_document(doc_id, toks.data(), toks.size(), tenant);
              })
         .def("remove_document", &Index::remove_document)
         .def_prop_ro("nbytes", &Index::nbytes)

@@ -25,6 +25,7 @@ def scenarios(draw):
         min_ngram=draw(st.integers(1, 2)),
         max_ngram=draw(st.integers(2, 4)),
         max_candidates=draw(st.integers(1, 6)),
+        min_candidates=draw(st.integers(1, 4)),
         max_agreement=draw(st.integers(2, 10)),
         max_branches=draw(st.integers(1, 5)),
         min_draft=draw(st.integers(1, 6)),

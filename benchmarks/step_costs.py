@@ -1,0 +1,76 @@
+#!/usr/bin/env python
+"""The embedded engine's cost of one verification forward over n tokens, against 1.
+
+What a drafted token costs decides how long a draft pays: this measures the model forward the
+engine runs per decode step (the engine's own path: a chain of ``n`` rows with the tree mask,
+at least 2 rows) after a prefill of ``--context`` tokens, median over ``--repeat`` runs.
+benchmarks/replay.py turns these into an estimated speedup (``--costs``).
+
+    python benchmarks/step_costs.py [--context 2048] [--rows 1,2,4,8,16,24,33,48,65]
+        [--out benchmarks/results/step_costs.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--rows", default="1,2,4,8,12,16,24,33,48,65")
+    ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "step_costs.json")
+    args = ap.parse_args()
+
+    import torch
+
+    from agentspec import Engine
+    from agentspec.kernels.tree import tree_mask
+
+    engine = Engine.embedded(quiet=True)
+    rows_list = [int(x) for x in args.rows.split(",")]
+    cache = engine._ensure_cache(args.context + max(rows_list) + 2)
+    cache.reset()
+    ids = torch.randint(100, 10000, (args.context,))
+    with torch.inference_mode():
+        engine.model(ids, torch.arange(args.context), cache, logits_rows=slice(-1, None))
+        cache.commit(list(range(args.context)))
+        out = {}
+        for n in rows_list:
+            rows = max(n, 2)   # the engine never runs a single row (see EmbeddedEngine._step)
+            parents = list(range(-1, rows - 1))
+            tok = torch.randint(100, 10000, (rows,))
+            pos = torch.arange(args.context, args.context + rows)
+            mask = torch.zeros(rows, args.context + rows, dtype=torch.bool)
+            mask[:, :args.context] = True
+            mask[:, args.context:] = tree_mask(parents)
+            times = []
+            for _ in range(args.repeat + 2):
+                t0 = time.perf_counter()
+                engine.model(tok, pos, cache, mask)
+                times.append(time.perf_counter() - t0)
+            out[n] = statistics.median(times[2:])
+            print(f"[step_costs] {n:3d} rows: {out[n] * 1e3:7.2f} ms ({out[n] / out[rows_list[0]]:.2f}x)",
+                  file=sys.stderr, flush=True)
+    result = {"context": args.context, "threads": torch.get_num_threads(), "dtype": str(engine.dtype),
+              "step_seconds": {str(k): v for k, v in out.items()},
+              "relative": {str(k): v / out[rows_list[0]] for k, v in out.items()}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, args.out)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
