@@ -58,6 +58,11 @@ def select_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> l
 def run_ours(engine, prompts, max_tokens: int, spec, repeats: int) -> dict:
     from agentspec import SpecConfig  # noqa: F401  (spec is a SpecConfig or None)
 
+    from agentspec.drafting import default_drafter
+
+    # a fresh drafter per method run: the suffix index remembers a tenant's outputs, and a second
+    # run over the same prompts would draft from the first run's answers
+    drafter = default_drafter()
     per_prompt = []
     outputs = []
     steps = accepted = drafted = 0
@@ -65,7 +70,7 @@ def run_ours(engine, prompts, max_tokens: int, spec, repeats: int) -> dict:
     for _, ids in prompts:
         times = []
         for _ in range(repeats):
-            g = engine.generate(ids, max_tokens=max_tokens, spec=spec)
+            g = engine.generate(ids, max_tokens=max_tokens, spec=spec, drafter=drafter, tenant=f"run{len(times)}")
             times.append(g.stats.seconds)
         per_prompt.append(statistics.median(times))
         outputs.append(g.token_ids)
@@ -213,8 +218,14 @@ def main() -> int:
     log("agentspec speculative")
     results["agentspec_spec"] = run_ours(engine, prompts, args.max_tokens, SpecConfig(budget=args.budget),
                                          args.repeats)
+    log("agentspec speculative, whole budget verified every step (row_cost=0)")
+    results["agentspec_spec_full_budget"] = run_ours(engine, prompts, args.max_tokens,
+                                                     SpecConfig(budget=args.budget, row_cost=0.0), args.repeats)
     same = [a == b for a, b in zip(results["agentspec_plain"]["outputs"], results["agentspec_spec"]["outputs"])]
-    identity = {"default_mode_identical": sum(same), "default_mode_prompts": len(same)}
+    same_full = [a == b for a, b in zip(results["agentspec_plain"]["outputs"],
+                                        results["agentspec_spec_full_budget"]["outputs"])]
+    identity = {"default_mode_identical": sum(same), "default_mode_prompts": len(same),
+                "full_budget_identical": sum(same_full), "row_cost": engine.row_cost}
     if not args.no_deterministic:
         det = agentspec.Engine.embedded(deterministic=True, **opts)
         log("agentspec deterministic plain / speculative")

@@ -73,18 +73,24 @@ def accepted_length(draft_tokens, parents, target) -> int:
     return depth
 
 
-def replay_drafter(drafter, records, budget: int, stop_at: int, tenant: str = "replay") -> list[dict]:
+def replay_drafter(drafter, records, budget: int, stop_at: int, tenant: str = "replay",
+                   row_cost: float = 0.0) -> list[dict]:
+    from agentspec.drafting.base import AcceptanceTracker, cut_for_cost
+
     out = []
     clock = time.perf_counter_ns
     for k, (rid, prompt, resp) in enumerate(records[:stop_at]):
         req = f"r{k}"
         drafter.start(req, prompt, tenant=tenant)
         n, pos = len(resp), 0
-        acc, drafted, ns = [], [], []
+        acc, drafted, ns, score = [], [], [], []
+        tracker = AcceptanceTracker()   # per-request calibration, as the engine keeps it
         resp_list = resp.tolist()
         while pos < n:
             t0 = clock()
             d = drafter.propose(req, budget)
+            if row_cost > 0:   # as the engine does (EmbeddedEngine row_cost)
+                d = cut_for_cost(d, row_cost, tracker.trust)
             t1 = clock()
             a = accepted_length(d.token_ids, d.parents, resp_list[pos:pos + len(d.token_ids)])
             c = min(a + 1, n - pos)
@@ -92,11 +98,14 @@ def replay_drafter(drafter, records, budget: int, stop_at: int, tenant: str = "r
             drafter.extend(req, resp_list[pos:pos + c])
             t3 = clock()
             acc.append(a)
+            if d.token_ids:
+                tracker.update(d.score, a)
             drafted.append(len(d.token_ids))
+            score.append(d.score)
             ns.append((t1 - t0) + (t3 - t2))
             pos += c
         drafter.stop(req)
-        out.append({"id": rid, "n": n, "accepted": acc, "drafted": drafted, "ns": ns})
+        out.append({"id": rid, "n": n, "accepted": acc, "drafted": drafted, "ns": ns, "score": score})
     return out
 
 
@@ -180,18 +189,24 @@ def summarize(records: list[dict], costs: dict[int, float] | None = None) -> dic
         "drafter_us_p50": round(float(np.percentile(ns, 50)) / 1e3, 2),
         "drafter_us_p99": round(float(np.percentile(ns, 99)) / 1e3, 2),
     }
+    scores = [x for r in records for x in r.get("score", ())]
+    if scores:   # calibration: the drafter's expected accepted tokens vs the accepted ones
+        out["mean_score"] = round(float(np.mean(scores)), 3)
+        out["mean_accepted"] = round(float(np.mean([a for r in records for a in r["accepted"]])), 3)
     if costs:
-        # estimated time = sum over steps of cost(drafted+1 rows); plain = tokens * cost(1 row)
-        def cost(n_rows: int) -> float:
-            keys = sorted(costs)
-            for k in keys:
-                if n_rows <= k:
-                    return costs[k]
-            return costs[keys[-1]] * n_rows / keys[-1]
+        # time of a step verifying d draft tokens = cost(max(d + 1, 2)) (the engine never runs a
+        # single row); plain decoding pays cost(2) per token
+        keys = sorted(costs)
+        xs, ys = np.asarray(keys, float), np.asarray([costs[k] for k in keys])
 
-        spec_t = sum(cost(d + 1) for r in records for d in r["drafted"])
-        plain_t = committed * cost(1)
-        out["est_speedup"] = round(plain_t / spec_t, 3)
+        def cost(rows: int) -> float:
+            if rows > keys[-1]:  # extrapolate with the last segment's slope
+                slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+                return float(ys[-1] + slope * (rows - xs[-1]))
+            return float(np.interp(rows, xs, ys))
+
+        spec_t = sum(cost(max(d + 1, 2)) for r in records for d in r["drafted"])
+        out["est_speedup"] = round(committed * cost(2) / spec_t, 3)
     return out
 
 
@@ -220,7 +235,11 @@ def main() -> None:
     ap.add_argument("--methods", default="agentspec,prompt_lookup,oracle,arctic,sglang_ngram,sglang_ngram_prompt")
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
     ap.add_argument("--sglang-python", default="/work/venvs/sglang/bin/python")
-    ap.add_argument("--costs", type=Path, default=None, help="step-cost JSON {rows: seconds}")
+    ap.add_argument("--costs", type=Path, default=ROOT / "benchmarks" / "results" / "step_costs.json",
+                    help="step costs from benchmarks/step_costs.py (for est_speedup)")
+    ap.add_argument("--row-cost", type=float, default=0.0,
+                    help="cut our drafts to the prefix worth verifying at this cost per extra row "
+                         "(agentspec.drafting.cut_for_cost); 0 = use the whole budget")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -240,7 +259,7 @@ def main() -> None:
         for m in methods:
             t0 = time.perf_counter()
             if m == "agentspec":
-                recs = replay_drafter(default_drafter(), records, args.budget, stop)
+                recs = replay_drafter(default_drafter(), records, args.budget, stop, row_cost=args.row_cost)
             elif m == "prompt_lookup":
                 recs = replay_drafter(PromptLookupChain(), records, args.budget, stop)
             elif m == "oracle":

@@ -7,7 +7,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-__all__ = ["Draft", "Drafter", "EMPTY_DRAFT"]
+__all__ = ["AcceptanceTracker", "Draft", "Drafter", "EMPTY_DRAFT", "cut_for_cost", "drop_unlikely"]
 
 
 class Draft(msgspec.Struct, frozen=True):
@@ -54,6 +54,77 @@ class Draft(msgspec.Struct, frozen=True):
 
 
 EMPTY_DRAFT = Draft([], [], [], 0.0, "")
+
+
+class AcceptanceTracker:
+    """Per-request calibration of a drafter's estimates: recent accepted tokens over recent
+    estimated ones (exponentially decayed sums), used as ``trust`` by ``cut_for_cost``. A
+    drafter that under-estimates a request (a rewrite copying its file) earns longer drafts;
+    one that over-estimates (novel prose) gets shorter ones."""
+
+    __slots__ = ("est", "got", "decay")
+
+    def __init__(self, prior: float = 4.0, decay: float = 0.9) -> None:
+        self.est = self.got = float(prior)
+        self.decay = float(decay)
+
+    @property
+    def trust(self) -> float:
+        return self.got / self.est
+
+    def update(self, estimated: float, accepted: int) -> None:
+        self.est = self.decay * self.est + float(estimated)
+        self.got = self.decay * self.got + float(accepted)
+
+
+def drop_unlikely(draft: Draft, min_survival: float) -> Draft:
+    """``draft`` without the tokens whose survival estimate is below ``min_survival`` (their
+    descendants go too: a survival never grows along a path when probs are <= 1)."""
+    if min_survival <= 0 or not draft.token_ids:
+        return draft
+    keep: list[int] = []
+    new_index: dict[int, int] = {}
+    surv: list[float] = []
+    for i, p in enumerate(draft.parents):
+        s = draft.probs[i] * (surv[p] if p >= 0 else 1.0)
+        surv.append(s)
+        if s >= min_survival and (p < 0 or p in new_index):
+            new_index[i] = len(keep)
+            keep.append(i)
+    if len(keep) == len(draft.token_ids):
+        return draft
+    return Draft([draft.token_ids[i] for i in keep], [new_index.get(draft.parents[i], -1) for i in keep],
+                 [draft.probs[i] for i in keep], float(sum(surv[i] for i in keep)), draft.source)
+
+
+def cut_for_cost(draft: Draft, row_cost: float, trust: float = 1.0) -> Draft:
+    """The prefix of ``draft`` that maximises expected tokens per step cost.
+
+    A step that verifies k draft tokens costs about ``1 + row_cost * (k - 1)`` one-token steps
+    (the first draft token rides along with the root for free: the engine never runs a single
+    row) and yields ``1 + sum(survival)`` tokens in expectation, survival being the product of
+    ``probs`` along a token's path. Drafters emit nodes best first, so a prefix keeps the
+    likeliest tokens, and parents precede children, so every prefix is a tree.
+    ``trust`` scales the drafter's estimates (observed accepted / estimated, per request: see
+    ``AcceptanceTracker``). ``row_cost <= 0`` keeps the whole draft.
+    """
+    n = len(draft.token_ids)
+    if row_cost <= 0 or n == 0:
+        return draft
+    surv: list[float] = []
+    total, best, best_k = 0.0, 1.0, 0
+    for i in range(n):
+        p = draft.parents[i]
+        s = draft.probs[i] * (surv[p] if p >= 0 else 1.0)
+        surv.append(s)
+        total += s
+        value = (1.0 + trust * total) / (1.0 + row_cost * i)
+        if value > best:
+            best, best_k = value, i + 1
+    if best_k == n:
+        return draft
+    return Draft(draft.token_ids[:best_k], draft.parents[:best_k], draft.probs[:best_k],
+                 float(sum(surv[:best_k])), draft.source)
 
 
 @runtime_checkable

@@ -25,6 +25,13 @@ def test_public_defaults():
     assert g.stats.spec_enabled and g.stats.spec_reason == "greedy"
     assert g.stats.completion_tokens == len(g.token_ids) <= 256
     assert g.stats.seconds > 0 and g.stats.prefill_seconds > 0
+    assert 0.0 <= eng.row_cost <= 1.0   # profiled at start-up
+
+
+def test_bad_engine_options():
+    for bad in (-0.5, "cheap", 11):
+        with pytest.raises(InvalidRequestError, match="row_cost must be a number in"):
+            agentspec.Engine.embedded(row_cost=bad)
 
 
 def test_text_messages_and_ids_agree(engine):

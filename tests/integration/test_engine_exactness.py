@@ -40,6 +40,10 @@ def test_greedy_identity_rewrites_and_chat(engine, rewrite_prompts, chat_prompts
     rw = [s.stats for _, s in pairs[: len(rewrite_prompts)]]
     assert sum(s.accepted_tokens for s in rw) > 0.3 * sum(s.completion_tokens for s in rw)
     assert sum(s.steps for s in rw) < sum(s.completion_tokens for s in rw)
+    # the whole budget verified every step (no cost cut): same tokens, longer trees
+    for i, ids in enumerate(rewrite_prompts):
+        full = engine.generate(ids, max_tokens=MAX_TOKENS, spec=SpecConfig(row_cost=0.0))
+        assert full.token_ids == pairs[i][0].token_ids, f"full-budget speculation differs on rewrite {i}"
     # chat prompts are where drafts get rejected: the loop must survive that too
     chat = [s.stats for _, s in pairs[len(rewrite_prompts):]]
     assert sum(s.draft_tokens - s.accepted_tokens for s in chat) >= 0
@@ -90,7 +94,7 @@ def test_greedy_identity_with_tree_drafts(engine, rewrite_prompts, chat_prompts)
     branch_accepts = 0
     for ids in rewrite_prompts[:5] + chat_prompts[:2]:
         plain = engine.generate(ids, max_tokens=64, spec=None)
-        tree = engine.generate(ids, max_tokens=64, spec=SpecConfig(budget=16), drafter=drafter)
+        tree = engine.generate(ids, max_tokens=64, spec=SpecConfig(budget=16, row_cost=0.0), drafter=drafter)
         assert tree.token_ids == plain.token_ids
         branch_accepts += tree.stats.accepted_tokens
     assert branch_accepts > 20  # the true branches were found among the decoys
