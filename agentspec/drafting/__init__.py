@@ -5,14 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 from .base import EMPTY_DRAFT, Draft, Drafter
+from .lookahead import LookaheadDrafter, MergedDrafter
 from .prompt_lookup import PromptLookupDrafter
 from .suffix import SuffixDrafter
 
-__all__ = ["EMPTY_DRAFT", "Draft", "Drafter", "PromptLookupDrafter", "SuffixDrafter", "default_drafter"]
+__all__ = ["EMPTY_DRAFT", "Draft", "Drafter", "LookaheadDrafter", "MergedDrafter", "PromptLookupDrafter",
+           "SuffixDrafter", "default_drafter"]
 
 
 def default_drafter(*, workspace: Any = None, **overrides: Any) -> Drafter:
     """The drafter the engine uses unless told otherwise: the suffix drafter.
+
+    It measured best on recorded traffic (benchmarks/replay.py): merging a lookahead n-gram
+    pool into it (``MergedDrafter(SuffixDrafter(), LookaheadDrafter())``) added under 0.2% to
+    the mean accepted length on rewrites and agent turns at ~10x the drafting time, because the
+    index already holds the request's generated tokens and the tenant's outputs.
 
     Each request drafts from its own context, its tenant's earlier outputs and, with
     ``workspace`` (an object with an ``index`` attribute holding a ``SuffixIndex``, as the

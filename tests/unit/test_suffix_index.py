@@ -315,3 +315,26 @@ def test_default_drafter_is_the_suffix_drafter():
     assert d.propose("r", 2).token_ids == [3, 4]
     with pytest.raises(ValueError, match="workspace must have an `index`"):
         default_drafter(workspace=object())
+
+
+def test_lookahead_pool_and_merged_drafter():
+    from agentspec.drafting import LookaheadDrafter, MergedDrafter
+
+    la = LookaheadDrafter(key=2, gram=4)
+    la.start("r", [1, 2, 3])
+    la.extend("r", [10, 11, 12, 13, 14, 15, 16, 10, 11])   # generated: "10 11" seen before
+    assert la.propose("r", 4).token_ids == [12, 13, 14, 15]
+    la.stop("r")
+    la.start("s", [7, 10, 11], tenant="default")          # the tenant's outputs feed later requests
+    assert la.propose("s", 2).token_ids == [12, 13]
+    la.start("other", [7, 10, 11], tenant="elsewhere")
+    assert la.propose("other", 4).token_ids == []
+
+    m = MergedDrafter(SuffixDrafter(), LookaheadDrafter(key=1, gram=3))
+    m.start("r", [5, 6, 7, 8, 5])
+    m.extend("r", [9, 9, 9, 5])   # suffix: 5 -> 6 7 8 ...; lookahead: 5 was followed by 9 9 9
+    d = m.propose("r", 8)
+    d.validate(8)
+    roots = {t for t, p in zip(d.token_ids, d.parents) if p == -1}
+    assert roots == {6, 9}
+    m.stop("r")
