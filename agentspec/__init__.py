@@ -1,9 +1,10 @@
 """agentspec: model-free speculative decoding for coding agents."""
 
 from .config import SpecConfig
-from .drafting import Draft, Drafter, PromptLookupDrafter, default_drafter
+from .drafting import Draft, Drafter, PromptLookupDrafter, SuffixDrafter, default_drafter
 from .engine import EmbeddedEngine, Engine, Generation, GenerationStats
 from .errors import AgentSpecError, ConfigError, ContextLengthError, InvalidRequestError, ModelLoadError
+from .workspace import Workspace
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,8 @@ __all__ = [
     "ModelLoadError",
     "PromptLookupDrafter",
     "SpecConfig",
+    "SuffixDrafter",
+    "Workspace",
     "__version__",
     "default_drafter",
 ]

@@ -1,7 +1,7 @@
-"""Command line: ``agentspec generate`` and ``agentspec demo``.
+"""Command line: ``agentspec generate``, ``agentspec demo`` and ``agentspec index``.
 
-The server (``serve``), workspace indexing (``index``), log statistics (``stats``) and
-benchmarks (``bench``) arrive with their issues.
+The server (``serve``), log statistics (``stats``) and benchmarks (``bench``) arrive with their
+issues.
 """
 
 from __future__ import annotations
@@ -84,7 +84,41 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--instruction", default="Add a module docstring at the top. Keep everything else unchanged.")
     d.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=256)
     _engine_args(d)
+
+    x = sub.add_parser("index", help="index a repository for drafting; print a summary")
+    x.add_argument("directory", help="the repository's root folder")
+    x.add_argument("--tenant", default="default")
+    x.add_argument("--snapshot", help="folder to save the index in (and load it from next time)")
+    x.add_argument("--max-file-bytes", type=_positive_int("--max-file-bytes"), default=1 << 20)
+    x.add_argument("--ignore", action="append", default=[], help="extra ignore pattern, gitignore syntax (repeatable)")
+    x.add_argument("--json", action="store_true", help="print the summary as one JSON object (last line)")
+    x.add_argument("--model", help="tokenize for this model (default: bundled SmolLM2-135M-Instruct)")
     return parser
+
+
+def cmd_index(args) -> int:
+    from .engine.weights import load_checkpoint
+    from .workspace import DEFAULT_IGNORE, Workspace
+
+    root = Path(args.directory)
+    if not root.is_dir():
+        raise SystemExit(f"agentspec index: not a directory: {args.directory!r}")
+    tokenizer = load_checkpoint(args.model, quiet=args.json).tokenizer
+    with Workspace(root, tenant=args.tenant, watch=False, tokenizer=tokenizer, snapshot=args.snapshot,
+                   ignore=[*DEFAULT_IGNORE, *args.ignore], max_file_bytes=args.max_file_bytes,
+                   progress=not args.json) as ws:
+        summary = ws.summary()
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"indexed {summary['root']}: {summary['files']} files, {summary['chunks']} chunks, "
+          f"{summary['tokens']} tokens in {summary['seconds']:.2f} s "
+          f"({(summary['tokens_per_s'] or 0) / 1e3:.0f}k tokens/s), index {summary['index_bytes'] / 1e6:.1f} MB")
+    if summary["skipped"]:
+        print("skipped: " + ", ".join(f"{n} {reason}" for reason, n in sorted(summary["skipped"].items())))
+    if args.snapshot:
+        print(f"snapshot: {args.snapshot}")
+    return 0
 
 
 def _read_prompt(path: str) -> str:
@@ -167,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "demo":
             return cmd_demo(args)
+        if args.command == "index":
+            return cmd_index(args)
     except AgentSpecError as e:
         print(f"agentspec {args.command}: {e}", file=sys.stderr)
         return 2

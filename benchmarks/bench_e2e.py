@@ -146,6 +146,7 @@ def run_peer(python: str, runner: Path, spec: dict, timeout: int) -> dict | None
 
 LABELS = {
     "agentspec_plain": "agentspec plain", "agentspec_spec": "agentspec speculative",
+    "agentspec_spec_full_budget": "agentspec spec, whole budget",
     "agentspec_det_plain": "agentspec deterministic plain", "agentspec_det_spec": "agentspec deterministic spec",
     "hf_greedy": "transformers greedy", "hf_prompt_lookup": "transformers prompt lookup",
     "vllm_plain": "vLLM-CPU plain", "vllm_ngram": "vLLM-CPU ngram", "vllm_suffix": "vLLM-CPU suffix",

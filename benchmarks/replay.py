@@ -241,7 +241,12 @@ def main() -> None:
                     help="cut our drafts to the prefix worth verifying at this cost per extra row "
                          "(agentspec.drafting.cut_for_cost); 0 = use the whole budget")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--plot", type=Path, default=None, help="draw held-out MAT per method into this PNG")
+    ap.add_argument("--replot", type=Path, default=None, help="only draw --plot from a saved --out JSON")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
+        return
 
     from agentspec.drafting import default_drafter
 
@@ -286,7 +291,39 @@ def main() -> None:
         tmp = args.out.with_suffix(".tmp")
         tmp.write_text(text)
         os.replace(tmp, args.out)
+    if args.plot:
+        plot(result, args.plot)
     print(json.dumps(result))
+
+
+LABELS = {"agentspec": "agentspec (suffix index)", "prompt_lookup": "prompt lookup (n<=3)",
+          "oracle": "oracle (knows the answer)", "arctic": "arctic-inference suffix",
+          "sglang_ngram": "SGLang NGRAM (worker)", "sglang_ngram_prompt": "SGLang NGRAM + prompt corpus"}
+
+
+def plot(result: dict, path: Path) -> None:
+    """Held-out MAT per method, one panel per dataset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["datasets"])
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 3.6))
+    for ax, name in zip(np.atleast_1d(axes), names):
+        methods = [m for m in result["datasets"][name] if m != "oracle"]
+        mats = [result["datasets"][name][m]["held_out"]["mat"] for m in methods]
+        colors = ["tab:blue" if m == "agentspec" else "tab:gray" for m in methods]
+        bars = ax.barh([LABELS.get(m, m) for m in methods], mats, color=colors)
+        ax.bar_label(bars, labels=[f"{x:.2f}" for x in mats], padding=3)
+        ax.invert_yaxis()
+        oracle = result["datasets"][name].get("oracle", {}).get("held_out", {}).get("mat")
+        ax.set_xlabel("mean accepted tokens per step (bonus included)")
+        ax.set_title(f"{name}, held-out records, budget {result['budget']}"
+                     + (f" (oracle {oracle:.1f})" if oracle else ""), fontsize=9)
+        ax.set_xlim(0, max(mats) * 1.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

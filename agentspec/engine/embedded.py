@@ -51,6 +51,7 @@ class EmbeddedEngine(Engine):
         never depend on what else shares the forward: greedy speculation then equals plain
         decoding by construction. Costs time per plain step; see README "Exactness".
       drafter: the Drafter to use; default ``agentspec.drafting.default_drafter()``.
+      workspace: an ``agentspec.Workspace``: requests of its tenant also draft from its files.
       threads: torch CPU threads (default: torch's choice).
       row_cost: cost of one more verified token relative to a decode step; drafts are cut to
         the prefix that maximises expected tokens per step cost (``cut_for_cost``). Default:
@@ -69,6 +70,7 @@ class EmbeddedEngine(Engine):
         deterministic: bool = False,
         deterministic_width: int = 33,
         drafter: Drafter | None = None,
+        workspace: Any = None,
         threads: int | None = None,
         row_cost: float | None = None,
         quiet: bool = False,
@@ -107,7 +109,10 @@ class EmbeddedEngine(Engine):
         self.max_context = min(max_context or min(ckpt.args.max_seq_len, 8192), ckpt.args.max_seq_len)
         self.deterministic = deterministic
         self.deterministic_width = deterministic_width
-        self.drafter: Drafter = drafter if drafter is not None else default_drafter()
+        if drafter is not None and workspace is not None:
+            raise InvalidRequestError("pass either drafter or workspace, not both", param="workspace")
+        self.workspace = workspace
+        self.drafter: Drafter = drafter if drafter is not None else default_drafter(workspace=workspace)
         self._cache: KVCache | None = None
         self._lock = threading.Lock()
         self.row_cost = float(row_cost) if row_cost is not None else self._profile_row_cost()

@@ -177,7 +177,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 SMALL_T = 128  # up to this many new tokens, attention runs as plain matmuls (decode/verify)
 
 
-KEY_CHUNK = 256  # p @ v runs over fixed-size key chunks (see small_attention)
+KEY_CHUNK = 256  # the key axis of decode attention is padded to a multiple of this
+PV_CHUNK = 128   # old keys' p @ v runs as one float32 GEMM per chunk of this many keys
 
 
 def small_attention(
@@ -185,25 +186,33 @@ def small_attention(
     k: torch.Tensor,          # [Hkv, Lc, D]  cache slots, Lc >= round_up(L, KEY_CHUNK)
     v: torch.Tensor,          # [Hkv, Lc, D]
     mask: torch.Tensor | None,  # [T, L] bool; None = all L keys visible
-    L: int,                   # keys in use
+    L: int,                   # keys in use; the last T are this call's own (a draft tree)
 ) -> torch.Tensor:            # [H, T, D]
     """Attention for a few queries over a long cache: GQA groups folded into the query rows.
 
     On CPU this beats SDPA's flash kernel for decode and tree verification. It is written so
-    that a query row's result does not depend on how many rows or keys share the call: the
-    key axis is padded to a multiple of KEY_CHUNK (padding masked out) and ``p @ v`` runs as one
-    batched GEMM per fixed-size chunk, summed in chunk order, because float GEMM kernels pick
-    their blocking, and so their rounding, by the reduction length. Extra all-masked chunks add
-    exact zeros; the softmax runs in float32 with its denominator summed in float64, and chunk
-    partials are summed in float32. The matmuls run in the cache's dtype; with a float32 cache
-    this keeps greedy speculation equal to plain decoding, for chains and trees (README,
-    "Exactness"); a bfloat16 cache does not (see ``KVCache``).
+    that a token's result does not depend on what shares its forward: not on the number of
+    rows, not on the number of keys, and not on where its ancestors sit in a draft tree. The
+    last point matters because a tree node's ancestors occupy tree slots, not the slots their
+    positions would have in plain decoding, and a float GEMM's rounding depends on where in
+    its reduction the nonzero terms fall. So, for a row at position ``pos``:
+
+    - keys older than ``c = PV_CHUNK * (pos // PV_CHUNK - 1)`` are committed tokens at their
+      own positions in every case: ``p @ v`` over them runs as one float32 GEMM per fixed
+      PV_CHUNK-key chunk, chunks summed in a fixed pairwise order;
+    - the newer keys (the last 128-256 positions and the tree) are reduced in float64, whose
+      sum does not depend on the order of its terms before the final rounding to float32.
+
+    Scores are computed over the key axis padded to KEY_CHUNK (padding masked out); the
+    softmax runs in float32 with its denominator summed in float64. Rows are grouped by ``c``;
+    a GEMM gets at least 4 rows (small-M CPU kernels round differently), so a lone row is
+    doubled. With a float32 cache this keeps greedy speculation equal to plain decoding, for
+    chains and trees (README, "Exactness"); a bfloat16 cache does not (see ``KVCache``).
     """
     H, T, D = q.shape
     Hkv = k.shape[0]
     G = H // Hkv
     Lp = round_up(max(L, 1), KEY_CHUNK)
-    n = Lp // KEY_CHUNK
     qg = q.reshape(Hkv, G * T, D)                          # query head h = kv * G + g
     # the scale goes on q (elementwise, so row-invariant); scores are masked in place
     scores = torch.bmm(qg * (1.0 / math.sqrt(D)), k[:, :Lp].transpose(1, 2))  # [Hkv, G*T, Lp]
@@ -220,13 +229,39 @@ def small_attention(
     # associate them differently; a float64 sum rounds to the same float32 either way
     e = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
     p = e.div_(e.sum(dim=-1, keepdim=True, dtype=torch.float64).to(e.dtype)).to(v.dtype)
-    pc = p.view(Hkv, G * T, n, KEY_CHUNK).transpose(1, 2).reshape(Hkv * n, G * T, KEY_CHUNK)
-    vc = v[:, :Lp].reshape(Hkv * n, KEY_CHUNK, D)
-    partial = torch.bmm(pc, vc).view(Hkv, n, G * T, D)    # one GEMM of reduction KEY_CHUNK each
-    out = partial[:, 0].float()
-    for c in range(1, n):                                 # fixed order, float32
-        out = out + partial[:, c]
+    p = p.view(Hkv, G, T, Lp)
+    # each row's position: the tree slots it sees are its ancestors and itself
+    start = L - T
+    if mask is None:
+        pos = [L - 1] * T
+    else:
+        depth = mask[:, start:L].sum(dim=1).clamp_(min=1) - 1
+        pos = (depth + start).tolist()
+    cut = [max(0, (x // PV_CHUNK - 1) * PV_CHUNK) for x in pos]
+    out = torch.empty(Hkv, G, T, D, dtype=torch.float32, device=q.device)
+    for c in sorted(set(cut)):
+        rows = [r for r in range(T) if cut[r] == c]
+        idx = torch.tensor(rows if len(rows) > 1 else rows * 2, device=q.device)
+        R = idx.numel()
+        pr = p.index_select(2, idx).reshape(Hkv, G * R, Lp)
+        res = torch.bmm(pr[:, :, c:].double(), v[:, c:Lp].double()).float()   # [Hkv, G*R, D]
+        if c > 0:
+            n = c // PV_CHUNK
+            pc = pr[:, :, :c].reshape(Hkv, G * R, n, PV_CHUNK).transpose(1, 2).reshape(Hkv * n, G * R, PV_CHUNK)
+            vc = v[:, :c].reshape(Hkv * n, PV_CHUNK, D)
+            res = _ordered_sum(torch.bmm(pc, vc).view(Hkv, n, G * R, D)) + res
+        res = res.view(Hkv, G, R, D)
+        out[:, :, rows] = res[:, :, :len(rows)] if len(rows) > 1 else res[:, :, :1]
     return out.view(H, T, D)
+
+
+def _ordered_sum(parts: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 1 in a fixed pairwise order that depends only on its length."""
+    while parts.shape[1] > 1:
+        n = parts.shape[1]
+        head = parts[:, 0:n - 1:2] + parts[:, 1:n:2]
+        parts = torch.cat([head, parts[:, n - 1:]], dim=1) if n % 2 else head
+    return parts[:, 0]
 
 
 def causal_mask(start: int, T: int, device) -> torch.Tensor:

@@ -155,6 +155,13 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids for many texts at once (the backend encodes them in parallel)."""
+        out = [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+        if self.add_bos and self.bos_token_id is not None:
+            out = [[self.bos_token_id, *ids] for ids in out]
+        return out
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=False)
 

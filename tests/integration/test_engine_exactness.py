@@ -147,3 +147,47 @@ def test_deterministic_mode_identity(rewrite_prompts, chat_prompts):
         spec = det.generate(ids, max_tokens=64)
         assert spec.token_ids == plain.token_ids
         assert "deterministic" in spec.stats.spec_reason
+
+
+def test_verification_logits_equal_plain_logits_bitwise(engine, rewrite_prompts):
+    """Stronger than token identity: every accepted-path row of every verification forward
+    (suffix-drafter trees, whole budget, and noisy trees) has the very logits plain decoding
+    computes for that position. Token identity alone would only catch near-ties."""
+    from agentspec.drafting import default_drafter
+
+    recorded = []
+    forward = engine.model.forward
+
+    def spy(tok, pos, cache, mask=None, **kw):
+        out = forward(tok, pos, cache, mask, **kw)
+        recorded.append((tok.clone(), pos.clone(), None if mask is None else mask.clone(), out.detach().clone(),
+                         cache.length))
+        return out
+
+    engine.model.forward = spy
+    checked = mismatched = 0
+    try:
+        for ids in rewrite_prompts[:2]:
+            P = len(ids)
+            recorded.clear()
+            plain = engine.generate(ids, max_tokens=96, spec=None)
+            plain_logits = {P + j - 1: recorded[j][3][0] for j in range(1, len(recorded))}
+            for drafter in (default_drafter(), NoisyTreeDrafter(seed=7, vocab=engine.vocab_size)):
+                recorded.clear()
+                g = engine.generate(ids, max_tokens=96, spec=SpecConfig(row_cost=0.0), drafter=drafter)
+                assert g.token_ids == plain.token_ids
+                out = g.token_ids
+                for tok, pos, mask, logits, start in recorded[1:]:
+                    T = tok.shape[0]
+                    for r in range(T):
+                        j = pos[r].item() - P
+                        if not 0 <= j < len(out) or tok[r].item() != out[j] or pos[r].item() not in plain_logits:
+                            continue
+                        seen = mask[r, start:start + T].nonzero().flatten().tolist()
+                        if all(tok[a].item() == out[pos[a].item() - P] for a in seen):   # on the output's path
+                            checked += 1
+                            mismatched += not torch.equal(logits[r], plain_logits[pos[r].item()])
+    finally:
+        del engine.model.forward   # back to the class's forward
+    assert checked > 100
+    assert mismatched == 0, f"{mismatched} of {checked} verification rows differ from plain decoding"

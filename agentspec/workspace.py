@@ -1,0 +1,565 @@
+"""A repository, indexed for drafting and kept current while it is edited.
+
+``Workspace(root)`` walks the tree (respecting ``.gitignore`` files and an ignore list; binary,
+oversized, non-regular, unreadable and vanished files are skipped with a reason), cuts files at
+definition boundaries (``agentspec.chunking``), tokenizes the chunks with the engine's tokenizer
+and adds them as documents of its tenant to a ``suffix_index.SuffixIndex``. With ``watch=True`` a
+watchdog observer feeds file events to a queue; one updater thread drains it, coalesces bursts
+and re-indexes only the chunks that changed. Nothing on a request's path touches the file
+system: requests only read the index.
+
+    with agentspec.Workspace(".", tokenizer=engine.tokenizer) as ws:
+        engine = agentspec.Engine.embedded(workspace=ws)
+
+With ``snapshot=DIR`` the index and a manifest (path -> size, mtime, hash, chunk ids) are
+written atomically by ``save()`` and at ``close()``, and loaded at start; files changed since
+are re-indexed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import stat
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .chunking import chunk_text
+
+__all__ = ["Workspace", "DEFAULT_IGNORE"]
+
+DEFAULT_IGNORE = (".git/", ".hg/", ".svn/", "node_modules/", "__pycache__/", ".venv/", "venv/", ".tox/",
+                  ".mypy_cache/", ".pytest_cache/", ".ruff_cache/", "*.pyc", "*.so", "*.o", "*.a",
+                  "*.dylib", "*.dll", "*.exe", "*.class", "*.jar", "*.whl", "*.zip", "*.tar", "*.gz",
+                  "*.png", "*.jpg", "*.jpeg", "*.gif", "*.pdf", "*.ico", "*.gguf", "*.safetensors",
+                  "*.bin", "*.pt", "*.npz", "*.npy", ".DS_Store")
+SNIFF_BYTES = 8192
+MANIFEST_VERSION = 1
+
+
+class _Ignore:
+    """``.gitignore`` files (each relative to its folder) plus a global ignore list."""
+
+    def __init__(self, root: Path, patterns: Sequence[str]):
+        import pathspec
+
+        self.root = root
+        self.base = pathspec.GitIgnoreSpec.from_lines(list(patterns))
+        self._specs: dict[str, Any] = {}   # folder (relative, "" = root) -> spec or None
+        self._lock = threading.Lock()
+
+    def _spec(self, rel_dir: str):
+        with self._lock:
+            if rel_dir in self._specs:
+                return self._specs[rel_dir]
+        import pathspec
+
+        spec = None
+        try:
+            text = (self.root / rel_dir / ".gitignore").read_text(encoding="utf-8", errors="replace")
+            spec = pathspec.GitIgnoreSpec.from_lines(text.splitlines())
+        except OSError:
+            pass
+        with self._lock:
+            self._specs[rel_dir] = spec
+        return spec
+
+    def forget(self, rel_dir: str) -> None:
+        with self._lock:
+            self._specs.pop(rel_dir, None)
+
+    def ignored(self, rel: str, is_dir: bool) -> bool:
+        """``rel``: a path relative to the root, with forward slashes."""
+        probe = rel + "/" if is_dir else rel
+        if self.base.match_file(probe):
+            return True
+        parts = rel.split("/")
+        for i in range(len(parts)):
+            parent = "/".join(parts[:i])
+            spec = self._spec(parent)
+            if spec is not None:
+                sub = "/".join(parts[i:]) + ("/" if is_dir else "")
+                if spec.match_file(sub):
+                    return True
+        # a path inside an ignored folder is ignored
+        for i in range(1, len(parts)):
+            if self.base.match_file("/".join(parts[:i]) + "/"):
+                return True
+        return False
+
+
+class Workspace:
+    """A repository indexed into a ``SuffixIndex`` for one tenant, optionally watched.
+
+    Options:
+      tenant: whose requests may draft from these files (default "default").
+      watch: follow edits with a watchdog observer (default True).
+      tokenizer: the engine's tokenizer (``engine.tokenizer``); default the bundled model's.
+      index: a ``SuffixIndex`` to add to (default: a new one; ``ws.index``).
+      ignore: patterns (gitignore syntax) ignored besides ``.gitignore`` files.
+      max_file_bytes: larger files are skipped (default 1 MB).
+      max_chunk_lines: chunk size cap in lines (default 80).
+      snapshot: a folder for the persisted index (loaded at start, written by save()/close()).
+      progress: show a progress bar while indexing (default: when stderr is a terminal).
+      debounce: seconds to wait for a burst of events to settle before re-indexing (default 0.02).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        tenant: str = "default",
+        watch: bool = True,
+        tokenizer: Any = None,
+        index: Any = None,
+        ignore: Sequence[str] = DEFAULT_IGNORE,
+        max_file_bytes: int = 1 << 20,
+        max_chunk_lines: int = 80,
+        snapshot: str | os.PathLike | None = None,
+        progress: bool | None = None,
+        debounce: float = 0.02,
+    ) -> None:
+        from suffix_index import SuffixIndex
+
+        root_path = Path(root)
+        if not root_path.is_dir():
+            raise ValueError(f"workspace root is not a directory: {str(root)!r}")
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
+        if max_file_bytes < 1 or max_chunk_lines < 1:
+            raise ValueError(f"max_file_bytes and max_chunk_lines must be >= 1, got {max_file_bytes}, {max_chunk_lines}")
+        self.root = root_path.resolve()
+        self.tenant = tenant
+        if tokenizer is None:
+            from .engine.weights import load_checkpoint
+
+            tokenizer = load_checkpoint(quiet=True).tokenizer
+        self.tokenizer = tokenizer
+        self.index = index if index is not None else SuffixIndex(vocab_size=getattr(tokenizer, "vocab_size", None))
+        self.max_file_bytes = int(max_file_bytes)
+        self.max_chunk_lines = int(max_chunk_lines)
+        self.snapshot = Path(snapshot) if snapshot is not None else None
+        self.debounce = float(debounce)
+        self._ignore = _Ignore(self.root, ignore)
+        self._prefix = f"ws\x1f{tenant}\x1f{self.root}\x1f"
+        self._files: dict[str, dict] = {}     # rel path -> {"size", "mtime_ns", "sha", "docs": [ids]}
+        self._lock = threading.RLock()        # guards _files and index updates from this workspace
+        self.skipped: Counter[str] = Counter()
+        self.skipped_paths: dict[str, str] = {}
+        self.stats = {"files": 0, "chunks": 0, "tokens": 0, "seconds": 0.0, "loaded_from_snapshot": False}
+        self.updates = 0                      # files re-indexed by the watcher
+        self.last_update: float | None = None  # time.monotonic() of the last applied update
+        self._queue: queue.Queue = queue.Queue()
+        self._busy = threading.Event()
+        self._closed = False
+        self._observer = None
+        self._thread = None
+        if progress is None:
+            progress = sys.stderr.isatty()
+        t0 = time.perf_counter()
+        if self.snapshot is not None:
+            self._load_snapshot()
+        self._scan(progress)
+        self.stats["seconds"] = time.perf_counter() - t0
+        if watch:
+            self._start_watching()
+
+    # ---- public -------------------------------------------------------------------------------
+
+    def summary(self) -> dict:
+        """Files, chunks, tokens, skipped files by reason, seconds, index bytes."""
+        with self._lock:
+            chunks = sum(len(f["docs"]) for f in self._files.values())
+            tokens = sum(f.get("tokens", 0) for f in self._files.values())
+            return {"root": str(self.root), "tenant": self.tenant, "files": len(self._files), "chunks": chunks,
+                    "tokens": tokens, "skipped": dict(self.skipped), "seconds": round(self.stats["seconds"], 3),
+                    "tokens_per_s": round(tokens / self.stats["seconds"], 1) if self.stats["seconds"] else None,
+                    "index_bytes": self.index.nbytes, "loaded_from_snapshot": self.stats["loaded_from_snapshot"]}
+
+    def files(self) -> list[str]:
+        with self._lock:
+            return sorted(self._files)
+
+    def wait_idle(self, timeout: float = 5.0, settle: float = 0.05) -> bool:
+        """Block until the watcher has applied every event and none arrived for ``settle``
+        seconds (file events reach the observer a little after the write; for tests)."""
+        deadline = time.monotonic() + timeout
+        quiet_since = None
+        while time.monotonic() < deadline:
+            if self._queue.unfinished_tasks == 0 and not self._busy.is_set():
+                now = time.monotonic()
+                if quiet_since is None:
+                    quiet_since = now
+                elif now - quiet_since >= settle:
+                    return True
+            else:
+                quiet_since = None
+            time.sleep(0.002)
+        return False
+
+    def refresh(self, path: str | os.PathLike) -> None:
+        """Re-index one file (or forget it if it is gone or now ignored) right away."""
+        p = Path(path)
+        if not p.is_absolute():
+            p = self.root / p
+        self._apply({str(p)})
+
+    def save(self) -> None:
+        """Write the snapshot (index + manifest) atomically, if ``snapshot`` was given."""
+        if self.snapshot is None:
+            raise ValueError("this workspace has no snapshot folder (Workspace(..., snapshot=DIR))")
+        self.snapshot.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            index_path = self.snapshot / "index.bin"
+            self.index.save(index_path)
+            digest = _file_sha(index_path)
+            manifest = {"version": MANIFEST_VERSION, "root": str(self.root), "tenant": self.tenant,
+                        "index_sha256": digest, "files": self._files}
+            _atomic_write(self.snapshot / "manifest.json", json.dumps(manifest).encode())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join(timeout=5)
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+        if self.snapshot is not None:
+            self.save()
+
+    def __enter__(self) -> "Workspace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- scanning -----------------------------------------------------------------------------
+
+    def _walk(self) -> Iterable[tuple[str, Path]]:
+        """(relative path, absolute path) of candidate files; skips are counted."""
+        seen_dirs: set[tuple[int, int]] = set()
+        stack = [self.root]
+        while stack:
+            d = stack.pop()
+            try:
+                st = d.stat()
+            except OSError as e:
+                self._skip(self._rel(d), f"unreadable folder: {e.strerror or e}")
+                continue
+            key = (st.st_dev, st.st_ino)
+            if key in seen_dirs:
+                loop = d.is_symlink() and d.resolve() in {p.resolve() for p in d.parents}
+                self._skip(self._rel(d), "symlink loop" if loop else "duplicate folder (symlink)")
+                continue
+            seen_dirs.add(key)
+            try:
+                with os.scandir(d) as it:
+                    entries = sorted(it, key=lambda e: e.name)
+            except OSError as e:
+                self._skip(self._rel(d), f"unreadable folder: {e.strerror or e}")
+                continue
+            subdirs = []
+            for entry in entries:
+                path = Path(entry.path)
+                rel = self._rel(path)
+                try:
+                    is_dir = entry.is_dir(follow_symlinks=True)
+                except OSError:
+                    is_dir = False
+                if self._ignore.ignored(rel, is_dir):
+                    continue
+                if is_dir:
+                    subdirs.append(path)
+                else:
+                    yield rel, path
+            stack.extend(reversed(subdirs))
+
+    def _scan(self, progress: bool) -> None:
+        listed = list(self._walk())
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(listed), unit="file", desc=f"indexing {self.root.name}", file=sys.stderr)
+        present = set()
+        batch: list[tuple[str, Path]] = []
+        for rel, path in listed:
+            present.add(rel)
+            batch.append((rel, path))
+            if len(batch) >= 64:
+                self._index_files(batch)
+                if bar is not None:
+                    bar.update(len(batch))
+                batch = []
+        if batch:
+            self._index_files(batch)
+            if bar is not None:
+                bar.update(len(batch))
+        if bar is not None:
+            bar.close()
+        with self._lock:   # files in a loaded snapshot that are gone now
+            for rel in [r for r in self._files if r not in present]:
+                self._forget(rel)
+
+    def _read(self, rel: str, path: Path) -> tuple[str, os.stat_result] | None:
+        """The file's text, or None (counted as skipped with the reason)."""
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            self._skip(rel, "vanished before it was read" if not path.is_symlink() else "broken symlink")
+            return None
+        except OSError as e:
+            self._skip(rel, "symlink loop" if e.errno == 40 else f"unreadable: {e.strerror or e}")
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            self._skip(rel, "not a regular file")
+            return None
+        if st.st_size > self.max_file_bytes:
+            self._skip(rel, f"over {self.max_file_bytes} bytes")
+            return None
+        try:
+            with open(path, "rb") as f:
+                data = f.read(self.max_file_bytes + 1)
+        except FileNotFoundError:
+            self._skip(rel, "vanished before it was read")
+            return None
+        except OSError as e:
+            self._skip(rel, f"unreadable: {e.strerror or e}")
+            return None
+        if b"\0" in data[:SNIFF_BYTES]:
+            self._skip(rel, "binary")
+            return None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            self._skip(rel, "binary")   # not UTF-8 text
+            return None
+        return text, st
+
+    def _index_files(self, batch: Sequence[tuple[str, Path]]) -> None:
+        """Read, chunk, tokenize (batched) and index files; unchanged files are left alone."""
+        work = []
+        for rel, path in batch:
+            with self._lock:
+                old = self._files.get(rel)
+            if old is not None:
+                try:
+                    st = path.stat()
+                    if st.st_size == old["size"] and st.st_mtime_ns == old["mtime_ns"]:
+                        continue   # unchanged since the snapshot / last index
+                except OSError:
+                    pass
+            got = self._read(rel, path)
+            if got is None:
+                with self._lock:
+                    self._forget(rel)
+                continue
+            text, st = got
+            sha = hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()
+            if old is not None and old["sha"] == sha:
+                with self._lock:
+                    old["size"], old["mtime_ns"] = st.st_size, st.st_mtime_ns
+                continue
+            self.skipped_paths.pop(rel, None)
+            chunks = chunk_text(text, rel, max_lines=self.max_chunk_lines)
+            work.append((rel, st, sha, chunks))
+        if not work:
+            return
+        flat = [c for _, _, _, chunks in work for c in chunks]
+        ids = self.tokenizer.encode_batch(flat) if flat else []
+        k = 0
+        for rel, st, sha, chunks in work:
+            toks = ids[k:k + len(chunks)]
+            k += len(chunks)
+            self._replace(rel, st, sha, chunks, toks)
+
+    def _replace(self, rel: str, st, sha: str, chunks: list[str], toks: list[list[int]]) -> None:
+        """Swap a file's documents for its new chunks, keeping the chunks that did not change."""
+        with self._lock:
+            old = self._files.get(rel)
+            old_docs = set(old["docs"]) if old else set()
+            docs, seen = [], Counter()
+            for chunk, ids in zip(chunks, toks):
+                h = hashlib.sha1(chunk.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+                seen[h] += 1
+                doc_id = f"{self._prefix}{rel}\x1f{h}\x1f{seen[h]}"
+                docs.append(doc_id)
+                if doc_id not in old_docs and ids:
+                    self.index.add_document(doc_id, ids, tenant=self.tenant)
+            for doc_id in old_docs - set(docs):
+                self.index.remove_document(doc_id)
+            self._files[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha": sha, "docs": docs,
+                                "tokens": sum(len(t) for t in toks)}
+
+    def _forget(self, rel: str) -> None:
+        old = self._files.pop(rel, None)
+        if old:
+            for doc_id in old["docs"]:
+                self.index.remove_document(doc_id)
+
+    def _skip(self, rel: str, reason: str) -> None:
+        self.skipped[reason.split(":")[0]] += 1
+        self.skipped_paths[rel] = reason
+
+    def _rel(self, path: Path) -> str:
+        try:
+            rel = path.relative_to(self.root).as_posix()
+            return "" if rel == "." else rel
+        except ValueError:
+            return path.as_posix()
+
+    # ---- watching -----------------------------------------------------------------------------
+
+    def _start_watching(self) -> None:
+        from watchdog.events import FileSystemEventHandler
+        from watchdog.observers import Observer
+
+        ws = self
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event):
+                if event.event_type in ("opened", "closed_no_write"):
+                    return
+                ws._queue.put((event.event_type, event.src_path, getattr(event, "dest_path", "") or "",
+                               event.is_directory))
+
+        self._thread = threading.Thread(target=self._updater, name="agentspec-workspace", daemon=True)
+        self._thread.start()
+        self._observer = Observer()
+        self._observer.schedule(Handler(), str(self.root), recursive=True)
+        self._observer.daemon = True
+        self._observer.start()
+
+    def _updater(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            self._busy.set()
+            items = [item]
+            # coalesce a burst: keep draining until the queue stays quiet for `debounce`
+            deadline = time.monotonic() + max(self.debounce * 10, 0.2)
+            while time.monotonic() < deadline:
+                try:
+                    nxt = self._queue.get(timeout=self.debounce)
+                except queue.Empty:
+                    break
+                items.append(nxt)
+            stop = any(x is None for x in items)
+            paths: set[str] = set()
+            for x in items:
+                if x is None:
+                    continue
+                kind, src, dest, is_dir = x
+                for p in (src, dest):
+                    if p:
+                        paths.add(p)
+                        if is_dir or kind == "moved":
+                            paths.add(p + os.sep)   # a folder: everything under it
+            try:
+                self._apply(paths)
+            except Exception as e:  # never let the updater die: report and carry on
+                print(f"[agentspec] workspace update failed: {e!r}", file=sys.stderr, flush=True)
+            finally:
+                for _ in items:
+                    self._queue.task_done()
+                self._busy.clear()
+            if stop:
+                return
+
+    def _apply(self, paths: set[str]) -> None:
+        """Bring the index in line with the disk for these paths (files or folders)."""
+        files: set[str] = set()
+        for p in paths:
+            path = Path(p.rstrip(os.sep)) if p.endswith(os.sep) else Path(p)
+            rel = self._rel(path)
+            if rel.startswith("../") or rel.startswith("/"):
+                continue
+            if path.name == ".gitignore":   # the rules changed: look at that folder again
+                parent = Path(rel).parent.as_posix()
+                parent = "" if parent == "." else parent
+                self._ignore.forget(parent)
+                path = path.parent
+                rel = parent
+                p = str(path) + os.sep
+            if p.endswith(os.sep) or path.is_dir():
+                prefix = rel.rstrip("/") + "/" if rel else ""
+                with self._lock:
+                    files.update(r for r in self._files if r.startswith(prefix))
+                if path.is_dir() and (not rel or not self._ignore.ignored(rel, True)):
+                    files.update(r for r, _ in self._walk_under(path))
+            else:
+                files.add(rel)
+        todo = []
+        for rel in sorted(files):
+            path = self.root / rel
+            if not path.exists() and not path.is_symlink() or self._ignore.ignored(rel, False) or path.is_dir():
+                with self._lock:
+                    self._forget(rel)
+            else:
+                todo.append((rel, path))
+        if todo:
+            self._index_files(todo)
+        self.updates += len(files)
+        self.last_update = time.monotonic()
+
+    def _walk_under(self, folder: Path) -> Iterable[tuple[str, Path]]:
+        for dirpath, dirnames, filenames in os.walk(folder):
+            base = Path(dirpath)
+            dirnames[:] = [d for d in dirnames if not self._ignore.ignored(self._rel(base / d), True)]
+            for name in filenames:
+                rel = self._rel(base / name)
+                if not self._ignore.ignored(rel, False):
+                    yield rel, base / name
+
+    # ---- snapshot -----------------------------------------------------------------------------
+
+    def _load_snapshot(self) -> None:
+        manifest_path = self.snapshot / "manifest.json"
+        index_path = self.snapshot / "index.bin"
+        if not manifest_path.exists() or not index_path.exists():
+            return
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            if (manifest.get("version") != MANIFEST_VERSION or manifest.get("root") != str(self.root)
+                    or manifest.get("tenant") != self.tenant or manifest.get("index_sha256") != _file_sha(index_path)):
+                return   # another tree, tenant or an index written apart from this manifest: rebuild
+            self.index.load(index_path)
+        except (OSError, ValueError) as e:
+            print(f"[agentspec] workspace snapshot not loaded ({e}); indexing from scratch", file=sys.stderr)
+            return
+        self._files = manifest["files"]
+        self.stats["loaded_from_snapshot"] = True
+
+
+def _file_sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

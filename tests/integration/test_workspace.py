@@ -1,0 +1,291 @@
+"""Workspace: real folders, real watchdog events, real tokenizer and suffix index."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agentspec import Workspace
+from agentspec.drafting import SuffixDrafter
+from suffix_index import SuffixIndex
+
+MODULE = '''"""Accounting helpers."""
+
+import decimal
+
+
+def add_tax(amount, rate):
+    """Return amount with tax applied."""
+    return amount * (1 + rate)
+
+
+def format_money(value, currency="EUR"):
+    quantized = decimal.Decimal(value).quantize(decimal.Decimal("0.01"))
+    return f"{quantized} {currency}"
+
+
+class Ledger:
+    """Keeps entries in order."""
+
+    def __init__(self):
+        self.entries = []
+
+    def record(self, label, amount):
+        self.entries.append((label, amount))
+        return len(self.entries)
+
+    def total(self):
+        return sum(amount for _, amount in self.entries)
+'''
+
+
+@pytest.fixture(scope="module")
+def tokenizer(engine):
+    return engine.tokenizer
+
+
+def drafts_of(index, tokenizer, prefix: str, tenant: str = "default", budget: int = 32) -> list[int]:
+    """What the index drafts for a request whose context ends with ``prefix``."""
+    rid = f"probe-{time.monotonic_ns()}"
+    index.start(rid, tokenizer.encode(prefix), tenant=tenant)
+    try:
+        return index.propose(rid, budget).token_ids
+    finally:
+        index.stop(rid)
+
+
+def continues(index, tokenizer, prefix: str, expected: str, tenant: str = "default") -> bool:
+    """Does the draft's main line start with the tokens of ``expected``?"""
+    want = tokenizer.encode(prefix + expected)[len(tokenizer.encode(prefix)):][:6]
+    got = drafts_of(index, tokenizer, prefix, tenant)
+    return got[:len(want)] == want
+
+
+def replay_mat(index, tokenizer, prompt: str, response: str, tenant: str = "default") -> float:
+    """Teacher-forced mean accepted tokens per step (bonus included) drafting ``response``."""
+    d = SuffixDrafter(index)
+    resp = tokenizer.encode(response)
+    d.start("replay", tokenizer.encode(prompt), tenant=tenant)
+    pos = steps = 0
+    while pos < len(resp):
+        draft = d.propose("replay", 32)
+        node, depth = -1, 0
+        while pos + depth < len(resp):
+            nxt = next((i for i, (t, p) in enumerate(zip(draft.token_ids, draft.parents))
+                        if p == node and t == resp[pos + depth]), None)
+            if nxt is None:
+                break
+            node, depth = nxt, depth + 1
+        c = min(depth + 1, len(resp) - pos)
+        d.extend("replay", resp[pos:pos + c])
+        pos += c
+        steps += 1
+    d.stop("replay")
+    return len(resp) / steps
+
+
+def make_repo(root: Path) -> None:
+    (root / "src").mkdir()
+    (root / "src" / "ledger.py").write_text(MODULE)
+    (root / "src" / "app.js").write_text("function hello(name) {\n  return `hello ${name}`;\n}\n")
+    (root / "README.md").write_text("# demo\n\nSome notes about the ledger.\n")
+    (root / ".gitignore").write_text("secret/\n*.log\n")
+    (root / "secret").mkdir()
+    (root / "secret" / "keys.py").write_text("API_KEY = 'zebra-canary-quokka-walrus-9931'\n")
+    (root / "debug.log").write_text("LOG zebra-canary-quokka-walrus-9931\n")
+    (root / "nested").mkdir()
+    (root / "nested" / ".gitignore").write_text("private.txt\n")
+    (root / "nested" / "private.txt").write_text("nested private zebra-canary-quokka-walrus-9931\n")
+    (root / "nested" / "public.txt").write_text("nested public notes\n")
+    (root / "blob.dat").write_bytes(b"\x00\x01\x02binary\x00" * 100)
+    (root / "huge.txt").write_text("x" * 5000)
+    os.mkfifo(root / "pipe")
+    (root / "loop").symlink_to(root)                 # a symlink loop
+    (root / "self").symlink_to(root / "self")        # a link to itself
+    (root / "dangling").symlink_to(root / "missing.py")
+
+
+def test_scan_respects_gitignore_and_skips_with_reasons(tmp_path, tokenizer):
+    make_repo(tmp_path)
+    with Workspace(tmp_path, tokenizer=tokenizer, watch=False, max_file_bytes=4096) as ws:
+        files = ws.files()
+        assert files == [".gitignore", "README.md", "nested/.gitignore", "nested/public.txt", "src/app.js",
+                         "src/ledger.py"]
+        reasons = ws.skipped_paths
+        assert reasons["blob.dat"] == "binary"
+        assert reasons["huge.txt"] == "over 4096 bytes"
+        assert reasons["pipe"] == "not a regular file"
+        assert reasons["loop"] == "symlink loop"
+        assert reasons["self"] == "symlink loop"
+        assert reasons["dangling"] == "broken symlink"
+        summary = ws.summary()
+        assert summary["files"] == 6 and summary["chunks"] >= 6 and summary["tokens"] > 100
+        assert summary["skipped"]["binary"] == 1
+        # indexed content is drafted; ignored content never is
+        assert continues(ws.index, tokenizer, "def format_money(value, currency=\"EUR\"):\n    quantized =",
+                         " decimal.Decimal(value).quantize")
+        canary = set(tokenizer.encode("-canary-quokka-walrus-9931'"))
+        for prefix in ("API_KEY = 'zebra", "LOG zebra", "nested private zebra"):
+            assert not canary & set(drafts_of(ws.index, tokenizer, prefix))
+
+
+def test_file_deleted_between_listing_and_reading(tmp_path, tokenizer):
+    (tmp_path / "keep.py").write_text("x = 1\n")
+    (tmp_path / "gone.py").write_text("y = 2\n")
+
+    class Racy(Workspace):
+        def _walk(self):
+            for rel, path in super()._walk():
+                yield rel, path
+                if rel == "gone.py":
+                    path.unlink()      # deleted after it was listed, before it is read
+
+    with Racy(tmp_path, tokenizer=tokenizer, watch=False) as ws:
+        assert ws.files() == ["keep.py"]
+        assert ws.skipped_paths["gone.py"] == "vanished before it was read"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
+def test_unreadable_file_is_skipped(tmp_path, tokenizer):
+    f = tmp_path / "locked.py"
+    f.write_text("z = 3\n")
+    f.chmod(0)
+    with Workspace(tmp_path, tokenizer=tokenizer, watch=False) as ws:
+        assert ws.skipped_paths["locked.py"].startswith("unreadable")
+
+
+def test_live_edits_creates_deletes_renames_and_bursts(tmp_path, tokenizer):
+    make_repo(tmp_path)
+    with Workspace(tmp_path, tokenizer=tokenizer, max_file_bytes=4096) as ws:
+        idx = ws.index
+        # edit: the new content is draftable within a second of the save
+        path = tmp_path / "src" / "ledger.py"
+        t0 = time.monotonic()
+        path.write_text(MODULE.replace("return sum(amount for _, amount in self.entries)",
+                                       "return round(sum(a for _, a in self.entries), 2)"))
+        assert ws.wait_idle(5)
+        assert time.monotonic() - t0 < 1.0
+        assert continues(idx, tokenizer, "    def total(self):\n        return", " round(sum(a for _, a in")
+        # create
+        (tmp_path / "src" / "new_mod.py").write_text("def brand_new_function_xyz():\n    return 'pelican-harbor'\n")
+        assert ws.wait_idle(5)
+        assert "src/new_mod.py" in ws.files()
+        assert continues(idx, tokenizer, "def brand_new_function_xyz():\n    return", " 'pelican-harbor'")
+        # rename: documents move with the file
+        (tmp_path / "src" / "new_mod.py").rename(tmp_path / "src" / "renamed_mod.py")
+        assert ws.wait_idle(5)
+        assert "src/new_mod.py" not in ws.files() and "src/renamed_mod.py" in ws.files()
+        assert continues(idx, tokenizer, "def brand_new_function_xyz():\n    return", " 'pelican-harbor'")
+        # delete: gone from the drafts
+        (tmp_path / "src" / "renamed_mod.py").unlink()
+        assert ws.wait_idle(5)
+        assert "src/renamed_mod.py" not in ws.files()
+        assert not continues(idx, tokenizer, "def brand_new_function_xyz():\n    return", " 'pelican-harbor'")
+        # a burst of 100 saves: the last one wins, and the work is coalesced
+        before = ws.updates
+        burst = tmp_path / "src" / "burst.py"
+        for i in range(100):
+            burst.write_text(f"def burst_value():\n    return {i} * 1000 + {i}\n")
+        assert ws.wait_idle(10)
+        assert continues(idx, tokenizer, "def burst_value():\n    return", " 99 * 1000 + 99")
+        assert not continues(idx, tokenizer, "def burst_value():\n    return", " 98 * 1000")
+        assert ws.updates - before < 100
+        # an editor's atomic save: write a temp file, rename it over the original
+        tmp = tmp_path / "src" / ".ledger.py.swp~"
+        tmp.write_text(MODULE.replace("def add_tax(amount, rate):", "def add_vat(amount, rate):"))
+        os.replace(tmp, path)
+        assert ws.wait_idle(5)
+        assert ".ledger.py.swp~" not in " ".join(ws.files())
+        assert continues(idx, tokenizer, 'def add_vat(amount, rate):\n    """Return', ' amount with tax applied')
+        # a file newly gitignored while watching is dropped
+        (tmp_path / ".gitignore").write_text("secret/\n*.log\nREADME.md\n")
+        assert ws.wait_idle(5)
+        assert "README.md" not in ws.files()
+
+
+def test_response_reproducing_a_file_not_in_the_prompt_is_drafted_from_the_workspace(tmp_path, tokenizer):
+    make_repo(tmp_path)
+    with Workspace(tmp_path, tokenizer=tokenizer, watch=False) as ws:
+        mat = replay_mat(ws.index, tokenizer, "Show me src/ledger.py exactly as it is.\n", MODULE)
+        without = replay_mat(SuffixIndex(), tokenizer, "Show me src/ledger.py exactly as it is.\n", MODULE)
+    assert mat >= 10, mat
+    assert without < 3, without
+
+
+def test_two_tenants_never_cross(tmp_path, tokenizer):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "mod.py").write_text("def shared_name():\n    return 'alpaca-lighthouse-canary-1177'\n")
+    (b / "mod.py").write_text("def shared_name():\n    return 'other'\n")
+    shared = SuffixIndex()
+    with Workspace(a, tenant="alice", tokenizer=tokenizer, index=shared, watch=False), \
+            Workspace(b, tenant="bob", tokenizer=tokenizer, index=shared, watch=False):
+        prefix = "def shared_name():\n    return"
+        assert continues(shared, tokenizer, prefix, " 'alpaca-lighthouse", tenant="alice")
+        canary = set(tokenizer.encode("alpaca-lighthouse-canary-1177"))
+        assert not canary & set(drafts_of(shared, tokenizer, prefix, tenant="bob"))
+        assert continues(shared, tokenizer, prefix, " 'other'", tenant="bob")
+
+
+def test_snapshot_reload_reindexes_only_changed_files(tmp_path, tokenizer):
+    repo, snap = tmp_path / "repo", tmp_path / "snap"
+    repo.mkdir()
+    (repo / "one.py").write_text("def one():\n    return 'first-version-marmot'\n")
+    (repo / "two.py").write_text("def two():\n    return 'stays-the-same-otter'\n")
+    with Workspace(repo, tokenizer=tokenizer, watch=False, snapshot=snap) as ws:
+        assert not ws.summary()["loaded_from_snapshot"]
+    assert (snap / "index.bin").exists() and (snap / "manifest.json").exists()
+    time.sleep(0.01)
+    (repo / "one.py").write_text("def one():\n    return 'second-version-marmot'\n")
+    (repo / "three.py").write_text("def three():\n    return 'brand-new-heron'\n")
+
+    calls = []
+
+    class Counting(Workspace):
+        def _replace(self, rel, *args):
+            calls.append(rel)
+            return super()._replace(rel, *args)
+
+    with Counting(repo, tokenizer=tokenizer, watch=False, snapshot=snap) as ws:
+        assert ws.summary()["loaded_from_snapshot"]
+        assert sorted(calls) == ["one.py", "three.py"]          # two.py came from the snapshot
+        assert continues(ws.index, tokenizer, "def one():\n    return", " 'second-version")
+        assert continues(ws.index, tokenizer, "def two():\n    return", " 'stays-the-same")
+        assert continues(ws.index, tokenizer, "def three():\n    return", " 'brand-new")
+    # a damaged snapshot is not trusted: the tree is indexed from scratch
+    (snap / "index.bin").write_bytes(b"garbage")
+    with Workspace(repo, tokenizer=tokenizer, watch=False, snapshot=snap) as ws:
+        assert not ws.summary()["loaded_from_snapshot"]
+        assert continues(ws.index, tokenizer, "def two():\n    return", " 'stays-the-same")
+
+
+def test_engine_drafts_from_its_workspace(tmp_path, tokenizer):
+    import agentspec
+
+    (tmp_path / "ledger.py").write_text(MODULE)
+    with Workspace(tmp_path, tokenizer=tokenizer, watch=False) as ws:
+        eng = agentspec.Engine.embedded(workspace=ws, quiet=True, row_cost=0.05)
+        assert eng.drafter.index is ws.index
+        with pytest.raises(agentspec.InvalidRequestError, match="either drafter or workspace"):
+            agentspec.Engine.embedded(workspace=ws, drafter=SuffixDrafter(), quiet=True)
+    with pytest.raises(ValueError, match="not a directory"):
+        Workspace(tmp_path / "nope", tokenizer=tokenizer)
+
+
+def test_cli_index_json(tmp_path):
+    make_repo(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "agentspec", "index", str(tmp_path), "--json",
+                        "--max-file-bytes", "4096"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["files"] == 6 and summary["skipped"]["binary"] == 1 and summary["tokens"] > 100
+    r = subprocess.run([sys.executable, "-m", "agentspec", "index", str(tmp_path / "missing")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "not a directory" in r.stderr
