@@ -430,6 +430,8 @@ class Workspace:
             def on_any_event(self, event):
                 if event.event_type in ("opened", "closed_no_write"):
                     return
+                if event.is_directory and event.event_type in ("modified", "closed"):
+                    return   # a folder's own metadata; the files in it report their changes
                 ws._queue.put((event.event_type, event.src_path, getattr(event, "dest_path", "") or "",
                                event.is_directory))
 
