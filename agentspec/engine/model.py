@@ -244,7 +244,8 @@ def small_attention(
         idx = torch.tensor(rows if len(rows) > 1 else rows * 2, device=q.device)
         R = idx.numel()
         pr = p.index_select(2, idx).reshape(Hkv, G * R, Lp)
-        res = torch.bmm(pr[:, :, c:].double(), v[:, c:Lp].double()).float()   # [Hkv, G*R, D]
+        # keys past L have p == 0 exactly: leaving them out changes no float64 sum
+        res = torch.bmm(pr[:, :, c:L].double(), v[:, c:L].double()).float()   # [Hkv, G*R, D]
         if c > 0:
             n = c // PV_CHUNK
             pc = pr[:, :, :c].reshape(Hkv, G * R, n, PV_CHUNK).transpose(1, 2).reshape(Hkv * n, G * R, PV_CHUNK)
