@@ -153,9 +153,8 @@ class Workspace:
         self._lock = threading.RLock()        # guards _files and index updates from this workspace
         self.skipped: Counter[str] = Counter()
         self.skipped_paths: dict[str, str] = {}
-        self.stats = {"files": 0, "chunks": 0, "tokens": 0, "seconds": 0.0, "loaded_from_snapshot": False}
+        self.stats = {"seconds": 0.0, "loaded_from_snapshot": False}
         self.updates = 0                      # files re-indexed by the watcher
-        self.last_update: float | None = None  # time.monotonic() of the last applied update
         self._queue: queue.Queue = queue.Queue()
         self._busy = threading.Event()
         self._closed = False
@@ -514,7 +513,6 @@ class Workspace:
         if todo:
             self._index_files(todo)
         self.updates += len(files)
-        self.last_update = time.monotonic()
 
     def _walk_under(self, folder: Path) -> Iterable[tuple[str, Path]]:
         for dirpath, dirnames, filenames in os.walk(folder):

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import replay_data  # noqa: E402
+from replay import accepted_length  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -140,7 +141,7 @@ def latency(ix, all_recs, args) -> dict:
                 t0 = perf()
                 d = ix.propose(rid, args.budget)
                 t1 = perf()
-                a = _accepted(d.token_ids, d.parents, rl, pos)
+                a = accepted_length(d.token_ids, d.parents, rl[pos:pos + len(d.token_ids)])
                 c = min(a + 1, n - pos)
                 t2 = perf()
                 ix.extend(rid, r[pos:pos + c])
@@ -153,16 +154,6 @@ def latency(ix, all_recs, args) -> dict:
     return {"propose_p50_us": float(np.percentile(prop, 50)) / 1e3, "propose_p99_us": float(np.percentile(prop, 99)) / 1e3,
             "step_p50_us": float(np.percentile(step, 50)) / 1e3, "step_p99_us": float(np.percentile(step, 99)) / 1e3,
             "queries": len(prop)}
-
-
-def _accepted(tokens, parents, target, pos) -> int:
-    node, depth = -1, 0
-    while pos + depth < len(target):
-        nxt = next((i for i in range(len(tokens)) if parents[i] == node and tokens[i] == target[pos + depth]), None)
-        if nxt is None:
-            break
-        node, depth = nxt, depth + 1
-    return depth
 
 
 def main() -> None:

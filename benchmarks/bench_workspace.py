@@ -30,6 +30,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from replay import accepted_length  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -41,18 +44,6 @@ def rss() -> int:
 
 def log(msg: str) -> None:
     print(f"[bench_workspace] {msg}", file=sys.stderr, flush=True)
-
-
-def _accepts(draft, want) -> int:
-    """How many tokens of ``want`` the draft tree holds as a root path."""
-    node, depth = -1, 0
-    while depth < len(want):
-        nxt = next((i for i, (t, p) in enumerate(zip(draft.token_ids, draft.parents))
-                    if p == node and t == want[depth]), None)
-        if nxt is None:
-            break
-        node, depth = nxt, depth + 1
-    return depth
 
 
 def reproduce_files(ws, tok, tree: Path, n: int) -> dict:
@@ -77,13 +68,7 @@ def reproduce_files(ws, tok, tree: Path, n: int) -> dict:
         pos = steps = 0
         while pos < len(resp):
             d = drafter.propose(f"m{k}", 32)
-            node, depth = -1, 0
-            while pos + depth < len(resp):
-                nxt = next((i for i, (t, p) in enumerate(zip(d.token_ids, d.parents))
-                            if p == node and t == resp[pos + depth]), None)
-                if nxt is None:
-                    break
-                node, depth = nxt, depth + 1
+            depth = accepted_length(d.token_ids, d.parents, resp[pos:pos + len(d.token_ids)])
             c = min(depth + 1, len(resp) - pos)
             drafter.extend(f"m{k}", resp[pos:pos + c])
             pos += c
@@ -158,7 +143,7 @@ def main() -> None:
                 ws.index.start(rid, ids)
                 draft = ws.index.propose(rid, 32)
                 ws.index.stop(rid)
-                if _accepts(draft, want) == len(want):
+                if accepted_length(draft.token_ids, draft.parents, want) == len(want):
                     lat.append(time.perf_counter() - t_save)
                     break
                 if time.perf_counter() - t_save > 5:

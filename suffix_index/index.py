@@ -221,10 +221,6 @@ class SuffixIndex:
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _known(self, req_id: str) -> None:
-        if not isinstance(req_id, str) or not self._core.has_request(req_id):
-            raise ValueError(f"unknown request id {req_id!r}")
-
     def _call(self, fn, what: str, original, *args):
         """Call the core; a list the core could not convert gets the full check for its message."""
         try:

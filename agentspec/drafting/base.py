@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
 
-__all__ = ["AcceptanceTracker", "Draft", "Drafter", "EMPTY_DRAFT", "cut_for_cost", "drop_unlikely"]
+__all__ = ["AcceptanceTracker", "Draft", "Drafter", "EMPTY_DRAFT", "cut_for_cost", "drop_unlikely", "trie_draft"]
 
 
 class Draft(msgspec.Struct, frozen=True):
@@ -54,6 +55,57 @@ class Draft(msgspec.Struct, frozen=True):
 
 
 EMPTY_DRAFT = Draft([], [], [], 0.0, "")
+
+
+def trie_draft(continuations: Sequence[tuple[float, Sequence[int]]], *, conf: float, budget: int,
+               min_survival: float, source: str) -> Draft:
+    """Merge weighted continuations into a trie and keep its likeliest nodes as a draft.
+
+    A node's probability given its parent is ``conf`` times the share of the parent's weight
+    that passes through it; nodes are taken best-first by survival (the product along the
+    path; ties to the node created first) until ``budget`` nodes or survival < ``min_survival``.
+    (suffix_index/reference.py keeps its own copy: it is the bit-exact spec of the C++ core.)
+    """
+    children: list[dict[int, int]] = [{}]
+    weight, tok_of, parent_of = [0.0], [-1], [-1]
+    for w, toks in continuations:
+        node = 0
+        weight[0] += w
+        for t in toks:
+            nxt = children[node].get(t)
+            if nxt is None:
+                nxt = len(tok_of)
+                children[node][t] = nxt
+                children.append({})
+                weight.append(0.0)
+                tok_of.append(t)
+                parent_of.append(node)
+            weight[nxt] += w
+            node = nxt
+    if weight[0] <= 0:
+        return EMPTY_DRAFT
+    heap = [(-conf * weight[c] / weight[0], c) for c in children[0].values()]
+    heapq.heapify(heap)
+    index_of = {0: -1}
+    survival_of = {0: 1.0}
+    tokens: list[int] = []
+    parents: list[int] = []
+    probs: list[float] = []
+    score = 0.0
+    while heap and len(tokens) < budget:
+        neg, node = heapq.heappop(heap)
+        s = -neg
+        if s < min_survival:
+            break
+        index_of[node] = len(tokens)
+        tokens.append(tok_of[node])
+        parents.append(index_of[parent_of[node]])
+        survival_of[node] = s
+        probs.append(s / survival_of[parent_of[node]])
+        score += s
+        for c in children[node].values():
+            heapq.heappush(heap, (-s * conf * weight[c] / weight[node], c))
+    return Draft(tokens, parents, probs, score, source)
 
 
 class AcceptanceTracker:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .base import EMPTY_DRAFT, Draft, Drafter
+from .base import EMPTY_DRAFT, Draft, Drafter, trie_draft
 
 __all__ = ["LookaheadDrafter", "MergedDrafter"]
 
@@ -85,42 +85,9 @@ class LookaheadDrafter:
                 grams.extend(pool.grams.get(key, ()))
         if not grams:
             return EMPTY_DRAFT
-        # trie of the continuations, each weighted by recency rank
-        children: list[dict[int, int]] = [{}]
-        weight, tok_of, parent_of = [0.0], [-1], [-1]
-        for rank, gram in enumerate(grams):
-            w = 1.0 / (1 + rank)
-            node = 0
-            weight[0] += w
-            for t in gram:
-                nxt = children[node].get(t)
-                if nxt is None:
-                    nxt = len(tok_of)
-                    children[node][t] = nxt
-                    children.append({})
-                    weight.append(0.0)
-                    tok_of.append(t)
-                    parent_of.append(node)
-                weight[nxt] += w
-                node = nxt
-        conf = 0.6
-        heap = [(-(conf * weight[c] / weight[0]), c) for c in children[0].values()]
-        heapq.heapify(heap)
-        index_of = {0: -1}
-        tokens, parents, probs, score = [], [], [], 0.0
-        while heap and len(tokens) < budget:
-            neg, node = heapq.heappop(heap)
-            s = -neg
-            if s < 0.01:
-                break
-            index_of[node] = len(tokens)
-            tokens.append(tok_of[node])
-            parents.append(index_of[parent_of[node]])
-            probs.append(conf * weight[node] / weight[parent_of[node]])
-            score += s
-            for c in children[node].values():
-                heapq.heappush(heap, (-(s * conf * weight[c] / weight[node]), c))
-        return Draft(tokens, parents, probs, score, "lookahead")
+        # each continuation weighted by its recency rank
+        return trie_draft([(1.0 / (1 + rank), gram) for rank, gram in enumerate(grams)],
+                          conf=0.6, budget=budget, min_survival=0.01, source="lookahead")
 
     def stop(self, req_id: str) -> None:
         tenant, toks, plen = self._get(req_id)

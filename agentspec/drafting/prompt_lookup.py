@@ -10,10 +10,9 @@ draft tree; its depth grows with the agreement.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 
-from .base import EMPTY_DRAFT, Draft
+from .base import EMPTY_DRAFT, Draft, trie_draft
 
 __all__ = ["PromptLookupDrafter"]
 
@@ -111,47 +110,8 @@ class PromptLookupDrafter:
         conf = 1.0 - 1.0 / (2.0 + best_agree)
         depth_cap = min(budget, max(self.min_draft, 2 * best_agree))
         end = len(toks)
-        # trie over continuations: node -> {token: child}; weights per node
-        children: list[dict[int, int]] = [{}]
-        weight = [0.0]
-        tok_of = [-1]
-        parent_of = [-1]
-        for agree, pos in cands:
-            w = float(agree * agree)
-            node = 0
-            weight[0] += w
-            for t in toks[pos:min(pos + depth_cap, end)]:
-                nxt = children[node].get(t)
-                if nxt is None:
-                    nxt = len(tok_of)
-                    children[node][t] = nxt
-                    children.append({})
-                    weight.append(0.0)
-                    tok_of.append(t)
-                    parent_of.append(node)
-                weight[nxt] += w
-                node = nxt
-        # best-first selection by survival
-        heap = [(-conf * weight[c] / weight[0], c) for c in children[0].values()]
-        heapq.heapify(heap)
-        chosen: list[int] = []
-        index_of = {0: -1}
-        survival_of = {0: 1.0}
-        probs: list[float] = []
-        while heap and len(chosen) < budget:
-            neg, node = heapq.heappop(heap)
-            s = -neg
-            if s < self.min_survival:
-                break
-            index_of[node] = len(chosen)
-            chosen.append(node)
-            survival_of[node] = s
-            probs.append(s / survival_of[parent_of[node]])
-            for c in children[node].values():
-                heapq.heappush(heap, (-s * conf * weight[c] / weight[node], c))
-        token_ids = [tok_of[n] for n in chosen]
-        parents = [index_of[parent_of[n]] for n in chosen]
-        return Draft(token_ids, parents, probs, float(sum(survival_of[n] for n in chosen)), "prompt_lookup")
+        return trie_draft([(float(agree * agree), toks[pos:min(pos + depth_cap, end)]) for agree, pos in cands],
+                          conf=conf, budget=budget, min_survival=self.min_survival, source="prompt_lookup")
 
     def stop(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)

@@ -50,21 +50,38 @@ def tokenizer(engine):
     return engine.tokenizer
 
 
-def drafts_of(index, tokenizer, prefix: str, tenant: str = "default", budget: int = 32) -> list[int]:
-    """What the index drafts for a request whose context ends with ``prefix``."""
+def draft_for(index, tokenizer, prefix: str, tenant: str = "default", budget: int = 32):
+    """The draft tree the index proposes for a request whose context ends with ``prefix``."""
     rid = f"probe-{time.monotonic_ns()}"
     index.start(rid, tokenizer.encode(prefix), tenant=tenant)
     try:
-        return index.propose(rid, budget).token_ids
+        return index.propose(rid, budget)
     finally:
         index.stop(rid)
 
 
+def drafts_of(index, tokenizer, prefix: str, tenant: str = "default") -> list[int]:
+    """Every token the index drafts for ``prefix``."""
+    return draft_for(index, tokenizer, prefix, tenant).token_ids
+
+
+def tree_accepts(draft, want) -> int:
+    """How many tokens of ``want`` the draft tree holds as a root path."""
+    node, depth = -1, 0
+    while depth < len(want):
+        nxt = next((i for i, (t, p) in enumerate(zip(draft.token_ids, draft.parents))
+                    if p == node and t == want[depth]), None)
+        if nxt is None:
+            break
+        node, depth = nxt, depth + 1
+    return depth
+
+
 def continues(index, tokenizer, prefix: str, expected: str, tenant: str = "default") -> bool:
-    """Does the draft's main line start with the tokens of ``expected``?"""
+    """Is the start of ``expected`` a path of the draft tree? (Prefixes end mid-line: a prefix
+    ending in a newline tokenizes differently from the same text followed by an indent.)"""
     want = tokenizer.encode(prefix + expected)[len(tokenizer.encode(prefix)):][:6]
-    got = drafts_of(index, tokenizer, prefix, tenant)
-    return got[:len(want)] == want
+    return tree_accepts(draft_for(index, tokenizer, prefix, tenant), want) == len(want)
 
 
 def replay_mat(index, tokenizer, prompt: str, response: str, tenant: str = "default") -> float:
@@ -74,14 +91,7 @@ def replay_mat(index, tokenizer, prompt: str, response: str, tenant: str = "defa
     d.start("replay", tokenizer.encode(prompt), tenant=tenant)
     pos = steps = 0
     while pos < len(resp):
-        draft = d.propose("replay", 32)
-        node, depth = -1, 0
-        while pos + depth < len(resp):
-            nxt = next((i for i, (t, p) in enumerate(zip(draft.token_ids, draft.parents))
-                        if p == node and t == resp[pos + depth]), None)
-            if nxt is None:
-                break
-            node, depth = nxt, depth + 1
+        depth = tree_accepts(d.propose("replay", 32), resp[pos:pos + 32])
         c = min(depth + 1, len(resp) - pos)
         d.extend("replay", resp[pos:pos + c])
         pos += c
