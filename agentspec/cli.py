@@ -93,7 +93,57 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--ignore", action="append", default=[], help="extra ignore pattern, gitignore syntax (repeatable)")
     x.add_argument("--json", action="store_true", help="print the summary as one JSON object (last line)")
     x.add_argument("--model", help="tokenize for this model (default: bundled SmolLM2-135M-Instruct)")
+
+    st = sub.add_parser("stats", help="acceptance statistics per tenant and route from the request logs")
+    st.add_argument("--log-dir", default="logs", help="folder holding <tenant>.jsonl logs (default: logs)")
+    st.add_argument("--tenant", type=_tenant_name, help="only this tenant")
+    st.add_argument("--since", type=_since, help="only records from then on: ISO date/time or 15m, 2h, 7d")
+    st.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
+    st.add_argument("--plot", metavar="PNG", help="also draw acceptance by position and MAT by route to PNG")
     return parser
+
+
+def _tenant_name(text: str) -> str:
+    from .telemetry import validate_tenant
+
+    try:
+        return validate_tenant(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _since(text: str) -> float:
+    from .telemetry import parse_since
+
+    try:
+        return parse_since(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cmd_stats(args) -> int:
+    from .telemetry import ReadReport, format_table, plot_summary, read_records, summarize
+
+    report = ReadReport()
+    try:
+        summary = summarize(read_records(args.log_dir, tenant=args.tenant, since=args.since, report=report))
+    except FileNotFoundError as e:
+        raise SystemExit(f"agentspec stats: {e}") from None
+    if args.plot:
+        plot_summary(summary, args.plot)
+    if args.json:
+        print(json.dumps({"log_dir": args.log_dir, "since": args.since, "records": report.records,
+                          "skipped_lines": report.skipped, **summary}))
+        return 0
+    if not report.records:
+        print(f"no records in {args.log_dir!r}" + (f" for tenant {args.tenant!r}" if args.tenant else ""))
+    else:
+        print(format_table(summary))
+    if report.skipped:
+        print(f"skipped {report.skipped} unparseable line(s), first at {report.skipped_at[0]}", file=sys.stderr)
+    if args.plot:
+        print(f"plot: {args.plot}")
+    return 0
 
 
 def cmd_index(args) -> int:
@@ -203,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_demo(args)
         if args.command == "index":
             return cmd_index(args)
+        if args.command == "stats":
+            return cmd_stats(args)
     except AgentSpecError as e:
         print(f"agentspec {args.command}: {e}", file=sys.stderr)
         return 2

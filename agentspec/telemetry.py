@@ -1,0 +1,537 @@
+"""Acceptance records, the per-tenant JSONL sink and Prometheus metrics.
+
+One ``AcceptanceRecord`` per request (DESIGN.md section 8). Terms as in section 4: a *step* is one
+decode forward; *draft tokens* are proposed and verified, *accepted tokens* pass verification;
+*acceptance length* of a step = accepted + 1; **MAT** = mean acceptance length over steps.
+
+Per-position counts: draft position ``i`` (1-based depth in the verified draft tree, list index
+``i - 1``) is *drafted* in a step whose verified draft reached depth >= i, and *accepted* in a step
+that accepted >= i draft tokens. ``acceptance_per_pos[i - 1]`` = accepted / drafted at depth i.
+
+Counters and reporting stay apart (STYLE.md 11): ``record_from_stats`` builds a record,
+``TenantLogSink`` writes it, ``Metrics`` counts it, ``read_records`` / ``summarize`` report.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    from .engine.base import GenerationStats
+
+__all__ = [
+    "AcceptanceRecord",
+    "Metrics",
+    "ReadReport",
+    "TenantLogSink",
+    "parse_since",
+    "per_position_counts",
+    "read_records",
+    "record_from_stats",
+    "summarize",
+    "validate_tenant",
+]
+
+TENANT_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")  # tenant names double as file names
+MAX_POSITIONS = 64  # per-position Prometheus series per tenant (deeper positions are not exported)
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class AcceptanceRecord(msgspec.Struct, kw_only=True):
+    """What one request did, as written to ``<log_dir>/<tenant>.jsonl`` (one JSON line)."""
+
+    ts: float = msgspec.field(default_factory=time.time)  # unix time the request finished
+    time: str = ""                 # ``ts`` as ISO 8601 UTC, for people reading the log
+    request_id: str
+    tenant: str
+    route: str = "default"         # name of the matched route rule, or "default"
+    endpoint: str = "chat.completions"  # "chat.completions" | "completions" | "apply"
+    session: str | None = None
+    model: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_ms: float = 0.0           # time to first token
+    e2e_ms: float = 0.0            # request arrival to last token
+    spec_enabled: bool = False
+    spec_reason: str = ""          # why speculation is on or off
+    steps: int = 0
+    drafts: int = 0                # steps that verified a draft
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    mat: float = 0.0               # mean acceptance length over steps; 0 with no steps
+    drafted_per_pos: list[int] = []     # index i-1: steps whose draft reached depth i
+    accepted_per_pos: list[int] = []    # index i-1: steps that accepted >= i draft tokens
+    acceptance_per_pos: list[float] = []  # accepted_per_pos / drafted_per_pos
+    draft_sources: dict[str, int] = {}  # steps whose draft came from each source
+    finish_reason: str = "stop"    # "stop" | "length" | "cancelled" | "error"
+    status_code: int = 200
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.time:
+            self.time = _iso(self.ts)
+
+
+def per_position_counts(acceptance_lengths: Iterable[int], draft_depths: Iterable[int]) -> tuple[list[int], list[int]]:
+    """``(drafted_per_pos, accepted_per_pos)`` from per-step acceptance lengths and draft depths."""
+    lengths, depths = list(acceptance_lengths), list(draft_depths)
+    if len(lengths) != len(depths):
+        raise ValueError(f"acceptance_lengths and draft_depths differ in length: {len(lengths)} != {len(depths)}")
+    n = max(depths, default=0)
+    drafted, accepted = [0] * n, [0] * n
+    for length, depth in zip(lengths, depths):
+        if length - 1 > depth:
+            raise ValueError(f"a step accepted {length - 1} draft tokens from a draft of depth {depth}")
+        for i in range(depth):
+            drafted[i] += 1
+        for i in range(length - 1):
+            accepted[i] += 1
+    return drafted, accepted
+
+
+def _ratios(num: list[int], den: list[int]) -> list[float]:
+    return [a / d if d else 0.0 for a, d in zip(num, den)]
+
+
+def record_from_stats(stats: GenerationStats, **fields: Any) -> AcceptanceRecord:
+    """An ``AcceptanceRecord`` from a generation's stats; ``fields`` (request_id, tenant, route,
+    ttft_ms, e2e_ms, ...) are set as given and win over values derived from ``stats``.
+
+    Per-position lists need ``stats.draft_depths`` (per step: depth of the verified draft tree, 0
+    without a draft); engines that lack it give empty lists.
+    """
+    lengths = list(stats.acceptance_lengths)
+    depths = getattr(stats, "draft_depths", None)
+    if depths is not None and len(depths) == len(lengths):
+        drafted, accepted = per_position_counts(lengths, depths)
+        drafts = sum(1 for d in depths if d > 0)
+    else:
+        drafted, accepted = [], []
+        drafts = sum(stats.draft_sources.values())
+    derived: dict[str, Any] = dict(
+        prompt_tokens=stats.prompt_tokens,
+        completion_tokens=stats.completion_tokens,
+        ttft_ms=stats.prefill_seconds * 1e3,
+        e2e_ms=stats.seconds * 1e3,
+        spec_enabled=stats.spec_enabled,
+        spec_reason=stats.spec_reason,
+        steps=stats.steps,
+        drafts=drafts,
+        draft_tokens=stats.draft_tokens,
+        accepted_tokens=stats.accepted_tokens,
+        mat=sum(lengths) / len(lengths) if lengths else 0.0,
+        drafted_per_pos=drafted,
+        accepted_per_pos=accepted,
+        acceptance_per_pos=_ratios(accepted, drafted),
+        draft_sources=dict(stats.draft_sources),
+    )
+    derived.update(fields)
+    return AcceptanceRecord(**derived)
+
+
+def validate_tenant(tenant: str) -> str:
+    """``tenant`` if it is a valid tenant name ([A-Za-z0-9._-], 1-64 characters), else ValueError."""
+    if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant) or tenant in (".", ".."):
+        raise ValueError(f"invalid tenant name {tenant!r}: use 1-64 characters from [A-Za-z0-9._-]")
+    return tenant
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class TenantLogSink:
+    """Appends each record as one JSON line to ``<log_dir>/<tenant>.jsonl``; thread-safe.
+
+    Crash safety: each line is one ``write()`` on an ``O_APPEND`` descriptor followed by
+    ``fsync``, so a killed process leaves at most one torn last line (``read_records`` skips it,
+    and the next write starts a fresh line). Size rotation: ``t.jsonl -> t.jsonl.1 -> ... ->
+    t.jsonl.<backups>`` (the oldest is dropped), by rename, then the directory is fsynced.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike, *, max_bytes: int = 64 << 20, backups: int = 5) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+        if backups < 0:
+            raise ValueError(f"backups must be >= 0, got {backups}")
+        self.log_dir = Path(log_dir)
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._encoder = msgspec.json.Encoder()
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
+
+    def path(self, tenant: str) -> Path:
+        return self.log_dir / f"{validate_tenant(tenant)}.jsonl"
+
+    def _lock(self, tenant: str) -> threading.Lock:
+        with self._locks_lock:
+            return self._locks.setdefault(tenant, threading.Lock())
+
+    def write(self, record: AcceptanceRecord) -> None:
+        path = self.path(record.tenant)
+        line = self._encoder.encode(record) + b"\n"
+        with self._lock(record.tenant):
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                size = os.fstat(fd).st_size
+                if size and size + len(line) > self.max_bytes:
+                    os.close(fd)
+                    fd = -1
+                    self._rotate(path)
+                    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+                    size = 0
+                if size and os.pread(fd, 1, size - 1) != b"\n":  # a torn line from a crash: end it
+                    line = b"\n" + line
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+
+    def _rotate(self, path: Path) -> None:
+        if self.backups == 0:
+            path.unlink(missing_ok=True)
+        else:
+            for i in range(self.backups - 1, 0, -1):
+                older = path.with_name(f"{path.name}.{i}")
+                if older.exists():
+                    os.replace(older, path.with_name(f"{path.name}.{i + 1}"))
+            os.replace(path, path.with_name(f"{path.name}.1"))
+        _fsync_dir(self.log_dir)
+
+
+class ReadReport(msgspec.Struct, kw_only=True):
+    """What ``read_records`` read; pass one in to have it filled."""
+
+    files: int = 0
+    records: int = 0
+    skipped: int = 0   # unparseable lines (a torn last line after a crash, hand edits)
+    skipped_at: list[str] = []  # "path:line" of each skipped line (first 100)
+
+
+_ROTATED = re.compile(r"(?P<tenant>.+)\.jsonl(?:\.(?P<n>\d+))?")
+
+
+def _tenant_files(log_dir: Path) -> dict[str, list[Path]]:
+    """tenant -> its log files, oldest first."""
+    found: dict[str, list[tuple[int, Path]]] = {}
+    for p in log_dir.iterdir():
+        m = _ROTATED.fullmatch(p.name)
+        if not m or not p.is_file() or not TENANT_PATTERN.fullmatch(m["tenant"]):
+            continue
+        found.setdefault(m["tenant"], []).append((int(m["n"] or 0), p))
+    return {t: [p for _, p in sorted(files, reverse=True)] for t, files in sorted(found.items())}
+
+
+def _read_files(files: list[Path], since: float | None, report: ReadReport) -> Iterator[AcceptanceRecord]:
+    decoder = msgspec.json.Decoder(AcceptanceRecord)
+    for path in files:
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:  # rotated away between listing and reading
+            continue
+        report.files += 1
+        with f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = decoder.decode(line)
+                except msgspec.DecodeError:
+                    report.skipped += 1
+                    if len(report.skipped_at) < 100:
+                        report.skipped_at.append(f"{path}:{n}")
+                    continue
+                if since is None or rec.ts >= since:
+                    report.records += 1
+                    yield rec
+
+
+def read_records(
+    log_dir: str | os.PathLike,
+    *,
+    tenant: str | None = None,
+    since: float | datetime | None = None,
+    report: ReadReport | None = None,
+) -> Iterator[AcceptanceRecord]:
+    """Records from ``log_dir`` (current and rotated files), oldest first, merged across tenants
+    by ``ts``. ``since``: unix time or datetime (naive = local time). Unparseable lines are
+    skipped and counted in ``report``. A missing ``log_dir`` raises FileNotFoundError."""
+    log_dir = Path(log_dir)
+    if not log_dir.is_dir():
+        raise FileNotFoundError(f"log directory not found: {str(log_dir)!r}")
+    if tenant is not None:
+        validate_tenant(tenant)
+    if isinstance(since, datetime):
+        since = since.timestamp()
+    report = report if report is not None else ReadReport()
+    files = _tenant_files(log_dir)
+    if tenant is not None:
+        files = {tenant: files.get(tenant, [])}
+    streams = [_read_files(fs, since, report) for fs in files.values()]
+    return heapq.merge(*streams, key=lambda r: r.ts)
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_since(text: str, *, now: float | None = None) -> float:
+    """Unix time from an ISO date/time ("2026-11-29", "2026-11-29T10:00", naive = local time) or
+    a duration back from now ("90s", "15m", "2h", "7d", "1w"); ValueError naming ``text``."""
+    s = text.strip()
+    m = _DURATION.fullmatch(s)
+    if m:
+        return (time.time() if now is None else now) - float(m[1]) * _UNIT_SECONDS[m[2]]
+    try:
+        return datetime.fromisoformat(s).timestamp()
+    except ValueError:
+        raise ValueError(f"invalid time {text!r}: give an ISO date/time (2026-11-29, 2026-11-29T10:00) "
+                         f"or a duration (15m, 2h, 7d)") from None
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]) of ``values``; None when empty."""
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+class _Group:
+    def __init__(self) -> None:
+        self.requests = self.spec_on = self.completion_tokens = self.steps = 0
+        self.draft_tokens = self.accepted_tokens = 0
+        self.length_sum = 0.0  # sum over steps of acceptance length
+        self.e2e_s = 0.0
+        self.ttft: list[float] = []
+        self.e2e: list[float] = []
+        self.drafted: list[int] = []
+        self.accepted: list[int] = []
+
+    def add(self, r: AcceptanceRecord) -> None:
+        self.requests += 1
+        self.spec_on += r.spec_enabled
+        self.completion_tokens += r.completion_tokens
+        self.steps += r.steps
+        self.length_sum += r.mat * r.steps
+        self.draft_tokens += r.draft_tokens
+        self.accepted_tokens += r.accepted_tokens
+        self.e2e_s += r.e2e_ms / 1e3
+        self.ttft.append(r.ttft_ms)
+        self.e2e.append(r.e2e_ms)
+        for acc, per in ((self.drafted, r.drafted_per_pos), (self.accepted, r.accepted_per_pos)):
+            acc.extend([0] * (len(per) - len(acc)))
+            for i, n in enumerate(per):
+                acc[i] += n
+
+    def row(self, **keys: str) -> dict[str, Any]:
+        return {
+            **keys,
+            "requests": self.requests,
+            "spec_on_pct": 100 * self.spec_on / self.requests if self.requests else 0.0,
+            "completion_tokens": self.completion_tokens,
+            "steps": self.steps,
+            "mat": self.length_sum / self.steps if self.steps else 0.0,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
+            "ttft_ms_p50": _percentile(self.ttft, 50),
+            "ttft_ms_p95": _percentile(self.ttft, 95),
+            "e2e_ms_p50": _percentile(self.e2e, 50),
+            "e2e_ms_p95": _percentile(self.e2e, 95),
+            "tokens_per_s": self.completion_tokens / self.e2e_s if self.e2e_s > 0 else None,
+            "acceptance_per_pos": _ratios(self.accepted, self.drafted),
+        }
+
+
+def summarize(records: Iterable[AcceptanceRecord]) -> dict[str, list[dict[str, Any]]]:
+    """``{"routes": [row per (tenant, route)], "tenants": [row per tenant], "by_route": [row per
+    route, all tenants]}``. A row: requests, spec_on_pct, completion_tokens, steps, mat,
+    draft/accepted tokens, acceptance_rate (accepted / draft tokens), p50/p95 of ttft_ms and e2e_ms,
+    tokens_per_s (completion tokens per second of request time), acceptance_per_pos."""
+    routes: dict[tuple[str, str], _Group] = {}
+    tenants: dict[str, _Group] = {}
+    by_route: dict[str, _Group] = {}
+    for r in records:
+        routes.setdefault((r.tenant, r.route), _Group()).add(r)
+        tenants.setdefault(r.tenant, _Group()).add(r)
+        by_route.setdefault(r.route, _Group()).add(r)
+    return {
+        "routes": [g.row(tenant=t, route=rt) for (t, rt), g in sorted(routes.items())],
+        "tenants": [g.row(tenant=t) for t, g in sorted(tenants.items())],
+        "by_route": [g.row(route=rt) for rt, g in sorted(by_route.items())],
+    }
+
+
+_COLUMNS = [  # header, key, format
+    ("tenant", "tenant", "{}"), ("route", "route", "{}"), ("requests", "requests", "{}"),
+    ("spec%", "spec_on_pct", "{:.0f}"), ("tokens", "completion_tokens", "{}"), ("MAT", "mat", "{:.2f}"),
+    ("accept", "acceptance_rate", "{:.1%}"), ("ttft p50", "ttft_ms_p50", "{:.0f}"),
+    ("ttft p95", "ttft_ms_p95", "{:.0f}"), ("e2e p50", "e2e_ms_p50", "{:.0f}"),
+    ("e2e p95", "e2e_ms_p95", "{:.0f}"), ("tok/s", "tokens_per_s", "{:.1f}"),
+]
+
+
+def format_table(summary: dict[str, list[dict[str, Any]]]) -> str:
+    """Rows per (tenant, route), plus a ``*`` row per tenant with more than one route; times in ms."""
+    totals = {r["tenant"]: r for r in summary["tenants"]}
+    rows: list[dict[str, Any]] = []
+    for tenant, group in itertools.groupby(summary["routes"], key=lambda r: r["tenant"]):
+        group = list(group)
+        rows += group
+        if len(group) > 1:
+            rows.append({**totals[tenant], "route": "*"})
+    cells = [[h for h, _, _ in _COLUMNS]]
+    for r in rows:
+        cells.append(["-" if r[k] is None else fmt.format(r[k]) for _, k, fmt in _COLUMNS])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in cells]
+    return "\n".join(lines)
+
+
+def plot_summary(summary: dict[str, list[dict[str, Any]]], path: str | os.PathLike) -> None:
+    """PNG with acceptance rate by draft position (a line per tenant) and MAT by route (bars)."""
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        raise ImportError("agentspec stats --plot needs matplotlib: pip install 'agentspec-serve[dev]'") from None
+
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2)
+    for t in summary["tenants"]:
+        per = t["acceptance_per_pos"]
+        if per:
+            ax1.plot(range(1, len(per) + 1), per, marker="o", markersize=3, label=t["tenant"])
+    ax1.set(title="Acceptance rate by draft position", xlabel="draft position (depth)",
+            ylabel="accepted / drafted", ylim=(0, 1.05))
+    ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if ax1.lines:
+        ax1.legend(fontsize="small")
+    else:
+        ax1.text(0.5, 0.5, "no per-position data", ha="center", va="center", transform=ax1.transAxes)
+    routes = summary["by_route"]
+    ax2.bar([r["route"] for r in routes], [r["mat"] for r in routes], color="tab:blue")
+    ax2.set(title="MAT by route", xlabel="route", ylabel="mean acceptance length")
+    fig.savefig(path, dpi=100)
+
+
+class Metrics:
+    """Prometheus metrics on a private registry, named after vLLM's with an ``agentspec:`` prefix.
+
+    Every series has a ``tenant`` label; the first ``max_tenants`` tenants seen keep their name,
+    later ones are counted as ``"other"``. ``..._per_pos`` series have a ``position`` label,
+    0-based as in vLLM (position p = draft depth p + 1), for the first ``max_positions`` positions.
+    """
+
+    def __init__(self, *, max_tenants: int = 32, max_positions: int = MAX_POSITIONS) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        if max_tenants < 1:
+            raise ValueError(f"max_tenants must be >= 1, got {max_tenants}")
+        if max_positions < 1:
+            raise ValueError(f"max_positions must be >= 1, got {max_positions}")
+        self.max_tenants = max_tenants
+        self.max_positions = max_positions
+        self._tenants: set[str] = set()
+        self._lock = threading.Lock()
+        self.registry = CollectorRegistry()
+        p, reg, t = "agentspec:", self.registry, ["tenant"]
+        self.num_drafts = Counter(p + "spec_decode_num_drafts", "Steps that verified a draft.", t, registry=reg)
+        self.num_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens verified.", t, registry=reg)
+        self.num_accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", t,
+                                           registry=reg)
+        self.num_draft_tokens_per_pos = Counter(
+            p + "spec_decode_num_draft_tokens_per_pos", "Steps whose draft reached each position.",
+            ["tenant", "position"], registry=reg)
+        self.num_accepted_tokens_per_pos = Counter(
+            p + "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens at each position.",
+            ["tenant", "position"], registry=reg)
+        self.request_success = Counter(p + "request_success", "Finished requests by finish reason.",
+                                       ["tenant", "finish_reason"], registry=reg)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed.", t, registry=reg)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", t, registry=reg)
+        self.time_to_first_token = Histogram(
+            p + "time_to_first_token_seconds", "Time to first token.", t, registry=reg,
+            buckets=[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0])
+        self.e2e_request_latency = Histogram(
+            p + "e2e_request_latency_seconds", "Request arrival to last token.", t, registry=reg,
+            buckets=[0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                     240.0, 480.0, 960.0, 1920.0, 7680.0])
+        self.num_requests_running = Gauge(p + "num_requests_running", "Requests in flight.", t, registry=reg)
+
+    def tenant_label(self, tenant: str) -> str:
+        """``tenant``, or ``"other"`` once ``max_tenants`` other tenants have been seen."""
+        with self._lock:
+            if tenant in self._tenants:
+                return tenant
+            if len(self._tenants) < self.max_tenants:
+                self._tenants.add(tenant)
+                return tenant
+            return "other"
+
+    def request_started(self, tenant: str) -> None:
+        self.num_requests_running.labels(self.tenant_label(tenant)).inc()
+
+    def request_finished(self, tenant: str) -> None:
+        self.num_requests_running.labels(self.tenant_label(tenant)).dec()
+
+    @contextmanager
+    def running(self, tenant: str) -> Iterator[None]:
+        """Counts a request in ``num_requests_running`` while the block runs."""
+        self.request_started(tenant)
+        try:
+            yield
+        finally:
+            self.request_finished(tenant)
+
+    def observe(self, record: AcceptanceRecord) -> None:
+        """Counts one finished request (``record`` as written to the log)."""
+        t = self.tenant_label(record.tenant)
+        self.request_success.labels(t, record.finish_reason).inc()
+        self.prompt_tokens.labels(t).inc(record.prompt_tokens)
+        self.generation_tokens.labels(t).inc(record.completion_tokens)
+        self.time_to_first_token.labels(t).observe(record.ttft_ms / 1e3)
+        self.e2e_request_latency.labels(t).observe(record.e2e_ms / 1e3)
+        self.num_drafts.labels(t).inc(record.drafts)
+        self.num_draft_tokens.labels(t).inc(record.draft_tokens)
+        self.num_accepted_tokens.labels(t).inc(record.accepted_tokens)
+        for i, n in enumerate(record.drafted_per_pos[: self.max_positions]):
+            self.num_draft_tokens_per_pos.labels(t, str(i)).inc(n)
+        for i, n in enumerate(record.accepted_per_pos[: self.max_positions]):
+            self.num_accepted_tokens_per_pos.labels(t, str(i)).inc(n)
+
+    def render(self) -> tuple[bytes, str]:
+        """``(body, content_type)`` for ``GET /metrics``."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,361 @@
+"""Acceptance records, the per-tenant JSONL sink, Prometheus metrics and ``agentspec stats``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from agentspec.engine.base import GenerationStats
+from agentspec.telemetry import (
+    AcceptanceRecord,
+    Metrics,
+    ReadReport,
+    TenantLogSink,
+    parse_since,
+    per_position_counts,
+    read_records,
+    record_from_stats,
+    summarize,
+    validate_tenant,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class _Stats(GenerationStats, kw_only=True):
+    """GenerationStats with per-step draft depths, whether or not the engine's has them yet."""
+
+    draft_depths: list[int] = []
+
+
+def make_record(i: int = 0, *, tenant: str = "acme", route: str = "default", ts: float | None = None,
+                **fields) -> AcceptanceRecord:
+    stats = _Stats(prompt_tokens=100 + i, completion_tokens=20, spec_enabled=True, spec_reason="greedy",
+                   steps=4, draft_tokens=9, accepted_tokens=5, acceptance_lengths=[4, 1, 3, 1],
+                   draft_depths=[4, 0, 3, 2], draft_sources={"suffix:request": 2, "suffix:workspace": 1},
+                   prefill_seconds=0.05, seconds=0.5 + i / 1000)
+    if ts is not None:
+        fields["ts"] = ts
+    return record_from_stats(stats, request_id=f"req-{i}", tenant=tenant, route=route, **fields)
+
+
+# ---- records ---------------------------------------------------------------------------------
+
+
+def test_record_round_trips():
+    rec = make_record(7, session="s1", model="smollm2", endpoint="apply", finish_reason="length")
+    line = msgspec.json.encode(rec)
+    assert b"\n" not in line
+    back = msgspec.json.decode(line, type=AcceptanceRecord)
+    assert back == rec
+    assert back.time.endswith("Z") and back.time.startswith(time.strftime("%Y", time.gmtime(rec.ts)))
+    bare = AcceptanceRecord(request_id="r", tenant="t")  # every default
+    assert msgspec.json.decode(msgspec.json.encode(bare), type=AcceptanceRecord) == bare
+    assert bare.route == "default" and bare.mat == 0.0 and bare.drafted_per_pos == [] and bare.ts > 0
+
+
+def test_per_position_counts_from_stats():
+    # steps: depth 4 accepted 3 | no draft | depth 3 accepted 2 | depth 2 accepted 0
+    rec = make_record()
+    assert rec.drafted_per_pos == [3, 3, 2, 1]
+    assert rec.accepted_per_pos == [2, 2, 1, 0]
+    assert rec.acceptance_per_pos == pytest.approx([2 / 3, 2 / 3, 0.5, 0.0])
+    assert rec.mat == pytest.approx((4 + 1 + 3 + 1) / 4)
+    assert rec.drafts == 3
+    assert (rec.steps, rec.draft_tokens, rec.accepted_tokens) == (4, 9, 5)
+    assert rec.ttft_ms == pytest.approx(50.0) and rec.e2e_ms == pytest.approx(500.0)
+    assert rec.draft_sources == {"suffix:request": 2, "suffix:workspace": 1}
+    # fields given by the caller win over values derived from the stats
+    assert make_record(ttft_ms=12.5).ttft_ms == 12.5
+
+
+def test_record_without_draft_depths_has_no_per_position_data():
+    stats = GenerationStats(prompt_tokens=5, completion_tokens=3, steps=2, draft_tokens=4, accepted_tokens=1,
+                            acceptance_lengths=[2, 1], draft_sources={"lookahead": 2})
+    if hasattr(stats, "draft_depths"):
+        stats.draft_depths = []  # an engine that did not fill them in
+    rec = record_from_stats(stats, request_id="r", tenant="t")
+    assert rec.drafted_per_pos == rec.accepted_per_pos == rec.acceptance_per_pos == []
+    assert rec.drafts == 2 and rec.mat == 1.5
+    empty = record_from_stats(GenerationStats(prompt_tokens=1), request_id="r", tenant="t")
+    assert empty.mat == 0.0 and empty.steps == 0 and empty.drafts == 0
+
+
+def test_per_position_counts_rejects_inconsistent_steps():
+    with pytest.raises(ValueError, match="differ in length"):
+        per_position_counts([1, 2], [0])
+    with pytest.raises(ValueError, match="depth 1"):
+        per_position_counts([3], [1])
+
+
+def test_tenant_names_are_validated():
+    assert validate_tenant("team-a.b_c9") == "team-a.b_c9"
+    for bad in ["", "a/b", "..", "x" * 65, "tab\t", "ü"]:
+        with pytest.raises(ValueError, match=repr(bad).replace("\\", "\\\\").replace(".", r"\.")):
+            validate_tenant(bad)
+
+
+# ---- sink and reader -------------------------------------------------------------------------
+
+
+def test_sink_writes_one_line_per_record_per_tenant(tmp_path):
+    sink = TenantLogSink(tmp_path / "new" / "logs")  # created when missing
+    recs = [make_record(i, tenant="a" if i % 2 else "b", ts=1000.0 + i) for i in range(6)]
+    for r in recs:
+        sink.write(r)
+    assert sorted(p.name for p in sink.log_dir.iterdir()) == ["a.jsonl", "b.jsonl"]
+    assert len(sink.path("a").read_bytes().splitlines()) == 3
+    assert list(read_records(sink.log_dir)) == recs  # merged across tenants by ts
+    assert [r.request_id for r in read_records(sink.log_dir, tenant="a")] == ["req-1", "req-3", "req-5"]
+    assert list(read_records(sink.log_dir, tenant="nobody")) == []
+    assert [r.request_id for r in read_records(sink.log_dir, since=1004.0)] == ["req-4", "req-5"]
+    with pytest.raises(ValueError, match="'../x'"):
+        sink.write(make_record(tenant="../x"))
+    with pytest.raises(FileNotFoundError, match="missing"):
+        read_records(tmp_path / "missing")
+
+
+def test_rotation_keeps_backups_and_loses_no_lines(tmp_path):
+    line_bytes = len(msgspec.json.encode(make_record(0))) + 1
+    sink = TenantLogSink(tmp_path, max_bytes=3 * line_bytes + 10, backups=20)
+    recs = [make_record(i, ts=2000.0 + i) for i in range(30)]
+    for r in recs:
+        sink.write(r)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 10 and "acme.jsonl.9" in files
+    assert all(p.stat().st_size <= sink.max_bytes for p in tmp_path.iterdir())
+    assert list(read_records(tmp_path)) == recs  # every line, in order across rotated files
+
+    small = TenantLogSink(tmp_path / "small", max_bytes=3 * line_bytes + 10, backups=2)
+    for r in recs:
+        small.write(r)
+    assert sorted(p.name for p in small.log_dir.iterdir()) == ["acme.jsonl", "acme.jsonl.1", "acme.jsonl.2"]
+    kept = list(read_records(small.log_dir))
+    assert kept == recs[-len(kept):] and len(kept) == 9  # the newest, contiguous; older files dropped
+
+
+def test_concurrent_writers_produce_whole_lines(tmp_path):
+    line_bytes = len(msgspec.json.encode(make_record(0))) + 1
+    sink = TenantLogSink(tmp_path, max_bytes=40 * line_bytes, backups=100)
+    n_threads, per_thread = 8, 40
+
+    def writer(k: int) -> None:
+        for i in range(per_thread):
+            sink.write(make_record(k * 1000 + i, tenant=f"t{k % 2}"))
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    decoder = msgspec.json.Decoder(AcceptanceRecord)
+    ids = []
+    for p in tmp_path.iterdir():
+        data = p.read_bytes()
+        assert data.endswith(b"\n")
+        ids += [decoder.decode(line).request_id for line in data.splitlines()]
+    assert sorted(ids) == sorted(f"req-{k * 1000 + i}" for k in range(n_threads) for i in range(per_thread))
+    report = ReadReport()
+    assert len(list(read_records(tmp_path, report=report))) == n_threads * per_thread and report.skipped == 0
+
+
+def test_torn_last_line_is_skipped_and_counted(tmp_path):
+    sink = TenantLogSink(tmp_path)
+    for i in range(3):
+        sink.write(make_record(i, ts=3000.0 + i))
+    whole = msgspec.json.encode(make_record(3))
+    with open(sink.path("acme"), "ab") as f:
+        f.write(whole[: len(whole) // 2])  # a write cut short by a crash
+    report = ReadReport()
+    assert [r.request_id for r in read_records(tmp_path, report=report)] == ["req-0", "req-1", "req-2"]
+    assert report.skipped == 1 and report.skipped_at == [f"{sink.path('acme')}:4"] and report.files == 1
+    sink.write(make_record(4, ts=3004.0))  # starts a fresh line after the torn one
+    report = ReadReport()
+    assert [r.request_id for r in read_records(tmp_path, report=report)][-1] == "req-4"
+    assert report.skipped == 1 and report.records == 4
+
+
+_KILLED_WRITER = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("agentspec_telemetry", sys.argv[1])
+mod = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = mod
+spec.loader.exec_module(mod)
+sink = mod.TenantLogSink(sys.argv[2], max_bytes=20000, backups=1000)
+i = 0
+while True:
+    sink.write(mod.AcceptanceRecord(request_id=f"r{i}", tenant="k", drafted_per_pos=list(range(50))))
+    i += 1
+    if i == 50:
+        print("ready", flush=True)
+"""
+
+
+def test_writer_killed_with_sigkill_leaves_a_parseable_log(tmp_path):
+    # the module is loaded by path so the child does not import torch (agentspec/__init__)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(REPO / "agentspec" / "telemetry.py"),
+                             str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    report = ReadReport()
+    ids = [r.request_id for r in read_records(tmp_path, report=report)]
+    assert len(ids) >= 50 and report.skipped <= 1
+    assert ids == [f"r{i}" for i in range(len(ids))]  # nothing lost before the last line, across rotations
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+
+def _samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in metrics.registry.collect() for s in fam.samples}
+
+
+def test_metrics_names_and_values():
+    m = Metrics()
+    with m.running("acme"):
+        assert _samples(m)[("agentspec:num_requests_running", (("tenant", "acme"),))] == 1
+        m.observe(make_record())
+    m.observe(make_record(finish_reason="length"))
+    body, content_type = m.render()
+    assert content_type.startswith("text/plain")
+    text = body.decode()
+    for name in ["agentspec:spec_decode_num_drafts_total", "agentspec:spec_decode_num_draft_tokens_total",
+                 "agentspec:spec_decode_num_accepted_tokens_total",
+                 "agentspec:spec_decode_num_accepted_tokens_per_pos_total",
+                 "agentspec:spec_decode_num_draft_tokens_per_pos_total", "agentspec:request_success_total",
+                 "agentspec:prompt_tokens_total", "agentspec:generation_tokens_total",
+                 "agentspec:time_to_first_token_seconds_bucket", "agentspec:e2e_request_latency_seconds_sum",
+                 "agentspec:num_requests_running"]:
+        assert f"\n{name}{{" in text, name
+    s = _samples(m)
+    acme = (("tenant", "acme"),)
+    assert s[("agentspec:spec_decode_num_drafts_total", acme)] == 6
+    assert s[("agentspec:spec_decode_num_draft_tokens_total", acme)] == 18
+    assert s[("agentspec:spec_decode_num_accepted_tokens_total", acme)] == 10
+    per_pos = "agentspec:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [s[(per_pos, (("position", str(p)), ("tenant", "acme")))] for p in range(4)] == [4, 4, 2, 0]
+    assert s[("agentspec:request_success_total", (("finish_reason", "length"), ("tenant", "acme")))] == 1
+    assert s[("agentspec:prompt_tokens_total", acme)] == 200
+    assert s[("agentspec:e2e_request_latency_seconds_count", acme)] == 2
+    assert s[("agentspec:num_requests_running", acme)] == 0
+
+
+def test_metrics_bound_tenants_and_positions():
+    m = Metrics(max_tenants=3, max_positions=5)
+    for k in range(10):
+        m.observe(make_record(tenant=f"t{k}", drafted_per_pos=list(range(1, 20)), accepted_per_pos=[1] * 19))
+    m.observe(make_record(tenant="t1"))  # a tenant seen early keeps its label
+    tenants = {dict(labels)["tenant"] for (_, labels) in _samples(m)}
+    assert tenants == {"t0", "t1", "t2", "other"}
+    s = _samples(m)
+    assert s[("agentspec:request_success_total", (("finish_reason", "stop"), ("tenant", "other")))] == 7
+    assert s[("agentspec:request_success_total", (("finish_reason", "stop"), ("tenant", "t1")))] == 2
+    positions = {dict(labels).get("position") for (_, labels) in s} - {None}
+    assert positions == {"0", "1", "2", "3", "4"}
+    with pytest.raises(ValueError, match="max_tenants"):
+        Metrics(max_tenants=0)
+
+
+# ---- summaries and the CLI -------------------------------------------------------------------
+
+
+def test_parse_since():
+    now = 1_000_000.0
+    assert parse_since("15m", now=now) == now - 900
+    assert parse_since("2h", now=now) == now - 7200
+    assert parse_since("7d", now=now) == now - 7 * 86400
+    assert parse_since("2026-11-29T10:00+00:00") == 1795946400.0
+    assert parse_since("2026-11-29") == time.mktime((2026, 11, 29, 0, 0, 0, 0, 0, -1))  # naive: local time
+    for bad in ["yesterday", "15x", "-2h", ""]:
+        with pytest.raises(ValueError, match=repr(bad)):
+            parse_since(bad)
+    assert abs(parse_since("0s") - time.time()) < 5  # default now
+
+
+def test_summarize_groups_by_tenant_and_route():
+    recs = [make_record(i, tenant=t, route=r) for i, (t, r) in enumerate(
+        [("a", "default"), ("a", "apply"), ("a", "apply"), ("b", "default")])]
+    recs.append(make_record(9, tenant="b", spec_enabled=False, draft_tokens=0, accepted_tokens=0, steps=0,
+                            mat=0.0, drafted_per_pos=[], accepted_per_pos=[]))
+    s = summarize(recs)
+    assert [(r["tenant"], r["route"], r["requests"]) for r in s["routes"]] == [
+        ("a", "apply", 2), ("a", "default", 1), ("b", "default", 2)]
+    b = s["tenants"][1]
+    assert b["spec_on_pct"] == 50 and b["mat"] == pytest.approx(2.25) and b["acceptance_rate"] == pytest.approx(5 / 9)
+    assert s["tenants"][0]["acceptance_per_pos"] == pytest.approx([2 / 3, 2 / 3, 0.5, 0.0])
+    assert [r["route"] for r in s["by_route"]] == ["apply", "default"]
+    assert summarize([]) == {"routes": [], "tenants": [], "by_route": []}
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """Runs ``agentspec stats`` a few ways on one generated log dir, in parallel (each start imports torch)."""
+    root = tmp_path_factory.mktemp("stats")
+    sink = TenantLogSink(root / "logs")
+    now = time.time()
+    for i in range(12):
+        tenant, route = ("alpha", "apply" if i % 3 else "default") if i < 8 else ("beta", "chat")
+        sink.write(make_record(i, tenant=tenant, route=route, ts=now - 60 * (12 - i)))
+    sink.write(make_record(99, tenant="beta", route="old", ts=now - 30 * 86400))
+    with open(sink.path("beta"), "ab") as f:
+        f.write(b'{"ts": 1.0, "request_')  # torn last line
+    runs = {
+        "table": ["--log-dir", str(root / "logs")],
+        "json": ["--log-dir", str(root / "logs"), "--json", "--since", "7d", "--plot", str(root / "plot.png")],
+        "bad_since": ["--log-dir", str(root / "logs"), "--since", "yesterdayish"],
+        "missing": ["--log-dir", str(root / "nope")],
+    }
+    procs = {k: subprocess.Popen([sys.executable, "-m", "agentspec", "stats", *a], cwd=REPO, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for k, a in runs.items()}
+    out = {}
+    for k, p in procs.items():
+        stdout, stderr = p.communicate(timeout=120)
+        out[k] = (p.returncode, stdout, stderr)
+    out["root"] = root
+    return out
+
+
+def test_stats_cli_prints_rows_per_tenant_and_route(cli_runs):
+    rc, stdout, stderr = cli_runs["table"]
+    assert rc == 0, stderr
+    lines = stdout.splitlines()
+    assert lines[0].split()[:4] == ["tenant", "route", "requests", "spec%"]
+    rows = {tuple(line.split()[:3]) for line in lines[1:]}
+    assert {("alpha", "apply", "5"), ("alpha", "default", "3"), ("alpha", "*", "8"), ("beta", "chat", "4"),
+            ("beta", "old", "1"), ("beta", "*", "5")} == rows
+    assert "skipped 1 unparseable line" in stderr
+
+
+def test_stats_cli_json_and_plot(cli_runs):
+    rc, stdout, stderr = cli_runs["json"]
+    assert rc == 0, stderr
+    data = json.loads(stdout)
+    assert data["records"] == 12 and data["skipped_lines"] == 1  # --since 7d drops the month-old record
+    assert [(r["tenant"], r["route"], r["requests"]) for r in data["routes"]] == [
+        ("alpha", "apply", 5), ("alpha", "default", 3), ("beta", "chat", 4)]
+    assert data["tenants"][0]["mat"] == pytest.approx(2.25)
+    png = cli_runs["root"] / "plot.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_stats_cli_errors(cli_runs):
+    rc, stdout, stderr = cli_runs["bad_since"]
+    assert rc == 2 and "'yesterdayish'" in stderr and "Traceback" not in stderr
+    rc, stdout, stderr = cli_runs["missing"]
+    assert rc != 0 and "log directory not found" in stderr and "nope" in stderr and "Traceback" not in stderr
