@@ -1,8 +1,4 @@
-"""Command line: ``agentspec generate``, ``agentspec demo`` and ``agentspec index``.
-
-The server (``serve``), log statistics (``stats``) and benchmarks (``bench``) arrive with their
-issues.
-"""
+"""Command line: ``agentspec serve | generate | demo | index | stats``."""
 
 from __future__ import annotations
 
@@ -94,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--json", action="store_true", help="print the summary as one JSON object (last line)")
     x.add_argument("--model", help="tokenize for this model (default: bundled SmolLM2-135M-Instruct)")
 
+    sv = sub.add_parser("serve", help="run the OpenAI-compatible server (embedded engine, speculation on)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    sv.add_argument("--port", type=_port, default=8000, help="TCP port (default: 8000)")
+    sv.add_argument("--repo", help="workspace to index and watch for drafting (default: none; `make run` passes .)")
+    sv.add_argument("--config", help="server TOML file: tenants, API keys, routes, log_dir (see README)")
+    sv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                    help="uvicorn's log level (default: warning)")
+    sv.add_argument("--insecure-no-auth", action="store_true",
+                    help="allow binding a non-loopback address without API keys (no --config tenants)")
+    _engine_args(sv)
+
     st = sub.add_parser("stats", help="acceptance statistics per tenant and route from the request logs")
     st.add_argument("--log-dir", default="logs", help="folder holding <tenant>.jsonl logs (default: logs)")
     st.add_argument("--tenant", type=_tenant_name, help="only this tenant")
@@ -101,6 +108,33 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
     st.add_argument("--plot", metavar="PNG", help="also draw acceptance by position and MAT by route to PNG")
     return parser
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--port must be an integer, got {text!r}") from None
+    if not 0 < v < 65536:
+        raise argparse.ArgumentTypeError(f"--port must be in 1..65535, got {v}")
+    return v
+
+
+def cmd_serve(args) -> int:
+    from .config import load_server_config
+    from .server import build_state, is_loopback, serve
+
+    config = load_server_config(args.config)
+    if not config.tenants and not is_loopback(args.host) and not args.insecure_no_auth:
+        raise SystemExit(f"agentspec serve: refusing to serve {args.host!r} without API keys: configure tenants "
+                         "with api_keys in --config, bind 127.0.0.1, or pass --insecure-no-auth")
+    if args.repo is not None and not Path(args.repo).is_dir():
+        raise SystemExit(f"agentspec serve: --repo is not a directory: {args.repo!r}")
+    state = build_state(config, repo=args.repo,
+                        engine_options={"model": args.model, "device": args.device, "dtype": args.dtype,
+                                        "deterministic": args.deterministic})
+    serve(state, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
 
 
 def _tenant_name(text: str) -> str:
@@ -253,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_demo(args)
         if args.command == "index":
             return cmd_index(args)
+        if args.command == "serve":
+            return cmd_serve(args)
         if args.command == "stats":
             return cmd_stats(args)
     except AgentSpecError as e:

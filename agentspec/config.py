@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import tomllib
+from pathlib import Path
+from typing import Annotated
+
 import msgspec
 
 from .errors import ConfigError
 
-__all__ = ["SpecConfig"]
+__all__ = ["RouteRule", "RouteWhen", "ServerConfig", "ServerSection", "SpecConfig", "TenantConfig",
+           "load_server_config"]
 
 
 class SpecConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -33,3 +39,120 @@ class SpecConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"SpecConfig.row_cost must be None or a number in [0, 10], got {self.row_cost!r}")
         if not 0.0 <= float(self.min_prob) <= 1.0:
             raise ConfigError(f"SpecConfig.min_prob must be in [0, 1], got {self.min_prob!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Server configuration: one TOML file (``agentspec serve --config FILE``); see README "Configuration".
+
+_NAME = r"^[A-Za-z0-9._-]{1,64}$"
+Name = Annotated[str, msgspec.Meta(pattern=_NAME)]
+ENDPOINTS = ("chat.completions", "completions", "apply")
+DRAFTERS = ("suffix", "lookahead", "prompt_lookup")
+
+
+class ServerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    # where per-tenant acceptance logs go (<log_dir>/<tenant>.jsonl); relative to the working dir
+    log_dir: str = "logs"
+    # rotate a tenant's log when it grows past this many bytes; keep this many old files
+    log_max_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 64 << 20
+    log_backups: Annotated[int, msgspec.Meta(ge=0, le=100)] = 5
+    # request bodies larger than this are refused with 413
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 8 << 20
+    # a request still running (queued or generating) after this many seconds is stopped
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    # requests waiting for the engine beyond this many get 503 (the engine runs one at a time)
+    max_queue: Annotated[int, msgspec.Meta(ge=1)] = 256
+    # max_tokens when a request gives none
+    default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    # at most this many tenants get their own Prometheus label value; the rest share "other"
+    metrics_max_tenants: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 32
+    # the model id clients pass; default: the checkpoint's file or folder name
+    model_name: str | None = None
+
+
+class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    # tenant name: log file name and metrics label, so a restricted alphabet
+    name: Name
+    # bearer tokens that identify this tenant (Authorization: Bearer <key>)
+    api_keys: list[Annotated[str, msgspec.Meta(min_length=8)]] = []
+    # repository this tenant's requests draft from and /v1/apply `path`s resolve in (default: --repo)
+    workspace: str | None = None
+
+
+class RouteWhen(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    # every given condition must hold; lists match any of their values
+    endpoint: str | list[str] | None = None
+    tenant: str | list[str] | None = None
+    model: str | list[str] | None = None
+    min_temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    max_temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
+
+
+class RouteRule(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A per-route rule: the first rule whose ``when`` matches a request decides how it speculates."""
+
+    # shown in responses, logs and metrics
+    name: Name
+    # no `when`: the rule matches every request
+    when: RouteWhen = msgspec.field(default_factory=RouteWhen)
+    # false turns speculation off for matching requests (the reason is recorded)
+    speculation: bool = True
+    # max draft tokens per step (None: SpecConfig's default)
+    budget: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
+    # which drafters propose: "suffix" (default), "lookahead" (suffix + lookahead n-grams), "prompt_lookup"
+    drafters: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        for field, values in (("endpoint", self.when.endpoint),):
+            for v in [values] if isinstance(values, str) else values or []:
+                if v not in ENDPOINTS:
+                    raise ConfigError(f"route {self.name!r}: when.{field} {v!r} is not one of {list(ENDPOINTS)}")
+        for d in self.drafters or []:
+            if d not in DRAFTERS:
+                raise ConfigError(f"route {self.name!r}: unknown drafter {d!r} (known: {list(DRAFTERS)})")
+        if self.drafters is not None and not self.drafters:
+            raise ConfigError(f"route {self.name!r}: drafters must not be empty (use speculation = false)")
+
+
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    server: ServerSection = msgspec.field(default_factory=ServerSection)
+    # no tenants: one tenant "default" and no API key (loopback only)
+    tenants: list[TenantConfig] = []
+    routes: list[RouteRule] = []
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tenants]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ConfigError(f"tenant names must be unique, repeated: {sorted(dup)}")
+        keys = [k for t in self.tenants for k in t.api_keys]
+        if len(keys) != len(set(keys)):
+            raise ConfigError("an API key is listed for more than one tenant (or twice)")
+        routes = [r.name for r in self.routes]
+        dup = {n for n in routes if routes.count(n) > 1}
+        if dup:
+            raise ConfigError(f"route names must be unique, repeated: {sorted(dup)}")
+        for r in self.routes:
+            ts = r.when.tenant
+            for t in [ts] if isinstance(ts, str) else ts or []:
+                if self.tenants and t not in names:
+                    raise ConfigError(f"route {r.name!r}: when.tenant {t!r} is not a configured tenant")
+
+
+def load_server_config(path: str | os.PathLike | None) -> ServerConfig:
+    """Read and validate a server TOML file; None gives the defaults. Errors name the field."""
+    if path is None:
+        return ServerConfig()
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    try:
+        return msgspec.convert(data, ServerConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"config file {str(path)!r}: {e}") from None

@@ -29,6 +29,7 @@ class GenerationStats(msgspec.Struct, kw_only=True):
     draft_tokens: int = 0          # proposed and verified
     accepted_tokens: int = 0       # draft tokens that passed verification
     acceptance_lengths: list[int] = []  # per step: accepted + 1 (the bonus token)
+    draft_depths: list[int] = []   # per step: depth of the verified draft tree (0: no draft)
     mean_acceptance_length: float = 0.0  # MAT over steps
     draft_sources: dict[str, int] = {}   # steps whose draft came from each source
     prefill_seconds: float = 0.0   # time to first token

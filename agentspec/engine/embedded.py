@@ -13,7 +13,7 @@ import operator
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -243,10 +243,13 @@ class EmbeddedEngine(Engine):
         spec: SpecConfig | None = DEFAULT_SPEC,
         drafter: Drafter | None = None,
         tenant: str = "default",
+        should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[list[int]]:
         """Yield the newly committed token ids after every step; return the ``Generation``.
 
         Validation happens here, before the first ``next()``: bad input raises at once.
+        ``should_stop`` is called before every step; when it returns True the generation ends
+        with finish_reason "cancelled" (a server uses it for disconnects and timeouts).
         """
         ids = self.encode(prompt)
         _check_int("max_tokens", max_tokens, lo=1)
@@ -265,10 +268,11 @@ class EmbeddedEngine(Engine):
                 f"prompt of {len(ids)} tokens plus max_tokens={max_tokens} exceeds the context window of "
                 f"{self.max_context} tokens", param="max_tokens" if len(ids) < self.max_context else "prompt")
         return self._run(ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                         seed=seed, stops=stops, spec=spec, drafter=drafter or self.drafter, tenant=tenant)
+                         seed=seed, stops=stops, spec=spec, drafter=drafter or self.drafter, tenant=tenant,
+                         should_stop=should_stop)
 
     def _run(self, ids: list[int], *, max_tokens, temperature, top_p, top_k, seed, stops, spec, drafter,
-             tenant) -> Iterator[list[int]]:
+             tenant, should_stop=None) -> Iterator[list[int]]:
         if spec is None:
             spec_on, reason = False, "disabled by request (spec=None)"
         elif temperature > 0:
@@ -316,6 +320,9 @@ class EmbeddedEngine(Engine):
                     if new:
                         yield new
                     if done:
+                        break
+                    if should_stop is not None and should_stop():
+                        finish = "cancelled"
                         break
                     if spec_on:
                         td = time.perf_counter()
@@ -407,6 +414,7 @@ class EmbeddedEngine(Engine):
                 mask[i, start + i] = True
             logits = self.model(tok_t, pos_t, cache, mask)[:T]
         stats.steps += 1
+        stats.draft_depths.append(max(depths) if draft.token_ids else 0)
         if temperature > 0:  # plain sampling (speculation is off for sampled requests)
             tok = self._pick(logits[0], temperature, top_p, top_k, gen)
             cache.commit([0])

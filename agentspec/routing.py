@@ -1,0 +1,58 @@
+"""Per-route rules: which speculation one request gets.
+
+Rules are evaluated per request, in the order the config lists them; the first whose ``when``
+matches decides. No match: route "default", speculation on with ``SpecConfig()``'s defaults.
+Speculation is then still subject to what the engine can do exactly (sampled requests are
+verified greedily nowhere; the engine records why it turned speculation off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from .config import RouteRule, SpecConfig
+
+__all__ = ["Route", "Router"]
+
+
+class Route(msgspec.Struct, frozen=True, kw_only=True):
+    name: str                   # the matched rule, or "default"
+    spec: SpecConfig | None     # None: speculation off
+    reason: str                 # why speculation is off ("" when on)
+    drafters: tuple[str, ...]   # which drafters propose
+
+
+def _matches(value, want) -> bool:
+    if want is None:
+        return True
+    return value in ([want] if isinstance(want, str) else want)
+
+
+class Router:
+    def __init__(self, rules: Sequence[RouteRule] = ()) -> None:
+        self.rules = list(rules)
+
+    def resolve(self, *, endpoint: str, tenant: str, model: str, temperature: float) -> Route:
+        for rule in self.rules:
+            w = rule.when
+            if not (_matches(endpoint, w.endpoint) and _matches(tenant, w.tenant) and _matches(model, w.model)):
+                continue
+            if w.min_temperature is not None and temperature < w.min_temperature:
+                continue
+            if w.max_temperature is not None and temperature > w.max_temperature:
+                continue
+            return self._route(rule)
+        return Route(name="default", spec=SpecConfig(), reason="", drafters=("suffix",))
+
+    @staticmethod
+    def _route(rule: RouteRule) -> Route:
+        drafters = tuple(rule.drafters or ("suffix",))
+        if not rule.speculation:
+            return Route(name=rule.name, spec=None, reason=f"route {rule.name!r}: speculation = false",
+                         drafters=drafters)
+        spec = SpecConfig() if rule.budget is None else SpecConfig(budget=rule.budget)
+        if spec.budget == 0:
+            return Route(name=rule.name, spec=None, reason=f"route {rule.name!r}: budget = 0", drafters=drafters)
+        return Route(name=rule.name, spec=spec, reason="", drafters=drafters)

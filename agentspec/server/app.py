@@ -1,0 +1,720 @@
+"""The ASGI app: OpenAI-compatible completions, fast apply, tenants, routes, logs and metrics.
+
+Endpoints (DESIGN.md section 8):
+  GET  /health, /metrics, /v1/models, /v1/models/{id}
+  POST /v1/chat/completions, /v1/completions, /v1/apply
+
+Every error is an OpenAI envelope ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
+status for bad input; a request that got as far as the engine leaves one record in its tenant's
+acceptance log (``<log_dir>/<tenant>.jsonl``), whatever its end (done, cancelled, timed out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import hmac
+import re
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route as HTTPRoute
+
+from ..config import ServerConfig
+from ..errors import ContextLengthError, InvalidRequestError
+from ..routing import Route, Router
+from .protocol import APIError, ApplyRequest, ChatCompletionRequest, CompletionRequest, decode_body, error_body
+from .worker import Job, Worker
+
+__all__ = ["ServerState", "Tenant", "create_app"]
+
+_json = msgspec.json.Encoder()
+
+
+@dataclass
+class Tenant:
+    name: str
+    workspace: Any = None          # agentspec.Workspace or None
+    root: Path | None = None
+
+
+@dataclass
+class ServerState:
+    """Everything the handlers share. Built by ``agentspec.server.build_state``."""
+
+    engine: Any
+    config: ServerConfig
+    tenants: dict[str, Tenant]
+    router: Router
+    drafters: dict[str, Any]       # route drafter sets ("suffix", "lookahead", ...) -> Drafter
+    index: Any                     # the shared SuffixIndex (predictions are added to it per request)
+    sink: Any                      # telemetry.TenantLogSink
+    metrics: Any                   # telemetry.Metrics
+    model_id: str
+    require_key: bool
+    keys: dict[str, str] = field(default_factory=dict)   # api key -> tenant
+    worker: Worker | None = None
+    started: float = field(default_factory=time.time)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+def _error(e: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _authenticate(state: ServerState, request: Request) -> Tenant:
+    if not state.require_key:
+        return state.tenants["default"]
+    auth = request.headers.get("authorization", "")
+    scheme, _, key = auth.partition(" ")
+    if not auth:
+        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", type="authentication_error",
+                       code="invalid_api_key")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise APIError(401, "malformed Authorization header: expected 'Bearer <key>'", type="authentication_error",
+                       code="invalid_api_key")
+    key = key.strip()
+    for known, tenant in state.keys.items():  # constant-time compare per key
+        if hmac.compare_digest(known.encode(), key.encode()):
+            return state.tenants[tenant]
+    raise APIError(401, "invalid API key", type="authentication_error", code="invalid_api_key")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None:
+        try:
+            n = int(length)
+        except ValueError:
+            raise APIError(400, f"invalid Content-Length header: {length!r}", code="invalid_header") from None
+        if n > limit:
+            raise APIError(413, f"request body of {n} bytes exceeds the limit of {limit} bytes",
+                           code="request_too_large")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "client disconnected while sending the body", code="client_disconnect") from None
+    body = b"".join(chunks)
+    if not body:
+        raise APIError(400, "request body is empty: expected a JSON object", code="invalid_json")
+    return body  # parsed as JSON whatever the Content-Type says (curl -d sends form-urlencoded)
+
+
+def _check_model(state: ServerState, model: str | None) -> str:
+    if model is None or model == state.model_id:
+        return state.model_id
+    raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_id!r}",
+                   type="not_found_error", param="model", code="model_not_found")
+
+
+def _text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
+_TAG = {t: re.compile(rf"<{t}>\n?(.*?)\n?</{t}>", re.S) for t in ("instruction", "code", "update")}
+APPLY_SYSTEM = ("You merge code edits. Apply the update to the original code and reply with the complete "
+                "merged code only: no explanations, no code fences.")
+
+
+def apply_prompt(code: str, update: str | None, instruction: str | None) -> str:
+    """The fast-apply user message (Morph/Relace style tags)."""
+    parts = []
+    if instruction:
+        parts.append(f"<instruction>{instruction}</instruction>")
+    parts.append(f"<code>{code}</code>")
+    if update:
+        parts.append(f"<update>{update}</update>")
+    return "\n".join(parts)
+
+
+def strip_fences(text: str) -> str:
+    """Drop a Markdown code fence around the whole answer, if the model added one."""
+    s = text.strip("\n")
+    if s.startswith("```"):
+        first_nl = s.find("\n")
+        s = s[first_nl + 1:] if first_nl >= 0 else ""
+        if s.rstrip().endswith("```"):
+            s = s.rstrip()[:-3]
+        return s.rstrip("\n") + ("\n" if text.endswith("\n") or s else "")
+    return text
+
+
+def prediction_usage(pred: Sequence[int], out: Sequence[int]) -> tuple[int, int]:
+    """(accepted, rejected) prediction tokens: those of the prediction that appear in the
+    completion in order (matching blocks of a diff), and the rest."""
+    if not pred:
+        return 0, 0
+    sm = difflib.SequenceMatcher(None, list(pred), list(out), autojunk=False)
+    accepted = sum(b.size for b in sm.get_matching_blocks())
+    return accepted, len(pred) - accepted
+
+
+class TextStream:
+    """Incremental detokenisation that never emits text the final answer will not have: no
+    half UTF-8 characters, nothing a stop string may still claim."""
+
+    def __init__(self, tokenizer, stops: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stops = list(stops)
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, tokens: Sequence[int]) -> str:
+        self.ids.extend(tokens)
+        text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:  # a complete stop string: the answer ends before it
+            text = text[:cut]
+        elif self.hold:
+            text = text[:max(len(text) - self.hold, 0)]
+        if len(text) > len(self.sent) and text.startswith(self.sent):
+            delta, self.sent = text[len(self.sent):], text
+            return delta
+        return ""
+
+    def finish(self, final: str) -> str:
+        delta = final[len(self.sent):] if final.startswith(self.sent) else ""
+        self.sent = final
+        return delta
+
+
+# ---- the request pipeline ------------------------------------------------------------------------
+
+@dataclass
+class Call:
+    """One generation request after parsing, shared by the three endpoints."""
+
+    endpoint: str
+    tenant: Tenant
+    ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    route: Route
+    spec_reason: str                    # set when the request or its route turned speculation off
+    prediction: list[int] | None
+    session: str | None
+    stream: bool
+    include_usage: bool
+    want_stats: bool
+    request_id: str
+    t0: float                           # monotonic time the request arrived
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _resolve(state: ServerState, *, endpoint: str, tenant: Tenant, model: str, ids: list[int], temperature: float,
+             top_p: float | None, top_k: int | None, seed: int | None, stop, max_tokens: int | None,
+             speculation: bool | None, prediction: str | None, session: str | None, stream: bool,
+             include_usage: bool, want_stats: bool, t0: float, prefix: str) -> Call:
+    engine = state.engine
+    route = state.router.resolve(endpoint=endpoint, tenant=tenant.name, model=model, temperature=temperature)
+    reason = route.reason
+    if speculation is False and route.spec is not None:
+        route = Route(name=route.name, spec=None, reason="request: speculation = false", drafters=route.drafters)
+        reason = route.reason
+    room = engine.max_context - len(ids)
+    if room < 1:
+        raise APIError(400, f"prompt of {len(ids)} tokens does not fit the context window of "
+                            f"{engine.max_context} tokens", param="messages" if endpoint == "chat.completions"
+                       else "prompt", code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(state.config.server.default_max_tokens, room)
+    pred_ids = engine.tokenizer.encode(prediction) if prediction else None
+    if isinstance(stop, str):
+        stop = [stop]
+    return Call(endpoint=endpoint, tenant=tenant, ids=ids, max_tokens=max_tokens, temperature=temperature,
+                top_p=1.0 if top_p is None else top_p, top_k=max(top_k or 0, 0), seed=seed, stop=list(stop or []),
+                route=route, spec_reason=reason, prediction=pred_ids, session=session, stream=stream,
+                include_usage=include_usage, want_stats=want_stats,
+                request_id=f"{prefix}-{secrets.token_hex(12)}", t0=t0)
+
+
+def _submit(state: ServerState, call: Call) -> Job:
+    """Validate the call against the engine (raises 400s now), then queue it."""
+    engine = state.engine
+    drafter = state.drafters.get("+".join(call.route.drafters)) or state.drafters["suffix"]
+    # validation runs at once; the returned generator starts on the worker thread
+    try:
+        holder: dict[str, Any] = {}
+
+        def make(should_stop):
+            return engine.generate_stream(
+                call.ids, max_tokens=call.max_tokens, temperature=call.temperature, top_p=call.top_p,
+                top_k=call.top_k, seed=call.seed, stop=call.stop or None, spec=call.route.spec, drafter=drafter,
+                tenant=call.tenant.name, should_stop=should_stop)
+
+        holder["probe"] = engine.generate_stream(  # validates; never started, so it holds nothing
+            call.ids, max_tokens=call.max_tokens, temperature=call.temperature, top_p=call.top_p, top_k=call.top_k,
+            seed=call.seed, stop=call.stop or None, spec=call.route.spec, drafter=drafter, tenant=call.tenant.name)
+        holder["probe"].close()
+    except ContextLengthError as e:
+        raise APIError(400, str(e), param=e.param, code="context_length_exceeded") from None
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+
+    doc_id = f"prediction\x1f{call.request_id}"
+
+    def on_start():
+        if call.prediction and state.index is not None:
+            state.index.add_document(doc_id, call.prediction, tenant=call.tenant.name)
+        state.metrics.request_started(call.tenant.name)
+
+    def on_finish(job: Job, kind: str, value: Any):
+        if call.prediction and state.index is not None:
+            state.index.remove_document(doc_id)
+        _record(state, call, job, kind, value)
+
+    job = Job(make, deadline=call.t0 + state.config.server.request_timeout_s, loop=asyncio.get_running_loop(),
+              on_start=on_start, on_finish=on_finish)
+    assert state.worker is not None
+    if not state.worker.submit(job):
+        raise APIError(503, f"server overloaded: {state.config.server.max_queue} requests already waiting; retry later",
+                       type="server_error", code="overloaded")
+    return job
+
+
+def _record(state: ServerState, call: Call, job: Job, kind: str, value: Any) -> None:
+    """One acceptance-log record and the metrics for a finished (or failed) request."""
+    from ..engine.base import GenerationStats
+    from ..telemetry import record_from_stats
+
+    now = time.monotonic()
+    if kind == "done":
+        gen = value
+        stats = gen.stats
+        finish = gen.finish_reason
+        if finish == "cancelled" and job.timed_out:
+            finish = "timeout"
+    else:
+        stats = GenerationStats(prompt_tokens=len(call.ids))
+        finish = {"cancelled": "timeout" if job.timed_out else "cancelled"}.get(kind, "error")
+    if call.spec_reason:
+        stats.spec_reason = call.spec_reason
+    e2e = (now - call.t0) * 1e3
+    ttft = (job.first_token_at - call.t0) * 1e3 if job.first_token_at is not None else e2e
+    extra: dict[str, Any] = {}
+    if kind == "error":
+        extra = {"status_code": 500 if not isinstance(value, InvalidRequestError) else 400,
+                 "error": f"{type(value).__name__}: {value}"}
+    elif finish in ("cancelled", "timeout"):
+        extra = {"status_code": 504 if finish == "timeout" else 499}
+    rec = record_from_stats(
+        stats, request_id=call.request_id, tenant=call.tenant.name, route=call.route.name, endpoint=call.endpoint,
+        session=call.session, model=state.model_id, ttft_ms=round(ttft, 3), e2e_ms=round(e2e, 3),
+        finish_reason=finish, **extra)
+    try:
+        state.sink.write(rec)
+    finally:
+        state.metrics.observe(rec)
+        if job.started_at is not None:
+            state.metrics.request_finished(call.tenant.name)
+
+
+def spec_info(call: Call, stats) -> dict:
+    steps = stats.steps
+    return {
+        "enabled": stats.spec_enabled,
+        "reason": call.spec_reason or stats.spec_reason,
+        "route": call.route.name,
+        "steps": steps,
+        "draft_tokens": stats.draft_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
+        "acceptance_rate": round(stats.accepted_tokens / stats.draft_tokens, 4) if stats.draft_tokens else 0.0,
+        "draft_sources": dict(stats.draft_sources),
+        "prefill_ms": round(stats.prefill_seconds * 1e3, 2),
+        "decode_ms": round(stats.decode_seconds * 1e3, 2),
+        "tokens_per_second": round(stats.tokens_per_second, 2),
+    }
+
+
+def usage(call: Call, completion_ids: Sequence[int]) -> dict:
+    u: dict[str, Any] = {"prompt_tokens": len(call.ids), "completion_tokens": len(completion_ids),
+                         "total_tokens": len(call.ids) + len(completion_ids)}
+    if call.prediction is not None:
+        acc, rej = prediction_usage(call.prediction, completion_ids)
+        u["completion_tokens_details"] = {"accepted_prediction_tokens": acc, "rejected_prediction_tokens": rej}
+    return u
+
+
+def _finish_reason(reason: str) -> str:
+    return reason if reason in ("stop", "length") else "length"
+
+
+async def _collect(request: Request, job: Job):
+    """Wait for a non-streamed job; cancel it if the client goes away."""
+    while True:
+        try:
+            kind, value = await asyncio.wait_for(job.events.get(), timeout=0.5)
+        except TimeoutError:
+            if await request.is_disconnected():
+                job.cancel()
+            continue
+        if kind == "tokens":
+            continue
+        if kind == "done":
+            if value.finish_reason == "cancelled" and job.timed_out:
+                raise APIError(504, "request timed out", type="server_error", code="timeout")
+            return value
+        if kind == "cancelled":
+            if job.timed_out:
+                raise APIError(504, "request timed out while queued", type="server_error", code="timeout")
+            raise APIError(499, "request cancelled", type="server_error", code="cancelled")
+        raise _engine_error(value)
+
+
+def _engine_error(e: Any) -> APIError:
+    if isinstance(e, InvalidRequestError):
+        return APIError(400, str(e), param=e.param, code="invalid_value")
+    print(f"[agentspec] generation failed: {e!r}", file=sys.stderr, flush=True)
+    return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error", code="internal_error")
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+async def _stream_events(job: Job, call: Call, tokenizer, chunk, final) -> AsyncIterator[bytes]:
+    """SSE bytes for a job: ``chunk(text)`` per text delta, ``final(gen, tail)`` at the end."""
+    text = TextStream(tokenizer, call.stop)
+    try:
+        while True:
+            kind, value = await job.events.get()
+            if kind == "tokens":
+                delta = text.push(value)
+                if delta:
+                    yield _sse(chunk(delta))
+                continue
+            if kind == "done":
+                for obj in final(value, text.finish(value.text)):
+                    yield _sse(obj)
+            else:
+                err = (APIError(504, "request timed out", type="server_error", code="timeout") if job.timed_out
+                       else APIError(499, "request cancelled", type="server_error", code="cancelled")
+                       if kind == "cancelled" else _engine_error(value))
+                yield _sse(err.body())
+            yield b"data: [DONE]\n\n"
+            return
+    finally:
+        job.cancel()  # client gone (task cancelled) or done: either way the engine may stop
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# ---- endpoints ---------------------------------------------------------------------------------------
+
+async def chat_completions(request: Request) -> Response:
+    state: ServerState = request.app.state.agentspec
+    t0 = time.monotonic()
+    tenant = _authenticate(state, request)
+    req = decode_body(await _read_body(request, state.config.server.max_body_bytes), ChatCompletionRequest)
+    req.check_unsupported()
+    model = _check_model(state, req.model)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
+                for m in req.messages]
+    prediction = _text(req.prediction.content) if req.prediction is not None else None
+    endpoint = "chat.completions"
+    last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+    code = _TAG["code"].search(last_user)
+    if code and (_TAG["update"].search(last_user) or _TAG["instruction"].search(last_user)):
+        # Morph/Relace-style fast apply in a chat message: the original code is the draft source
+        if prediction is None:
+            prediction = code.group(1)
+        if not any(m["role"] == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": APPLY_SYSTEM})
+    try:
+        ids = state.engine.encode(messages)
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param="messages", code="invalid_value") from None
+    temperature = 1.0 if req.temperature is None else req.temperature
+    call = _resolve(state, endpoint=endpoint, tenant=tenant, model=model, ids=ids, temperature=temperature,
+                    top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop,
+                    max_tokens=req.max_completion_tokens or req.max_tokens, speculation=req.speculation,
+                    prediction=prediction, session=req.prompt_cache_key or req.user, stream=req.stream,
+                    include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                    want_stats=req.spec_stats, t0=t0, prefix="chatcmpl")
+    job = _submit(state, call)
+    base = {"id": call.request_id, "created": call.created, "model": model}
+    if not call.stream:
+        gen = await _collect(request, job)
+        body = {**base, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
+                             "logprobs": None, "finish_reason": _finish_reason(gen.finish_reason)}],
+                "usage": usage(call, gen.token_ids)}
+        if call.want_stats:
+            body["spec"] = spec_info(call, gen.stats)
+        return Response(_json.encode(body), media_type="application/json")
+
+    def chunk(delta: str, *, role: bool = False) -> dict:
+        c = {**base, "object": "chat.completion.chunk",
+             "choices": [{"index": 0, "delta": ({"role": "assistant", "content": delta} if role
+                                                 else {"content": delta}), "logprobs": None, "finish_reason": None}]}
+        if call.include_usage:
+            c["usage"] = None
+        return c
+
+    def final(gen, tail: str):
+        last = {**base, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": tail} if tail else {}, "logprobs": None,
+                             "finish_reason": _finish_reason(gen.finish_reason)}]}
+        if call.want_stats:
+            last["spec"] = spec_info(call, gen.stats)
+        if call.include_usage:
+            last["usage"] = None
+            yield last
+            yield {**base, "object": "chat.completion.chunk", "choices": [], "usage": usage(call, gen.token_ids)}
+        else:
+            yield last
+
+    async def body():
+        yield _sse(chunk("", role=True))
+        async for b in _stream_events(job, call, state.engine.tokenizer, chunk, final):
+            yield b
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+async def completions(request: Request) -> Response:
+    state: ServerState = request.app.state.agentspec
+    t0 = time.monotonic()
+    tenant = _authenticate(state, request)
+    req = decode_body(await _read_body(request, state.config.server.max_body_bytes), CompletionRequest)
+    req.check_unsupported()
+    model = _check_model(state, req.model)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) != 1:
+            raise APIError(400, f"one prompt per request is supported, got a batch of {len(prompt)}", param="prompt",
+                           code="unsupported_parameter")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+        ids = state.engine.tokenizer.encode(prompt)  # a completion prompt is raw text: no chat template
+    elif not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise APIError(400, "prompt must be a string, a list of token ids, or a batch of one of either",
+                       param="prompt", code="invalid_value")
+    else:
+        try:
+            ids = state.engine.encode(list(prompt))
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param="prompt", code="invalid_value") from None
+    temperature = 1.0 if req.temperature is None else req.temperature
+    call = _resolve(state, endpoint="completions", tenant=tenant, model=model, ids=ids, temperature=temperature,
+                    top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop, max_tokens=req.max_tokens,
+                    speculation=req.speculation,
+                    prediction=_text(req.prediction.content) if req.prediction is not None else None,
+                    session=req.prompt_cache_key or req.user, stream=req.stream,
+                    include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                    want_stats=req.spec_stats, t0=t0, prefix="cmpl")
+    job = _submit(state, call)
+    base = {"id": call.request_id, "object": "text_completion", "created": call.created, "model": model}
+    if not call.stream:
+        gen = await _collect(request, job)
+        body = {**base, "choices": [{"index": 0, "text": gen.text, "logprobs": None,
+                                     "finish_reason": _finish_reason(gen.finish_reason)}],
+                "usage": usage(call, gen.token_ids)}
+        if call.want_stats:
+            body["spec"] = spec_info(call, gen.stats)
+        return Response(_json.encode(body), media_type="application/json")
+
+    def chunk(delta: str) -> dict:
+        c = {**base, "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": None}]}
+        if call.include_usage:
+            c["usage"] = None
+        return c
+
+    def final(gen, tail: str):
+        last = {**base, "choices": [{"index": 0, "text": tail, "logprobs": None,
+                                     "finish_reason": _finish_reason(gen.finish_reason)}]}
+        if call.want_stats:
+            last["spec"] = spec_info(call, gen.stats)
+        if call.include_usage:
+            last["usage"] = None
+            yield last
+            yield {**base, "choices": [], "usage": usage(call, gen.token_ids)}
+        else:
+            yield last
+
+    return StreamingResponse(_stream_events(job, call, state.engine.tokenizer, chunk, final),
+                             media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+def _read_workspace_file(tenant: Tenant, path: str, limit: int) -> str:
+    if tenant.root is None:
+        raise APIError(400, f"tenant {tenant.name!r} has no workspace: send `code` instead of `path`", param="path",
+                       code="no_workspace")
+    if "\x00" in path:
+        raise APIError(400, "path must not contain NUL bytes", param="path", code="invalid_value")
+    p = Path(path)
+    full = (p if p.is_absolute() else tenant.root / p).resolve()
+    if not full.is_relative_to(tenant.root):
+        raise APIError(403, f"path {path!r} is outside the workspace of tenant {tenant.name!r}",
+                       type="permission_error", param="path", code="path_outside_workspace")
+    if not full.is_file():
+        raise APIError(404, f"no such file in the workspace: {path!r}", type="not_found_error", param="path",
+                       code="file_not_found")
+    if full.stat().st_size > limit:
+        raise APIError(413, f"file {path!r} is larger than {limit} bytes", param="path", code="file_too_large")
+    try:
+        return full.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise APIError(400, f"file {path!r} is not UTF-8 text", param="path", code="invalid_value") from None
+    except OSError as e:
+        raise APIError(400, f"cannot read {path!r}: {e.strerror}", param="path", code="unreadable") from None
+
+
+async def apply(request: Request) -> Response:
+    state: ServerState = request.app.state.agentspec
+    t0 = time.monotonic()
+    tenant = _authenticate(state, request)
+    req = decode_body(await _read_body(request, state.config.server.max_body_bytes), ApplyRequest)
+    model = _check_model(state, req.model)
+    if (req.code is None) == (req.path is None):
+        raise APIError(400, "give exactly one of `code` or `path`", param="code", code="invalid_value")
+    if not req.update and not req.instruction:
+        raise APIError(400, "give `update` (an edit snippet) and/or `instruction`", param="update",
+                       code="invalid_value")
+    code = req.code if req.code is not None else _read_workspace_file(tenant, req.path,
+                                                                        state.config.server.max_body_bytes)
+    messages = [{"role": "system", "content": APPLY_SYSTEM},
+                {"role": "user", "content": apply_prompt(code, req.update, req.instruction)}]
+    ids = state.engine.encode(messages)
+    max_tokens = req.max_tokens
+    if max_tokens is None:  # room for the whole file and the update, within the context window
+        est = len(state.engine.tokenizer.encode(code)) + len(state.engine.tokenizer.encode(req.update or "")) + 64
+        max_tokens = max(1, min(est, state.engine.max_context - len(ids)))
+    call = _resolve(state, endpoint="apply", tenant=tenant, model=model, ids=ids, temperature=req.temperature,
+                    top_p=None, top_k=None, seed=req.seed, stop=None, max_tokens=max_tokens,
+                    speculation=req.speculation, prediction=code, session=req.prompt_cache_key, stream=req.stream,
+                    include_usage=True, want_stats=True, t0=t0, prefix="apply")
+    job = _submit(state, call)
+    base = {"id": call.request_id, "object": "apply", "created": call.created, "model": model}
+    if req.path is not None:
+        base["path"] = req.path
+    if not call.stream:
+        gen = await _collect(request, job)
+        return Response(_json.encode({**base, "merged_code": strip_fences(gen.text),
+                                      "finish_reason": _finish_reason(gen.finish_reason),
+                                      "usage": usage(call, gen.token_ids), "spec": spec_info(call, gen.stats)}),
+                        media_type="application/json")
+
+    def chunk(delta: str) -> dict:
+        return {**base, "object": "apply.chunk", "delta": delta}
+
+    def final(gen, tail: str):
+        yield {**base, "object": "apply.chunk", "delta": tail, "merged_code": strip_fences(gen.text),
+               "finish_reason": _finish_reason(gen.finish_reason), "usage": usage(call, gen.token_ids),
+               "spec": spec_info(call, gen.stats)}
+
+    return StreamingResponse(_stream_events(job, call, state.engine.tokenizer, chunk, final),
+                             media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+async def models(request: Request) -> Response:
+    state: ServerState = request.app.state.agentspec
+    _authenticate(state, request)
+    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+
+async def model_detail(request: Request) -> Response:
+    state: ServerState = request.app.state.agentspec
+    _authenticate(state, request)
+    _check_model(state, request.path_params["model"])
+    return JSONResponse(_model_card(state))
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_id, "object": "model", "created": int(state.started), "owned_by": "agentspec",
+            "max_model_len": state.engine.max_context}
+
+
+async def health(request: Request) -> Response:
+    state: ServerState = request.app.state.agentspec
+    w = state.worker
+    return JSONResponse({"status": "ok", "model": state.model_id, "running": w.running if w else 0,
+                         "waiting": w.waiting if w else 0, "uptime_s": round(time.time() - state.started, 1)})
+
+
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.agentspec
+    body, ctype = state.metrics.render()
+    return Response(body, media_type=ctype)
+
+
+# ---- the app -----------------------------------------------------------------------------------------
+
+def create_app(state: ServerState) -> Starlette:
+    """The Starlette app over a built ``ServerState``; starts its engine worker on startup."""
+
+    def wrap(handler):
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as e:
+                return _error(e)
+        return endpoint
+
+    async def not_found(request: Request, exc) -> Response:
+        return _error(APIError(404, f"no route {request.method} {request.url.path}", type="not_found_error",
+                               code="not_found"))
+
+    async def method_not_allowed(request: Request, exc) -> Response:
+        return _error(APIError(405, f"method {request.method} not allowed on {request.url.path}",
+                               code="method_not_allowed"))
+
+    async def server_error(request: Request, exc) -> Response:
+        print(f"[agentspec] unhandled error on {request.url.path}: {exc!r}", file=sys.stderr, flush=True)
+        return _error(APIError(500, f"internal error: {type(exc).__name__}", type="server_error",
+                               code="internal_error"))
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if state.worker is None:
+            state.worker = Worker(max_queue=state.config.server.max_queue)
+        try:
+            yield
+        finally:
+            state.worker.close()
+
+    routes = [
+        HTTPRoute("/health", wrap(health), methods=["GET"]),
+        HTTPRoute("/metrics", wrap(metrics), methods=["GET"]),
+        HTTPRoute("/v1/models", wrap(models), methods=["GET"]),
+        HTTPRoute("/v1/models/{model:path}", wrap(model_detail), methods=["GET"]),
+        HTTPRoute("/v1/chat/completions", wrap(chat_completions), methods=["POST"]),
+        HTTPRoute("/v1/completions", wrap(completions), methods=["POST"]),
+        HTTPRoute("/v1/apply", wrap(apply), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error,
+                                        Exception: server_error})
+    app.state.agentspec = state
+    return app

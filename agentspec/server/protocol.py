@@ -1,0 +1,163 @@
+"""HTTP bodies of the OpenAI-compatible API, as msgspec Structs.
+
+Requests are decoded strictly: a field we do not know is a 400 naming it (a typo such as
+``max_token`` must not be silently ignored), and features we do not implement (tools, logprobs,
+penalties, n > 1) are refused by name rather than ignored. Extensions are marked as such.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+__all__ = ["APIError", "ApplyRequest", "ChatCompletionRequest", "CompletionRequest", "error_body"]
+
+
+class APIError(Exception):
+    """An error with an HTTP status and the OpenAI error envelope."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class Prediction(_Strict):
+    # OpenAI Predicted Outputs: text the completion is expected to repeat largely unchanged
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+Stop = str | list[str] | None
+
+
+class _Sampling(_Strict):
+    model: str | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None      # extension (vLLM): -1/0 = off
+    seed: int | None = None
+    stop: Stop = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, msgspec.Meta(ge=1)] = 1
+    user: str | None = None
+    prediction: Prediction | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool | int | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None           # session id (cache affinity across an agent loop)
+    spec_stats: bool = False                      # extension: speculation stats in the response
+    speculation: bool | None = None               # extension: false turns speculation off for this request
+
+    def check_unsupported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, f"n must be 1 (several choices per request are not supported), got {self.n}",
+                           param="n", code="unsupported_parameter")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if v not in (None, 0, 0.0):
+                raise APIError(400, f"{name} is not supported (got {v})", param=name, code="unsupported_parameter")
+        if self.logprobs not in (None, False, 0):
+            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    top_logprobs: int | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[Any]   # text, token ids, or a batch of one of either (checked in the handler)
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 16   # OpenAI's default for completions
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo", code="unsupported_parameter")
+        if self.suffix:
+            raise APIError(400, "suffix (insertion) is not supported", param="suffix", code="unsupported_parameter")
+        if self.best_of not in (None, 1):
+            raise APIError(400, f"best_of must be 1, got {self.best_of}", param="best_of", code="unsupported_parameter")
+
+
+class ApplyRequest(_Strict, kw_only=True):
+    """Fast apply: merge ``update`` (an edit snippet) or ``instruction`` into ``code`` (or the
+    workspace file at ``path``); the original code is the draft source."""
+
+    code: str | None = None
+    path: str | None = None
+    update: str | None = None
+    instruction: str | None = None
+    stream: bool = False
+    model: str | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] = 0.0
+    seed: int | None = None
+    speculation: bool | None = None
+    prompt_cache_key: str | None = None
+
+
+def decode_body(body: bytes, type: Any) -> Any:
+    """Decode a JSON body into ``type``; errors become 400s naming the field."""
+    try:
+        return msgspec.json.decode(body, type=type)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        param = None
+        if "at `$." in msg:
+            path = msg.rsplit("at `$.", 1)[1].rstrip("`")
+            param = path.split("[")[0].split(".")[0] or None
+        if "unknown field" in msg:
+            field = msg.split("`")[1] if "`" in msg else None
+            param = field if param is None else f"{param}.{field}"
+            return _raise(400, f"unknown or unsupported field: {msg}", param, "unknown_field")
+        return _raise(400, f"invalid request: {msg}", param, "invalid_value")
+    except msgspec.DecodeError as e:
+        return _raise(400, f"request body is not valid JSON: {e}", None, "invalid_json")
+
+
+def _raise(status: int, message: str, param: str | None, code: str):
+    raise APIError(status, message, param=param, code=code)

@@ -1,0 +1,456 @@
+"""The server as users reach it: a real `agentspec serve` process on loopback, the real `openai`
+client and raw HTTP for what the client would refuse to send."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "SmolLM2-135M-Instruct"
+ACME_KEY = "sk-acme-0123456789"
+BETA_KEY = "sk-beta-0123456789"
+
+CODE = '''def fibonacci(n):
+    """Return the n-th Fibonacci number."""
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+def factorial(n):
+    """Return n!."""
+    result = 1
+    for i in range(2, n + 1):
+        result *= i
+    return result
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp: Path, *, config: str | None, repo: Path | None = None, name: str = "server"):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.cwd = tmp
+        cmd = [sys.executable, "-m", "agentspec", "serve", "--port", str(self.port)]
+        if config is not None:
+            cfg = tmp / f"{name}.toml"
+            cfg.write_text(config)
+            cmd += ["--config", str(cfg)]
+        if repo is not None:
+            cmd += ["--repo", str(repo)]
+        self.stderr = open(tmp / f"{name}.stderr", "w+")
+        self.proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.DEVNULL, stderr=self.stderr,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stderr.seek(0)
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.stderr.read()[-3000:]}")
+            try:
+                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not become healthy in 120 s")
+
+    def client(self, key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def workspaces(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    a, b = root / "repo_a", root / "repo_b"
+    a.mkdir()
+    b.mkdir()
+    (a / "mathutil.py").write_text(CODE)
+    (b / "other.py").write_text("print('beta')\n")
+    return root, a, b
+
+
+@pytest.fixture(scope="module")
+def server(workspaces):
+    root, a, b = workspaces
+    config = f"""
+[server]
+log_dir = "logs"
+log_max_bytes = 1048576
+[[tenants]]
+name = "acme"
+api_keys = ["{ACME_KEY}"]
+workspace = "{a}"
+[[tenants]]
+name = "beta"
+api_keys = ["{BETA_KEY}"]
+workspace = "{b}"
+[[routes]]
+name = "creative"
+when = {{ min_temperature = 0.7 }}
+speculation = false
+[[routes]]
+name = "beta-small"
+when = {{ tenant = "beta" }}
+budget = 8
+"""
+    s = Server(root, config=config)
+    yield s
+    s.stop()
+
+
+def _logs(server: Server, tenant: str) -> list[dict]:
+    path = server.cwd / "logs" / f"{tenant}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _wait_for_record(server: Server, tenant: str, request_id: str, timeout: float = 20) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for r in _logs(server, tenant):
+            if r["request_id"] == request_id:
+                return r
+        time.sleep(0.1)
+    raise AssertionError(f"no log record for {request_id} in {tenant}.jsonl")
+
+
+def _rewrite_messages() -> list[dict]:
+    return [{"role": "user", "content": f"Add type hints to this code. Reply with the full code only.\n\n```python\n{CODE}```"}]
+
+
+# ---- OpenAI API --------------------------------------------------------------------------------------
+
+def test_chat_stream_equals_non_stream_and_speculation_is_exact(server):
+    c = server.client(ACME_KEY)
+    msgs = _rewrite_messages()
+    spec = c.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=120,
+                                     extra_body={"spec_stats": True})
+    plain = c.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=120,
+                                      extra_body={"spec_stats": True, "speculation": False})
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    assert spec.usage.completion_tokens == plain.usage.completion_tokens > 0
+    s, p = spec.model_extra["spec"], plain.model_extra["spec"]
+    assert s["enabled"] and s["accepted_tokens"] > 0 and s["steps"] < p["steps"]
+    assert not p["enabled"] and p["reason"] == "request: speculation = false"
+
+    chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=120, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == spec.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == spec.usage.completion_tokens
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finish == [spec.choices[0].finish_reason]
+
+
+def test_completions_raw_prompt_stop_and_stream(server):
+    c = server.client(ACME_KEY)
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n"
+    full = c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=40)
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 40
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=40, stream=True))
+    assert streamed == full.choices[0].text
+    text = full.choices[0].text
+    stop = text.strip()[:6]
+    cut = c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=40, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[:text.find(stop)]
+    cut_streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=40, stop=[stop], stream=True))
+    assert cut_streamed == cut.choices[0].text
+    # token ids are used as given
+    ids = c.completions.create(model=MODEL, prompt=[1, 2, 3, 4], temperature=0, max_tokens=3)
+    assert ids.usage.prompt_tokens == 4
+
+
+def test_prediction_is_a_draft_source_and_reported_in_usage(server):
+    c = server.client(ACME_KEY)
+    msgs = [{"role": "user", "content": "Repeat this code exactly, nothing else:\n\n" + CODE.replace("n!", "n factorial")}]
+    kw = dict(model=MODEL, messages=msgs, temperature=0, max_tokens=100, extra_body={"spec_stats": True})
+    without = c.chat.completions.create(**kw)
+    with_pred = c.chat.completions.create(**kw, prediction={"type": "content", "content": CODE})
+    assert with_pred.choices[0].message.content == without.choices[0].message.content
+    d = with_pred.usage.completion_tokens_details
+    assert d.accepted_prediction_tokens > 0
+    n_pred = httpx.post(server.base + "/v1/completions", headers={"Authorization": f"Bearer {ACME_KEY}"},
+                        json={"prompt": CODE, "max_tokens": 1, "temperature": 0}).json()["usage"]["prompt_tokens"]
+    assert d.accepted_prediction_tokens + d.rejected_prediction_tokens == n_pred
+    assert with_pred.model_extra["spec"]["mean_acceptance_length"] > 1.0
+
+
+def test_apply_code_path_and_morph_style_messages(server, workspaces):
+    _, a, b = workspaces
+    h = {"Authorization": f"Bearer {ACME_KEY}"}
+    r = httpx.post(server.base + "/v1/apply", headers=h, timeout=120,
+                   json={"code": CODE, "update": "def factorial(n):\n    # iterative\n    ...", "max_tokens": 60})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert isinstance(body["merged_code"], str) and body["merged_code"]
+    assert body["spec"]["enabled"] and body["usage"]["completion_tokens"] == 60
+    assert "accepted_prediction_tokens" in body["usage"]["completion_tokens_details"]
+    by_path = httpx.post(server.base + "/v1/apply", headers=h, timeout=120,
+                         json={"path": "mathutil.py", "update": "def factorial(n):\n    # iterative\n    ...",
+                               "max_tokens": 60}).json()
+    assert by_path["merged_code"] == body["merged_code"]
+    # streamed apply ends with the same merged code
+    with httpx.stream("POST", server.base + "/v1/apply", headers=h, timeout=120,
+                      json={"code": CODE, "update": "def factorial(n):\n    # iterative\n    ...", "max_tokens": 60,
+                            "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["delta"] for e in events) == body["merged_code"] or events[-1]["merged_code"] == body["merged_code"]
+    # outside the workspace: 403; another tenant's workspace is outside too
+    for path in ("../repo_b/other.py", str(b / "other.py"), "/etc/passwd"):
+        bad = httpx.post(server.base + "/v1/apply", headers=h, json={"path": path, "update": "x"})
+        assert bad.status_code == 403, (path, bad.text)
+        assert bad.json()["error"]["type"] == "permission_error"
+    missing = httpx.post(server.base + "/v1/apply", headers=h, json={"path": "nope.py", "update": "x"})
+    assert missing.status_code == 404
+    # Morph/Relace-style message through the OpenAI client
+    c = server.client(ACME_KEY)
+    msg = f"<instruction>Add a comment</instruction>\n<code>{CODE}</code>\n<update># comment\ndef fibonacci(n):</update>"
+    out = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": msg}], temperature=0,
+                                    max_tokens=40, extra_body={"spec_stats": True})
+    assert out.usage.completion_tokens_details.accepted_prediction_tokens is not None
+
+
+def test_auth_and_tenants(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.client("sk-wrong-key-000").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    r = httpx.post(server.base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.base + "/health").status_code == 200
+    assert server.client(BETA_KEY).models.list().data[0].id == MODEL
+    out = server.client(BETA_KEY).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi."}], temperature=0, max_tokens=8,
+        extra_body={"spec_stats": True}, extra_headers={})
+    assert out.model_extra["spec"]["route"] == "beta-small"
+    rec = _wait_for_record(server, "beta", out.id)
+    assert rec["tenant"] == "beta" and rec["route"] == "beta-small"
+    assert all(r["tenant"] == "acme" for r in _logs(server, "acme"))
+    assert out.id not in {r["request_id"] for r in _logs(server, "acme")}
+
+
+def test_high_temperature_turns_speculation_off_by_route(server):
+    c = server.client(ACME_KEY)
+    out = c.chat.completions.create(model=MODEL, messages=_rewrite_messages(), temperature=0.9, seed=7,
+                                    max_tokens=16, extra_body={"spec_stats": True}, prompt_cache_key="sess-42")
+    spec = out.model_extra["spec"]
+    assert spec["enabled"] is False and spec["route"] == "creative"
+    assert spec["reason"] == "route 'creative': speculation = false" and spec["draft_tokens"] == 0
+    rec = _wait_for_record(server, "acme", out.id)
+    assert rec["spec_enabled"] is False and rec["spec_reason"] == spec["reason"] and rec["route"] == "creative"
+    assert rec["session"] == "sess-42" and rec["endpoint"] == "chat.completions"
+    again = c.chat.completions.create(model=MODEL, messages=_rewrite_messages(), temperature=0.9, seed=7, max_tokens=16)
+    assert again.choices[0].message.content == out.choices[0].message.content  # seeded sampling repeats
+
+
+def test_log_records_and_metrics(server):
+    c = server.client(ACME_KEY)
+    out = c.chat.completions.create(model=MODEL, messages=_rewrite_messages(), temperature=0, max_tokens=60)
+    rec = _wait_for_record(server, "acme", out.id)
+    for key in ("ts", "request_id", "tenant", "route", "endpoint", "session", "prompt_tokens", "completion_tokens",
+                "ttft_ms", "e2e_ms", "spec_enabled", "spec_reason", "steps", "draft_tokens", "accepted_tokens", "mat",
+                "acceptance_per_pos", "draft_sources", "finish_reason"):
+        assert key in rec, key
+    assert rec["spec_enabled"] and rec["completion_tokens"] == 60 and rec["finish_reason"] == "length"
+    assert 0 < rec["ttft_ms"] <= rec["e2e_ms"]
+    assert sum(rec["accepted_per_pos"]) == rec["accepted_tokens"]
+    text = httpx.get(server.base + "/metrics").text
+    for name in ("agentspec:spec_decode_num_drafts_total", "agentspec:spec_decode_num_draft_tokens_total",
+                 "agentspec:spec_decode_num_accepted_tokens_total",
+                 "agentspec:spec_decode_num_accepted_tokens_per_pos_total", "agentspec:e2e_request_latency_seconds"):
+        assert name in text, name
+    assert 'tenant="acme"' in text
+    line = next(x for x in text.splitlines() if x.startswith('agentspec:spec_decode_num_accepted_tokens_total{tenant="acme"}'))
+    assert float(line.split()[-1]) > 0
+
+
+def test_stats_cli_table_json_and_plot(server, tmp_path):
+    png = tmp_path / "acc.png"
+    r = subprocess.run([sys.executable, "-m", "agentspec", "stats", "--log-dir", str(server.cwd / "logs"),
+                        "--plot", str(png)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "acme" in r.stdout and "creative" in r.stdout and "default" in r.stdout
+    assert png.stat().st_size > 1000
+    j = subprocess.run([sys.executable, "-m", "agentspec", "stats", "--log-dir", str(server.cwd / "logs"),
+                        "--tenant", "beta", "--json"], capture_output=True, text=True, timeout=60)
+    data = json.loads(j.stdout)
+    assert data["records"] >= 1 and {t["tenant"] for t in data["tenants"]} == {"beta"}
+
+
+BAD_BODIES = [
+    (b"{", 400, None),
+    (b"[1, 2]", 400, None),
+    (b'{"messages": []}', 400, "messages"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": -1}', 400, "max_tokens"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": "3"}', 400, "max_tokens"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "max_token": 3}', 400, "max_token"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "tools": []}', 400, "tools"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "temperature": 9}', 400, "temperature"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "n": 2}', 400, "n"),
+    (b'{"messages": [{"role": "wizard", "content": "a"}]}', 400, "messages"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "model": "gpt-9"}', 404, "model"),
+    (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None),
+    (b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 100000}', 400, "max_tokens"),
+    (b"", 400, None),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD_BODIES)
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    r = httpx.post(server.base + "/v1/chat/completions", content=body,
+                   headers={"Authorization": f"Bearer {ACME_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_oversize_body_unknown_route_and_bad_completions(server):
+    h = {"Authorization": f"Bearer {ACME_KEY}"}
+    big = httpx.post(server.base + "/v1/completions", headers=h, content=b'{"prompt": "' + b"a" * (9 << 20) + b'"}')
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(server.base + "/v1/nothing").status_code == 404
+    assert httpx.get(server.base + "/v1/chat/completions").status_code == 405
+    for body, param in (({"prompt": ""}, "prompt"), ({"prompt": [10**9]}, "prompt"), ({"prompt": "a", "echo": True}, "echo"),
+                        ({"prompt": ["a", "b"]}, "prompt"), ({}, None)):
+        r = httpx.post(server.base + "/v1/completions", headers=h, json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert param is None or r.json()["error"]["param"] == param
+
+
+def test_fuzzed_bodies_never_500(server):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False, width=32),
+                        st.text(max_size=5))
+    values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                           st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+                          max_leaves=6)
+    keys = st.sampled_from(["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "stop", "stream",
+                            "prediction", "n", "seed", "code", "path", "update", "instruction", "stream_options",
+                            "speculation", "spec_stats", "zzz"])
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]),
+                                     "content": st.one_of(st.text(max_size=8), values)})
+    bodies = st.dictionaries(keys, st.one_of(values, st.lists(message, max_size=2)), max_size=6)
+    h = {"Authorization": f"Bearer {ACME_KEY}"}
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(body=bodies, endpoint=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/apply"]))
+    def check(body, endpoint):
+        if isinstance(body.get("max_tokens"), int):
+            body["max_tokens"] = min(body["max_tokens"], 2)
+        body.setdefault("max_tokens", 2)
+        body["stream"] = False
+        r = httpx.post(server.base + endpoint, headers=h, json=body, timeout=60)
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code >= 400:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    check()
+
+
+def test_concurrent_clients_and_disconnect_cancels(server):
+    c = server.client(ACME_KEY)
+    prompts = [f"Count from {i} to {i + 5}." for i in range(4)]
+    want = [c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}], temperature=0,
+                                      max_tokens=20).choices[0].message.content for p in prompts]
+    got: dict[int, str] = {}
+
+    def run(i):
+        got[i] = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[i]}],
+                                           temperature=0, max_tokens=20).choices[0].message.content
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got[i] for i in range(4)] == want
+
+    # a streaming client that goes away: its generation stops and is logged as cancelled
+    h = {"Authorization": f"Bearer {ACME_KEY}"}
+    with httpx.stream("POST", server.base + "/v1/chat/completions", headers=h, timeout=60,
+                      json={"messages": _rewrite_messages(), "temperature": 0, "max_tokens": 2000,
+                            "stream": True, "speculation": False}) as s:
+        lines = s.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {"))
+    rid = json.loads(first[6:])["id"]
+    t0 = time.monotonic()
+    rec = _wait_for_record(server, "acme", rid, timeout=30)
+    assert rec["finish_reason"] == "cancelled" and rec["completion_tokens"] < 2000
+    assert time.monotonic() - t0 < 30
+    quick = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0,
+                                      max_tokens=2)
+    assert quick.usage.completion_tokens >= 1
+
+
+def test_default_server_without_config_timeouts_and_sigkill(tmp_path):
+    """No config: tenant "default", no key on loopback, workspace = --repo. Then a request timeout,
+    and a SIGKILL mid-stream leaves logs that still parse."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "mathutil.py").write_text(CODE)
+    s = Server(tmp_path, config='[server]\nrequest_timeout_s = 4\n', repo=repo, name="default")
+    try:
+        c = s.client()
+        out = c.chat.completions.create(model=MODEL, messages=_rewrite_messages(), temperature=0, max_tokens=30,
+                                        extra_body={"spec_stats": True})
+        assert out.model_extra["spec"]["enabled"]
+        r = httpx.post(s.base + "/v1/apply", json={"path": "mathutil.py", "update": "# x", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        slow = httpx.post(s.base + "/v1/chat/completions", timeout=60,
+                          json={"messages": _rewrite_messages(), "temperature": 0, "max_tokens": 3000,
+                                "speculation": False})
+        assert slow.status_code == 504 and slow.json()["error"]["code"] == "timeout"
+        with httpx.stream("POST", s.base + "/v1/chat/completions", timeout=60,
+                          json={"messages": _rewrite_messages(), "temperature": 0, "max_tokens": 200,
+                                "stream": True}) as st:
+            for line in st.iter_lines():
+                if line.startswith("data: {"):
+                    s.proc.kill()  # SIGKILL mid-stream
+                    break
+        s.proc.wait(10)
+    finally:
+        s.stop()
+    from agentspec.telemetry import ReadReport, read_records
+
+    report = ReadReport()
+    records = list(read_records(tmp_path / "logs", report=report))
+    assert {r.tenant for r in records} == {"default"}
+    assert [r.finish_reason for r in records][:3] == ["length", "length", "timeout"]
+    assert report.skipped == 0
