@@ -5,7 +5,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	.venv/bin/agentspec demo
+	.venv/bin/agentspec serve --repo .
 
 test: setup
 	.venv/bin/python -m pytest tests -q --durations=15

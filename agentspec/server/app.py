@@ -136,15 +136,24 @@ APPLY_SYSTEM = ("You merge code edits. Apply the update to the original code and
                 "merged code only: no explanations, no code fences.")
 
 
-def apply_prompt(code: str, update: str | None, instruction: str | None) -> str:
-    """The fast-apply user message (Morph/Relace style tags)."""
-    parts = []
-    if instruction:
-        parts.append(f"<instruction>{instruction}</instruction>")
-    parts.append(f"<code>{code}</code>")
+_LANG = {".py": "python", ".js": "javascript", ".ts": "typescript", ".tsx": "tsx", ".go": "go", ".rs": "rust",
+         ".java": "java", ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp", ".hpp": "cpp", ".md": "markdown",
+         ".sh": "bash", ".rb": "ruby", ".json": "json", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml"}
+
+
+def apply_prompt(code: str, update: str | None, instruction: str | None, name: str = "the file") -> str:
+    """The fast-apply request as the user message: the shape coding assistants (Aider) send a
+    whole-file rewrite in, which instruction-tuned models follow best: the change, the current
+    file in a fence, and "reply with the complete updated file"."""
+    label = f"`{name}`" if name != "the file" else name
+    lang = _LANG.get(Path(name).suffix.lower(), "")
+    parts = [f"Apply this change to {label}:\n\n{instruction or 'Merge the edit below into the file.'}"]
     if update:
-        parts.append(f"<update>{update}</update>")
-    return "\n".join(parts)
+        parts.append(f"The edit (unchanged code may be elided with comments like `... existing code ...`):\n"
+                     f"```\n{update.strip(chr(10))}\n```")
+    parts.append(f"Current contents of {label}:\n```{lang}\n{code.rstrip(chr(10))}\n```")
+    parts.append("Reply with the complete updated file and nothing else.")
+    return "\n\n".join(parts)
 
 
 def strip_fences(text: str) -> str:
@@ -602,8 +611,8 @@ async def apply(request: Request) -> Response:
                        code="invalid_value")
     code = req.code if req.code is not None else _read_workspace_file(tenant, req.path,
                                                                         state.config.server.max_body_bytes)
-    messages = [{"role": "system", "content": APPLY_SYSTEM},
-                {"role": "user", "content": apply_prompt(code, req.update, req.instruction)}]
+    name = Path(req.path).name if req.path is not None else "the file"
+    messages = [{"role": "user", "content": apply_prompt(code, req.update, req.instruction, name)}]
     ids = state.engine.encode(messages)
     max_tokens = req.max_tokens
     if max_tokens is None:  # room for the whole file and the update, within the context window

@@ -1,0 +1,222 @@
+"""Server benchmark: file rewrites through `/v1/apply` and `/v1/chat/completions`, speculation on vs off.
+
+Starts `agentspec serve` (embedded engine, bundled model) on loopback with a workspace holding
+the files being rewritten, then sends each rewrite prompt from ../shared/data/file_rewrites.jsonl
+(prompt <= --max-prompt tokens) as
+  - `/v1/apply` with `path` (the file in the workspace) and `instruction` (the commit message),
+  - `/v1/chat/completions` with the recorded prompt, through the official `openai` client,
+each once with speculation on (the default route) and once with `"speculation": false`, streamed,
+greedy, one request at a time. Reports tokens/s (completion tokens / request wall time, prefill
+included), time to first token (first streamed text), and whether both modes produced the same text.
+
+    python benchmarks/bench_server.py --prompts 6 --out benchmarks/results/server_2026-11-29.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+_INSTR = re.compile(r"Apply this change to `([^`]+)`:\n\n(.*?)\n\nCurrent contents of `[^`]+`:\n```[^\n]*\n(.*)\n```\n\n"
+                    r"Reply with the complete updated file and nothing else\.", re.S)
+
+
+def log(msg: str) -> None:
+    print(f"[bench_server] {msg}", file=sys.stderr, flush=True)
+
+
+def select(data: Path, n: int, max_prompt: int, start: int, tokenizer) -> list[dict]:
+    from agentspec.traces import load_records, prompt_messages
+
+    out = []
+    for i, r in enumerate(load_records(data / "file_rewrites.jsonl")):
+        if i < start:
+            continue
+        msgs = prompt_messages(r["prompt"])
+        m = _INSTR.search(msgs[-1]["content"])
+        if not m:
+            continue
+        if len(tokenizer.encode(msgs[-1]["content"])) > max_prompt:
+            continue
+        out.append({"id": r["id"], "path": m.group(1), "instruction": m.group(2), "code": m.group(3) + "\n",
+                    "messages": msgs})
+        if len(out) == n:
+            break
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream_apply(base: str, item: dict, spec: bool, max_tokens: int) -> dict:
+    import httpx
+
+    body = {"path": item["path"], "instruction": item["instruction"], "max_tokens": max_tokens, "stream": True,
+            "temperature": 0}
+    if not spec:
+        body["speculation"] = False
+    t0 = time.perf_counter()
+    ttft = None
+    text, final = [], None
+    with httpx.stream("POST", base + "/v1/apply", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                raise RuntimeError(ev["error"])
+            if ev.get("delta") and ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(ev.get("delta", ""))
+            if "usage" in ev:
+                final = ev
+    wall = time.perf_counter() - t0
+    n = final["usage"]["completion_tokens"]
+    return {"tokens": n, "wall_s": wall, "ttft_s": ttft or wall, "text": "".join(text),
+            "mat": final["spec"]["mean_acceptance_length"]}
+
+
+def stream_chat(client, model: str, item: dict, spec: bool, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    ttft = None
+    text, usage, stats = [], None, None
+    extra = {"spec_stats": True} | ({} if spec else {"speculation": False})
+    for ch in client.chat.completions.create(model=model, messages=item["messages"], temperature=0,
+                                             max_tokens=max_tokens, stream=True,
+                                             stream_options={"include_usage": True}, extra_body=extra):
+        if ch.choices:
+            d = ch.choices[0].delta.content or ""
+            if d and ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(d)
+            if ch.model_extra.get("spec"):
+                stats = ch.model_extra["spec"]
+        if ch.usage is not None:
+            usage = ch.usage
+    wall = time.perf_counter() - t0
+    return {"tokens": usage.completion_tokens, "wall_s": wall, "ttft_s": ttft or wall, "text": "".join(text),
+            "mat": stats["mean_acceptance_length"] if stats else None}
+
+
+def summarize(runs: list[dict]) -> dict:
+    tokens = sum(r["tokens"] for r in runs)
+    wall = sum(r["wall_s"] for r in runs)
+    return {"requests": len(runs), "completion_tokens": tokens, "wall_s": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 2) if wall else 0.0,
+            "ttft_ms_p50": round(statistics.median(r["ttft_s"] for r in runs) * 1e3, 1),
+            "mat_mean": round(statistics.mean(r["mat"] for r in runs if r["mat"] is not None), 3)
+            if any(r["mat"] is not None for r in runs) else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--start", type=int, default=200, help="first record index (tests use earlier ones)")
+    ap.add_argument("--max-prompt", type=int, default=2000)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=1, help="rounds over all prompts (medians of per-round figures)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    import openai
+
+    from agentspec.engine.weights import load_checkpoint
+
+    tok = load_checkpoint(quiet=True).tokenizer
+    items = select(args.data, args.prompts, args.max_prompt, args.start, tok)
+    if not items:
+        raise SystemExit(f"no rewrite prompts found in {args.data}")
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp) / "repo"
+        for k, it in enumerate(items):  # one folder per record: two records may share a path
+            it["path"] = f"r{k}/{it['path']}"
+            f = repo / it["path"]
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(it["code"])
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        errlog = open(Path(tmp) / "server.log", "w+")
+        proc = subprocess.Popen([sys.executable, "-m", "agentspec", "serve", "--port", str(port), "--repo", str(repo)],
+                                cwd=tmp, stdout=subprocess.DEVNULL, stderr=errlog, env={**os.environ})
+        try:
+            import httpx
+
+            t0 = time.monotonic()
+            while True:
+                if proc.poll() is not None:
+                    errlog.seek(0)
+                    raise SystemExit(f"server exited: {errlog.read()[-2000:]}")
+                try:
+                    if httpx.get(base + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.2)
+            log(f"server up in {time.monotonic() - t0:.1f}s; {len(items)} prompts x 2 endpoints x 2 modes")
+            client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
+            model = client.models.list().data[0].id
+            stream_chat(client, model, items[0], True, 8)  # warm up
+            rounds = []
+            for rep in range(args.repeats):
+                res = {k: [] for k in ("apply_spec", "apply_plain", "chat_spec", "chat_plain")}
+                same = {"apply": 0, "chat": 0}
+                for it in items:
+                    a_on = stream_apply(base, it, True, args.max_tokens)
+                    a_off = stream_apply(base, it, False, args.max_tokens)
+                    c_on = stream_chat(client, model, it, True, args.max_tokens)
+                    c_off = stream_chat(client, model, it, False, args.max_tokens)
+                    res["apply_spec"].append(a_on)
+                    res["apply_plain"].append(a_off)
+                    res["chat_spec"].append(c_on)
+                    res["chat_plain"].append(c_off)
+                    same["apply"] += a_on["text"] == a_off["text"]
+                    same["chat"] += c_on["text"] == c_off["text"]
+                    log(f"{it['id']}: apply {a_on['tokens'] / a_on['wall_s']:.1f} vs {a_off['tokens'] / a_off['wall_s']:.1f} "
+                        f"tok/s, chat {c_on['tokens'] / c_on['wall_s']:.1f} vs {c_off['tokens'] / c_off['wall_s']:.1f}")
+                rounds.append(({k: summarize(v) for k, v in res.items()}, same))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+            errlog.close()
+
+    def med(key: str, field: str):
+        return statistics.median(r[0][key][field] for r in rounds)
+
+    summary = {}
+    for k in ("apply_spec", "apply_plain", "chat_spec", "chat_plain"):
+        summary[k] = {f: (med(k, f) if rounds[0][0][k][f] is not None else None)
+                      for f in ("tokens_per_s", "ttft_ms_p50", "mat_mean")} | {
+            "completion_tokens": rounds[0][0][k]["completion_tokens"]}
+    for ep in ("apply", "chat"):
+        summary[f"{ep}_speedup"] = round(summary[f"{ep}_spec"]["tokens_per_s"] / summary[f"{ep}_plain"]["tokens_per_s"], 3)
+        summary[f"{ep}_identical"] = f"{min(r[1][ep] for r in rounds)}/{len(items)}"
+    report = {"benchmark": "bench_server", "machine": {"cpus": os.cpu_count()},
+              "config": {"prompts": [it["id"] for it in items], "max_tokens": args.max_tokens, "repeats": args.repeats,
+                         "streamed": True, "greedy": True, "one_request_at_a_time": True},
+              "summary": summary, "rounds": [r[0] for r in rounds]}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Server parts that need no server: config loading, route rules, streaming detokenisation."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentspec.config import ServerConfig, SpecConfig, load_server_config
+from agentspec.errors import ConfigError
+from agentspec.routing import Router
+from agentspec.server.app import TextStream, apply_prompt, prediction_usage, strip_fences
+
+README_CONFIG = """
+[server]
+log_dir = "logs"
+[[tenants]]
+name = "acme"
+api_keys = ["sk-acme-12345678"]
+[[routes]]
+name = "creative"
+when = { min_temperature = 0.7 }
+speculation = false
+"""
+
+
+def _load(tmp_path, text: str) -> ServerConfig:
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return load_server_config(p)
+
+
+def test_defaults_and_readme_example(tmp_path):
+    d = load_server_config(None)
+    assert d.tenants == [] and d.routes == [] and d.server.log_dir == "logs"
+    c = _load(tmp_path, README_CONFIG)
+    assert c.tenants[0].name == "acme" and c.routes[0].when.min_temperature == 0.7
+
+
+@pytest.mark.parametrize("text,match", [
+    ('[server]\nlog_dri = "x"\n', "log_dri"),
+    ('[[tenants]]\nname = "a b"\n', "tenants"),
+    ('[[tenants]]\nname = "a"\napi_keys = ["short"]\n', "api_keys"),
+    ('[[tenants]]\nname = "a"\napi_keys = ["sk-123456789"]\n[[tenants]]\nname = "b"\napi_keys = ["sk-123456789"]\n',
+     "more than one tenant"),
+    ('[[tenants]]\nname = "a"\n[[tenants]]\nname = "a"\n', "unique"),
+    ('[[routes]]\nname = "r"\nwhen = { endpoint = "embeddings" }\n', "embeddings"),
+    ('[[routes]]\nname = "r"\ndrafters = ["eagle9"]\n', "eagle9"),
+    ('[[routes]]\nname = "r"\nbudget = -1\n', "budget"),
+    ('[[tenants]]\nname = "a"\n[[routes]]\nname = "r"\nwhen = { tenant = "zed" }\n', "zed"),
+    ("[server\n", "not valid TOML"),
+])
+def test_bad_config_names_the_problem(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        _load(tmp_path, text)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_server_config(tmp_path / "nope.toml")
+
+
+def test_routes_first_match_wins(tmp_path):
+    c = _load(tmp_path, """
+[[tenants]]
+name = "acme"
+[[tenants]]
+name = "beta"
+[[routes]]
+name = "hot"
+when = { min_temperature = 0.7 }
+speculation = false
+[[routes]]
+name = "apply-wide"
+when = { endpoint = "apply", tenant = ["acme", "beta"] }
+budget = 64
+drafters = ["suffix", "lookahead"]
+[[routes]]
+name = "beta-off"
+when = { tenant = "beta", max_temperature = 0.5 }
+budget = 0
+[[routes]]
+name = "everything"
+""")
+    r = Router(c.routes)
+    hot = r.resolve(endpoint="apply", tenant="acme", model="m", temperature=0.8)
+    assert hot.name == "hot" and hot.spec is None and "speculation = false" in hot.reason
+    wide = r.resolve(endpoint="apply", tenant="beta", model="m", temperature=0.0)
+    assert wide.name == "apply-wide" and wide.spec == SpecConfig(budget=64) and wide.drafters == ("suffix", "lookahead")
+    off = r.resolve(endpoint="chat.completions", tenant="beta", model="m", temperature=0.2)
+    assert off.name == "beta-off" and off.spec is None and "budget = 0" in off.reason
+    rest = r.resolve(endpoint="completions", tenant="acme", model="m", temperature=0.0)
+    assert rest.name == "everything" and rest.spec == SpecConfig()
+    assert Router().resolve(endpoint="apply", tenant="x", model="m", temperature=1.0).name == "default"
+
+
+def test_text_stream_never_sends_what_the_final_text_lacks():
+    from agentspec.engine.weights import load_checkpoint
+
+    tok = load_checkpoint(quiet=True).tokenizer
+    text = "naïve café — ünïcödé 你好 and the END marker here"
+    ids = tok.encode(text)
+    for stops in ([], ["END"], ["你好"], ["é —"]):
+        s = TextStream(tok, stops)
+        sent = "".join(s.push([t]) for t in ids)
+        cut = min((i for i in (text.find(x) for x in stops) if i >= 0), default=len(text))
+        final = text[:cut]
+        assert final.startswith(sent) and "\ufffd" not in sent
+        assert sent + s.finish(final) == final
+
+
+def test_strip_fences_prediction_usage_and_apply_prompt():
+    assert strip_fences("```python\nx = 1\n```\n") == "x = 1\n"
+    assert strip_fences("x = 1\n") == "x = 1\n"
+    assert strip_fences("```\n```") == ""
+    assert prediction_usage([1, 2, 3, 4], [1, 2, 9, 4]) == (3, 1)
+    assert prediction_usage([], [1]) == (0, 0)
+    p = apply_prompt("x = 1\n", "x = 2", "bump x", "a.py")
+    assert "```python\nx = 1\n```" in p and "bump x" in p and "x = 2" in p
