@@ -251,6 +251,16 @@ class EmbeddedEngine(Engine):
         ``should_stop`` is called before every step; when it returns True the generation ends
         with finish_reason "cancelled" (a server uses it for disconnects and timeouts).
         """
+        req = self.validate_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                    top_k=top_k, seed=seed, stop=stop, spec=spec)
+        return self._run(req["ids"], max_tokens=max_tokens, temperature=req["temperature"], top_p=req["top_p"],
+                         top_k=top_k, seed=seed, stops=req["stops"], spec=spec, drafter=drafter or self.drafter,
+                         tenant=tenant, should_stop=should_stop)
+
+    def validate_request(self, prompt, *, max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
+                         spec=DEFAULT_SPEC) -> dict:
+        """Check one request's arguments (InvalidRequestError naming the bad value); returns the
+        prompt's token ids and normalised values."""
         ids = self.encode(prompt)
         _check_int("max_tokens", max_tokens, lo=1)
         temperature = _check_float("temperature", temperature, lo=0.0, hi=100.0)
@@ -267,9 +277,7 @@ class EmbeddedEngine(Engine):
             raise ContextLengthError(
                 f"prompt of {len(ids)} tokens plus max_tokens={max_tokens} exceeds the context window of "
                 f"{self.max_context} tokens", param="max_tokens" if len(ids) < self.max_context else "prompt")
-        return self._run(ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                         seed=seed, stops=stops, spec=spec, drafter=drafter or self.drafter, tenant=tenant,
-                         should_stop=should_stop)
+        return {"ids": ids, "temperature": temperature, "top_p": top_p, "stops": stops}
 
     def _run(self, ids: list[int], *, max_tokens, temperature, top_p, top_k, seed, stops, spec, drafter,
              tenant, should_stop=None) -> Iterator[list[int]]:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["KVCache", "ModelArgs", "Transformer"]
+__all__ = ["KVCache", "ModelArgs", "Segment", "Transformer"]
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,30 @@ class Block(nn.Module):
         return x + self.w_down(F.silu(gate) * up)
 
 
+    def forward_segments(self, x, layer: int, segs: list["Segment"], cos, sin):
+        """Several requests' decode/verify rows in one pass: the linear layers see every row at
+        once (a row's result does not depend on the others: see ``small_attention``), attention
+        runs per request over its own cache. x: [R, dim] rows of all segments, in order."""
+        a = self.args
+        R = x.shape[0]
+        qkv = self.wqkv(self.attn_norm(x))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(R, a.n_heads, a.head_dim).transpose(0, 1), cos, sin)    # [H, R, D]
+        k = apply_rope(k.view(R, a.n_kv_heads, a.head_dim).transpose(0, 1), cos, sin)  # [Hkv, R, D]
+        v = v.view(R, a.n_kv_heads, a.head_dim).transpose(0, 1)
+        outs = []
+        for sg in segs:
+            cache, start, off, T = sg.cache, sg.cache.length, sg.offset, sg.rows
+            cache.k[layer, :, start:start + T] = k[:, off:off + T]
+            cache.v[layer, :, start:start + T] = v[:, off:off + T]
+            qa = q[:, off:off + T].to(cache.k.dtype)
+            outs.append(small_attention(qa, cache.k[layer], cache.v[layer], sg.mask, start + T))
+        o = torch.cat(outs, dim=1).to(x.dtype).transpose(0, 1).reshape(R, self.q_size)
+        x = x + self.wo(o)
+        gate, up = self.w_gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
 PREFILL_BLOCK = 128
 
 
@@ -272,6 +296,17 @@ def causal_mask(start: int, T: int, device) -> torch.Tensor:
     return m
 
 
+@dataclass
+class Segment:
+    """One request's rows in a multi-request forward: ``rows`` tokens written at
+    ``cache[cache.length : cache.length + rows]``, attending as ``mask`` says."""
+
+    cache: KVCache
+    rows: int
+    mask: torch.Tensor   # [rows, cache.length + rows] bool
+    offset: int = 0      # first row in the batch (set by ``forward_segments``)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -314,6 +349,34 @@ class Transformer(nn.Module):
             x = layer(x, i, cache, start, cos, sin, mask, causal, key_len)
         if logits_rows is not None:
             x = x[logits_rows]
+        x = self.norm(x)
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, w).float()
+
+    @torch.inference_mode()
+    def forward_segments(
+        self,
+        tokens: torch.Tensor,      # [R] int64: every segment's rows, in order
+        positions: torch.Tensor,   # [R] int64
+        segs: list[Segment],
+    ) -> torch.Tensor:             # [R, vocab] float32
+        """Decode/verify rows of several requests, each with its own KV cache, in one forward."""
+        off = 0
+        for sg in segs:
+            if sg.cache.length + sg.rows > sg.cache.capacity:
+                raise RuntimeError(f"KV cache overflow: {sg.cache.length} + {sg.rows} > {sg.cache.capacity}")
+            if sg.rows > SMALL_T:
+                raise ValueError(f"a segment has {sg.rows} rows; at most {SMALL_T}")
+            sg.offset = off
+            off += sg.rows
+        if off != tokens.shape[0]:
+            raise ValueError(f"segments cover {off} rows, tokens has {tokens.shape[0]}")
+        dtype = self.embed.weight.dtype
+        x = self.embed(tokens)
+        cos = self.rope_cos[positions].to(dtype)
+        sin = self.rope_sin[positions].to(dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_segments(x, i, segs, cos, sin)
         x = self.norm(x)
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, w).float()

@@ -1,0 +1,445 @@
+"""Continuous batching for the embedded engine, with a load-aware verification budget.
+
+A scheduler thread runs steps. Between steps, requests join (their prompt is prefilled alone;
+its last logits give the first token) and leave (EOS, max_tokens, a stop string, cancellation).
+Each step verifies every running request's draft tree in one forward
+(``Transformer.forward_segments``): the linear layers see all rows of all requests, attention
+runs per request over its own KV cache. A token's logits do not depend on what else shares the
+forward (see ``small_attention``), so greedy output equals single-request plain decoding.
+
+Load-aware budget (DESIGN.md section 7): every draft slot has a survival estimate (the product
+of the drafter's per-token confidences along its path, scaled by the request's observed
+accepted/estimated ratio). Across running requests the scheduler keeps the global top-B slots,
+B maximising expected tokens per second under a step-cost curve profiled at start-up
+(``step_cost(rows)``: the time of one forward with that many rows). B = 0 (plain batched
+decoding) is always a candidate, so in expectation speculation never costs throughput.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import SpecConfig
+from ..drafting import EMPTY_DRAFT, Draft, Drafter
+from ..drafting.base import AcceptanceTracker, cut_for_cost, drop_unlikely
+from ..errors import InvalidRequestError
+from ..kernels.tree import tree_depths, tree_mask, with_root
+from ..verify import greedy_verify
+from .base import DEFAULT_SPEC, Generation, GenerationStats
+from .model import KVCache, Segment, round_up
+
+__all__ = ["BatchEngine", "BudgetPolicy", "select_slots"]
+
+BudgetPolicy = str  # "load_aware" | "fixed" | "off"
+_ids = itertools.count()
+
+
+def select_slots(survivals: Sequence[Sequence[float]], base_rows: int, base_tokens: float,
+                 step_cost: Callable[[int], float]) -> list[int]:
+    """How many draft slots (a prefix of each request's draft) to verify this step.
+
+    ``survivals[r]``: expected acceptance of each of request r's draft tokens, in draft order
+    (best first; parents before children, so any prefix is a tree). Slots are taken in global
+    descending order (a k-way merge of the prefixes); B = the count maximising
+    ``(base_tokens + sum of taken survivals) / step_cost(base_rows + B)``. Returns the prefix
+    length per request.
+    """
+    heap = [(-s[0], r, 0) for r, s in enumerate(survivals) if len(s)]
+    heapq.heapify(heap)
+    taken = [0] * len(survivals)
+    order: list[int] = []
+    while heap:
+        neg, r, i = heapq.heappop(heap)
+        order.append(r)
+        if i + 1 < len(survivals[r]):
+            heapq.heappush(heap, (-float(survivals[r][i + 1]), r, i + 1))
+    best_value = base_tokens / step_cost(base_rows)
+    best_k, total = 0, base_tokens
+    counts = [0] * len(survivals)
+    for k, r in enumerate(order, start=1):
+        total += float(survivals[r][counts[r]])
+        counts[r] += 1
+        value = total / step_cost(base_rows + k)
+        if value > best_value:
+            best_value, best_k = value, k
+    for r in order[:best_k]:
+        taken[r] += 1
+    return taken
+
+
+def _survival(draft: Draft) -> list[float]:
+    surv: list[float] = []
+    for i, p in enumerate(draft.parents):
+        surv.append(draft.probs[i] * (surv[p] if p >= 0 else 1.0))
+    return surv
+
+
+def _prefix(draft: Draft, k: int) -> Draft:
+    if k >= len(draft.token_ids):
+        return draft
+    if k == 0:
+        return EMPTY_DRAFT
+    return Draft(draft.token_ids[:k], draft.parents[:k], draft.probs[:k], float(sum(_survival(draft)[:k])),
+                 draft.source)
+
+
+@dataclass
+class _Request:
+    ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stops: list[str]
+    spec: SpecConfig | None
+    drafter: Drafter
+    tenant: str
+    on_tokens: Callable[[list[int]], None]
+    on_done: Callable[[Any, Any], None]     # (Generation | None, error | None)
+    should_stop: Callable[[], bool] | None
+    gen: torch.Generator | None
+    req_id: str = field(default_factory=lambda: f"batch-{next(_ids)}")
+    stats: GenerationStats | None = None
+    cache: KVCache | None = None
+    out: list[int] = field(default_factory=list)
+    new: list[int] = field(default_factory=list)   # committed last step, not yet told to the drafter
+    spec_on: bool = False
+    budget_cap: int = 0
+    tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    finish: str = "length"
+    t_start: float = 0.0
+    draft: Draft = EMPTY_DRAFT
+
+
+class BatchEngine:
+    """Runs many requests at once on an ``EmbeddedEngine``'s model (not its deterministic mode).
+
+    Options:
+      max_batch: running requests per step (more wait in arrival order).
+      budget: "load_aware" (global top-B slots, default), "fixed" (each request's own
+        ``cut_for_cost`` as in single-request decoding) or "off" (plain batched decoding).
+      step_costs: {rows: seconds} to use instead of profiling at start-up.
+    """
+
+    def __init__(self, engine, *, max_batch: int = 16, budget: BudgetPolicy = "load_aware",
+                 step_costs: dict[int, float] | None = None) -> None:
+        if engine.deterministic:
+            raise InvalidRequestError("continuous batching does not support the deterministic mode", param="engine")
+        if budget not in ("load_aware", "fixed", "off"):
+            raise InvalidRequestError(f"budget must be 'load_aware', 'fixed' or 'off', got {budget!r}", param="budget")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise InvalidRequestError(f"max_batch must be an integer >= 1, got {max_batch!r}", param="max_batch")
+        self.engine = engine
+        self.max_batch = max_batch
+        self.budget = budget
+        self.step_costs = dict(step_costs) if step_costs else self.profile_step_costs()
+        self._grid = sorted(self.step_costs)
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name="agentspec-batch", daemon=True)
+        self._thread.start()
+
+    # ---- public -------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               seed: int | None = None, stop=None, spec: SpecConfig | None = DEFAULT_SPEC,
+               drafter: Drafter | None = None, tenant: str = "default",
+               on_tokens: Callable[[list[int]], None] = lambda t: None,
+               on_done: Callable[[Any, Any], None] = lambda g, e: None,
+               should_stop: Callable[[], bool] | None = None) -> None:
+        """Queue a request (validated now: bad input raises here). ``on_tokens(new)`` is called
+        from the scheduler thread after each step that committed tokens; ``on_done(generation,
+        error)`` once at the end."""
+        e = self.engine
+        v = e.validate_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                               seed=seed, stop=stop, spec=spec)
+        gen = None
+        if v["temperature"] > 0:
+            gen = torch.Generator(device=e.device)
+            gen.manual_seed(seed if seed is not None else torch.seed())
+        req = _Request(ids=v["ids"], max_tokens=max_tokens, temperature=v["temperature"], top_p=v["top_p"],
+                       top_k=top_k, stops=v["stops"], spec=spec, drafter=drafter or e.drafter, tenant=tenant,
+                       on_tokens=on_tokens, on_done=on_done, should_stop=should_stop, gen=gen)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("BatchEngine is closed")
+            self._waiting.append(req)
+            self._cv.notify()
+
+    def generate_many(self, prompts: Sequence, **options) -> list[Generation]:
+        """Run ``prompts`` concurrently; their Generations in order (a convenience for tests and
+        benchmarks; errors are raised)."""
+        done = threading.Semaphore(0)
+        results: list[Any] = [None] * len(prompts)
+
+        def finisher(i):
+            def on_done(g, err):
+                results[i] = err if err is not None else g
+                done.release()
+            return on_done
+
+        for i, p in enumerate(prompts):
+            self.submit(p, on_done=finisher(i), **options)
+        for _ in prompts:
+            done.acquire()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    def close(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "BatchEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def step_cost(self, rows: int) -> float:
+        """Seconds for one forward of ``rows`` rows (linear interpolation of the profile)."""
+        g, c = self._grid, self.step_costs
+        if rows <= g[0]:
+            return c[g[0]]
+        for a, b in zip(g, g[1:]):
+            if rows <= b:
+                return c[a] + (c[b] - c[a]) * (rows - a) / (b - a)
+        a, b = g[-2], g[-1]  # extrapolate linearly past the grid
+        return c[b] + (c[b] - c[a]) * (rows - b) / (b - a)
+
+    def profile_step_costs(self, grid: Sequence[int] = (2, 4, 8, 16, 33, 64, 128, 256, 528), context: int = 1024,
+                           repeat: int = 3) -> dict[int, float]:
+        """Time one forward of n rows (segments of up to 33 rows, each over ``context`` cached
+        tokens), the fastest of ``repeat`` runs each."""
+        e = self.engine
+        dev = e.device
+        context = min(context, e.max_context - 64)
+        cache = KVCache(e.args, round_up(context + 64, 256), dtype=e.kv_dtype, device=dev)
+        ids = torch.arange(100, 100 + context, device=dev) % e.args.vocab_size
+        costs = {}
+        with torch.inference_mode():
+            e.model(ids, torch.arange(context, device=dev), cache, logits_rows=slice(-1, None))
+            cache.commit(list(range(context)))
+            for n in grid:
+                sizes = [33] * (n // 33) + ([n % 33] if n % 33 else [])
+                segs = []
+                for T in sizes:
+                    m = torch.zeros(T, context + T, dtype=torch.bool, device=dev)
+                    m[:, :context] = True
+                    m[:, context:] = tree_mask(list(range(-1, T - 1)), device=dev)
+                    segs.append(Segment(cache=cache, rows=T, mask=m))
+                tok = torch.full((n,), 100, device=dev)
+                pos = torch.cat([torch.arange(context, context + T, device=dev) for T in sizes])
+                ts = []
+                for _ in range(repeat + 1):
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    e.model.forward_segments(tok, pos, segs)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    ts.append(time.perf_counter() - t0)
+                costs[n] = min(ts[1:])
+        return costs
+
+    # ---- the scheduler ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting and not self._running and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    pending = self._waiting + self._running
+                    self._waiting, self._running = [], []
+                    break
+                joining = []
+                while self._waiting and len(self._running) + len(joining) < self.max_batch:
+                    joining.append(self._waiting.pop(0))
+            for req in joining:
+                self._guard(req, self._admit)
+            self._running = [r for r in self._running if r.cache is not None]
+            if self._running:
+                try:
+                    self._step()
+                except Exception as err:  # noqa: BLE001 - fail the running requests, keep serving
+                    for r in self._running:
+                        self._fail(r, err)
+                    self._running = []
+        for r in pending:
+            self._fail(r, RuntimeError("engine shut down"))
+
+    def _guard(self, req: _Request, fn) -> None:
+        try:
+            fn(req)
+        except Exception as err:  # noqa: BLE001
+            self._fail(req, err)
+
+    def _fail(self, req: _Request, err: BaseException) -> None:
+        if req.spec_on:
+            try:
+                req.drafter.stop(req.req_id)
+            except Exception:  # noqa: BLE001
+                pass
+            req.spec_on = False
+        req.cache = None
+        try:
+            req.on_done(None, err)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _admit(self, req: _Request) -> None:
+        e = self.engine
+        req.t_start = time.perf_counter()
+        spec = req.spec
+        if spec is None:
+            on, reason = False, "disabled by request (spec=None)"
+        elif req.temperature > 0:
+            on, reason = False, "temperature > 0: exact tree sampling is not implemented yet"
+        elif spec.budget == 0 or self.budget == "off":
+            on, reason = False, "budget 0" if spec.budget == 0 else "batch budget policy 'off'"
+        else:
+            on, reason = True, f"greedy, batched ({self.budget})"
+        req.spec_on = on
+        req.budget_cap = spec.budget if on else 0
+        req.stats = GenerationStats(prompt_tokens=len(req.ids), spec_enabled=on, spec_reason=reason)
+        need = len(req.ids) + req.max_tokens + req.budget_cap + 2
+        req.cache = KVCache(e.args, round_up(need, 256), dtype=e.kv_dtype, device=e.device)
+        if on:
+            td = time.perf_counter()
+            req.drafter.start(req.req_id, req.ids, tenant=req.tenant)
+            req.stats.draft_seconds += time.perf_counter() - td
+        ids = torch.tensor(req.ids, device=e.device)
+        logits = e.model(ids, torch.arange(len(req.ids), device=e.device), req.cache, logits_rows=slice(-1, None))
+        req.cache.commit(list(range(len(req.ids))))
+        first = e._pick(logits[0], req.temperature, req.top_p, req.top_k, req.gen)
+        req.stats.prefill_seconds = time.perf_counter() - req.t_start
+        self._commit(req, [first])
+        if req.cache is not None:
+            self._running.append(req)
+
+    def _commit(self, req: _Request, new: list[int]) -> None:
+        """Append newly verified tokens; emit them; finish the request if it is done."""
+        added, finish, done = self.engine._accept(req.out, new, req.max_tokens, req.stops)
+        req.new = added
+        if added:
+            try:
+                req.on_tokens(added)
+            except Exception:  # noqa: BLE001 - a consumer's failure must not stop the batch
+                pass
+        if not done and req.should_stop is not None and req.should_stop():
+            finish, done = "cancelled", True
+        if done:
+            req.finish = finish
+            self._finish(req)
+
+    def _finish(self, req: _Request) -> None:
+        e = self.engine
+        if req.spec_on:
+            req.drafter.stop(req.req_id)
+        s = req.stats
+        s.completion_tokens = len(req.out)
+        s.seconds = time.perf_counter() - req.t_start
+        s.decode_seconds = s.seconds - s.prefill_seconds
+        if s.steps:
+            s.mean_acceptance_length = sum(s.acceptance_lengths) / s.steps
+        text = e.tokenizer.decode(req.out)
+        if req.stops:
+            cut = min((i for i in (text.find(x) for x in req.stops) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+        req.cache = None
+        req.on_done(Generation(text=text, token_ids=list(req.out), finish_reason=req.finish, stats=s), None)
+
+    def _draft(self, req: _Request) -> Draft:
+        if not req.spec_on:
+            return EMPTY_DRAFT
+        td = time.perf_counter()
+        req.drafter.extend(req.req_id, req.new)
+        budget = min(req.budget_cap, req.max_tokens - len(req.out) - 1)
+        draft = req.drafter.propose(req.req_id, budget) if budget > 0 else EMPTY_DRAFT
+        req.stats.draft_seconds += time.perf_counter() - td
+        draft.validate(max(budget, 0))
+        if req.spec.min_prob > 0:
+            draft = drop_unlikely(draft, req.spec.min_prob)
+        return draft
+
+    def _step(self) -> None:
+        e = self.engine
+        dev = e.device
+        reqs = self._running
+        drafts = [self._draft(r) for r in reqs]
+        if self.budget == "load_aware" and any(d.token_ids for d in drafts):
+            surv = [[s * r.tracker.trust for s in _survival(d)] for r, d in zip(reqs, drafts)]
+            keep = select_slots(surv, max(len(reqs), 2), float(len(reqs)), self.step_cost)
+            drafts = [_prefix(d, k) for d, k in zip(drafts, keep)]
+        elif self.budget == "fixed":
+            drafts = [cut_for_cost(d, r.spec.row_cost if r.spec and r.spec.row_cost is not None else e.row_cost,
+                                   r.tracker.trust) if d.token_ids else d for r, d in zip(reqs, drafts)]
+        toks, poss, segs, layout = [], [], [], []
+        for r, d in zip(reqs, drafts):
+            start = r.cache.length
+            tokens = [r.out[-1], *d.token_ids]
+            parents = with_root(d.parents)
+            depths = tree_depths(parents)
+            T = len(tokens)
+            rows = max(T, 2)  # never a single row: as in single-request decoding (small-M kernels differ)
+            mask = torch.zeros(rows, start + rows, dtype=torch.bool, device=dev)
+            mask[:, :start] = True
+            mask[:T, start:start + T] = tree_mask(parents, device=dev)
+            for i in range(T, rows):
+                mask[i, start + i] = True
+            toks += tokens + [tokens[0]] * (rows - T)
+            poss += [start + x for x in depths] + [start] * (rows - T)
+            segs.append(Segment(cache=r.cache, rows=rows, mask=mask))
+            layout.append((tokens, parents, depths, T))
+        logits = e.model.forward_segments(torch.tensor(toks, device=dev), torch.tensor(poss, device=dev), segs)
+        self.steps += 1
+        off = 0
+        for r, d, sg, (tokens, parents, depths, T) in zip(reqs, drafts, segs, layout):
+            lg = logits[off:off + T]
+            off += sg.rows
+            s = r.stats
+            s.steps += 1
+            s.draft_depths.append(max(depths) if d.token_ids else 0)
+            if r.temperature > 0:
+                tok = e._pick(lg[0], r.temperature, r.top_p, r.top_k, r.gen)
+                r.cache.commit([0])
+                s.acceptance_lengths.append(1)
+                self._commit(r, [tok])
+                continue
+            target = lg.argmax(dim=-1).tolist()
+            path, bonus = greedy_verify(tokens, parents, target)
+            r.cache.commit(path)
+            n_acc = len(path) - 1
+            if d.token_ids:
+                s.draft_tokens += len(d.token_ids)
+                s.accepted_tokens += n_acc
+                src = d.source or "unknown"
+                s.draft_sources[src] = s.draft_sources.get(src, 0) + 1
+                r.tracker.update(d.score, n_acc)
+            s.acceptance_lengths.append(n_acc + 1)
+            self._commit(r, [tokens[i] for i in path[1:]] + [bonus])
+        self._running = [r for r in self._running if r.cache is not None]

@@ -1,0 +1,120 @@
+"""Continuous batching: greedy outputs under batching equal single-request plain decoding, for
+every budget policy, with requests joining and leaving mid-run."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from agentspec.engine.batch import BatchEngine, select_slots
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def step_costs(engine):
+    # profiled once for the module (each BatchEngine would otherwise profile at start-up)
+    with BatchEngine(engine) as be:
+        costs = be.step_costs
+    assert set(costs) >= {2, 33, 528} and all(v > 0 for v in costs.values())
+    return costs
+
+
+@pytest.fixture(scope="module")
+def prompts(rewrite_prompts, chat_prompts):
+    return rewrite_prompts[:5] + chat_prompts[:3]
+
+
+@pytest.fixture(scope="module")
+def reference(engine, prompts):
+    return [engine.generate(p, max_tokens=MAX_TOKENS, spec=None) for p in prompts]
+
+
+@pytest.mark.parametrize("policy", ["off", "fixed", "load_aware"])
+def test_batched_greedy_equals_single_request_plain(engine, prompts, reference, step_costs, policy):
+    with BatchEngine(engine, budget=policy, step_costs=step_costs) as be:
+        out = be.generate_many(prompts, max_tokens=MAX_TOKENS)
+    bad = [i for i, (a, r) in enumerate(zip(out, reference)) if a.token_ids != r.token_ids]
+    assert not bad, f"batched ({policy}) output differs from plain decoding on prompts {bad}"
+    assert [a.text for a in out] == [r.text for r in reference]
+    assert [a.finish_reason for a in out] == [r.finish_reason for r in reference]
+    for g in out:
+        assert len(g.stats.draft_depths) == g.stats.steps == len(g.stats.acceptance_lengths)
+    if policy == "off":
+        assert all(g.stats.draft_tokens == 0 and not g.stats.spec_enabled for g in out)
+        assert "off" in out[0].stats.spec_reason
+    else:
+        rewrites = out[:5]
+        assert sum(g.stats.accepted_tokens for g in rewrites) > 0
+        assert sum(g.stats.steps for g in rewrites) < sum(r.stats.steps for r in reference[:5])
+
+
+def test_requests_join_and_leave_mid_run(engine, prompts, reference, step_costs):
+    """Requests arrive while others run, with different lengths; each gets its own output."""
+    lengths = [MAX_TOKENS, 9, MAX_TOKENS, 20, 3, MAX_TOKENS, 33, 17]
+    results: dict[int, object] = {}
+    streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    done = threading.Event()
+    with BatchEngine(engine, budget="load_aware", step_costs=step_costs, max_batch=4) as be:
+        def submit(i):
+            def on_done(g, err, i=i):
+                results[i] = err or g
+                if len(results) == len(prompts):
+                    done.set()
+            be.submit(prompts[i], max_tokens=lengths[i], on_tokens=streamed[i].extend, on_done=on_done)
+
+        for i in range(3):
+            submit(i)
+        deadline = time.monotonic() + 60
+        while be.steps < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert be.steps >= 3
+        for i in range(3, len(prompts)):
+            submit(i)
+            time.sleep(0.05)
+        assert done.wait(300)
+    for i, ref in enumerate(reference):
+        g = results[i]
+        assert not isinstance(g, BaseException), g
+        n = lengths[i]
+        assert g.token_ids == ref.token_ids[:n], f"prompt {i}"
+        assert streamed[i] == g.token_ids
+
+
+def test_cancel_and_bad_input(engine, prompts, step_costs):
+    stop = threading.Event()
+    got = {}
+    with BatchEngine(engine, step_costs=step_costs) as be:
+        be.submit(prompts[0], max_tokens=500, should_stop=stop.is_set,
+                  on_tokens=lambda t: stop.set(), on_done=lambda g, e: got.setdefault("g", g))
+        deadline = time.monotonic() + 60
+        while "g" not in got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(ValueError, match="max_tokens"):
+            be.submit(prompts[0], max_tokens=0)
+        with pytest.raises(ValueError, match="budget"):
+            BatchEngine(engine, budget="greedy", step_costs=step_costs)
+    g = got["g"]
+    assert g.finish_reason == "cancelled" and 0 < len(g.token_ids) < 500
+
+
+def test_select_slots_keeps_global_top_b():
+    costs = {2: 1.0, 64: 1.0 + 62 * 0.01}
+
+    def cost(rows, c=costs):
+        return c[2] + (c[64] - c[2]) * (rows - 2) / 62
+
+    # the best slots across requests, each request's slots taken as a prefix
+    surv = [[0.9, 0.8, 0.1], [0.95, 0.05], [], [0.7, 0.6, 0.5, 0.02]]
+    keep = select_slots(surv, 4, 4.0, cost)
+    assert keep == [3, 1, 0, 3]  # 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.1: the 0.05 and 0.02 slots cost more than they yield
+    # steep costs: plain decoding wins (B = 0)
+    assert select_slots(surv, 4, 4.0, lambda rows: float(rows)) == [0, 0, 0, 0]
+    # free rows: everything
+    assert select_slots(surv, 4, 4.0, lambda rows: 1.0) == [3, 2, 0, 4]
+    # a prefix even when a later slot is better than an earlier one
+    assert select_slots([[0.1, 0.9]], 2, 1.0, lambda rows: 1.0 + 0.01 * rows) == [2]
