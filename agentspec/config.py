@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -62,6 +62,11 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
     # requests waiting for the engine beyond this many get 503 (the engine runs one at a time)
     max_queue: Annotated[int, msgspec.Meta(ge=1)] = 256
+    # requests decoded together in one batch (continuous batching); more wait in the queue
+    max_batch: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16
+    # how many draft tokens a batched step verifies: "load_aware" (global top-B survival slots under
+    # the profiled step cost), "fixed" (each request's own cost cut) or "off" (plain batched decoding)
+    budget_policy: Literal["load_aware", "fixed", "off"] = "load_aware"
     # max_tokens when a request gives none
     default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1024
     # at most this many tenants get their own Prometheus label value; the rest share "other"

@@ -263,28 +263,11 @@ def _resolve(state: ServerState, *, endpoint: str, tenant: Tenant, model: str, i
 
 
 def _submit(state: ServerState, call: Call) -> Job:
-    """Validate the call against the engine (raises 400s now), then queue it."""
-    engine = state.engine
+    """Queue the call on the batch scheduler; bad values raise 400s now."""
     drafter = state.drafters.get("+".join(call.route.drafters)) or state.drafters["suffix"]
-    # validation runs at once; the returned generator starts on the worker thread
-    try:
-        holder: dict[str, Any] = {}
-
-        def make(should_stop):
-            return engine.generate_stream(
-                call.ids, max_tokens=call.max_tokens, temperature=call.temperature, top_p=call.top_p,
-                top_k=call.top_k, seed=call.seed, stop=call.stop or None, spec=call.route.spec, drafter=drafter,
-                tenant=call.tenant.name, should_stop=should_stop)
-
-        holder["probe"] = engine.generate_stream(  # validates; never started, so it holds nothing
-            call.ids, max_tokens=call.max_tokens, temperature=call.temperature, top_p=call.top_p, top_k=call.top_k,
-            seed=call.seed, stop=call.stop or None, spec=call.route.spec, drafter=drafter, tenant=call.tenant.name)
-        holder["probe"].close()
-    except ContextLengthError as e:
-        raise APIError(400, str(e), param=e.param, code="context_length_exceeded") from None
-    except InvalidRequestError as e:
-        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
-
+    params = dict(prompt=call.ids, max_tokens=call.max_tokens, temperature=call.temperature, top_p=call.top_p,
+                  top_k=call.top_k, seed=call.seed, stop=call.stop or None, spec=call.route.spec, drafter=drafter,
+                  tenant=call.tenant.name)
     doc_id = f"prediction\x1f{call.request_id}"
 
     def on_start():
@@ -295,12 +278,21 @@ def _submit(state: ServerState, call: Call) -> Job:
     def on_finish(job: Job, kind: str, value: Any):
         if call.prediction and state.index is not None:
             state.index.remove_document(doc_id)
+        if kind == "rejected":
+            state.metrics.request_finished(call.tenant.name)
+            return
         _record(state, call, job, kind, value)
 
-    job = Job(make, deadline=call.t0 + state.config.server.request_timeout_s, loop=asyncio.get_running_loop(),
+    job = Job(params, deadline=call.t0 + state.config.server.request_timeout_s, loop=asyncio.get_running_loop(),
               on_start=on_start, on_finish=on_finish)
     assert state.worker is not None
-    if not state.worker.submit(job):
+    try:
+        queued = state.worker.submit(job)
+    except ContextLengthError as e:
+        raise APIError(400, str(e), param=e.param, code="context_length_exceeded") from None
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+    if not queued:
         raise APIError(503, f"server overloaded: {state.config.server.max_queue} requests already waiting; retry later",
                        type="server_error", code="overloaded")
     return job
@@ -707,7 +699,8 @@ def create_app(state: ServerState) -> Starlette:
     @asynccontextmanager
     async def lifespan(app):
         if state.worker is None:
-            state.worker = Worker(max_queue=state.config.server.max_queue)
+            state.worker = Worker(state.engine, max_queue=state.config.server.max_queue,
+                                  max_batch=state.config.server.max_batch, budget=state.config.server.budget_policy)
         try:
             yield
         finally:

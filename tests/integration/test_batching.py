@@ -20,7 +20,7 @@ def step_costs(engine):
     # profiled once for the module (each BatchEngine would otherwise profile at start-up)
     with BatchEngine(engine) as be:
         costs = be.step_costs
-    assert set(costs) >= {2, 33, 528} and all(v > 0 for v in costs.values())
+    assert set(costs) >= {2, 33, 264} and all(v > 0 for v in costs.values())
     return costs
 
 

