@@ -1,18 +1,26 @@
-"""Reference tree verification.
+"""Reference tree verification: greedy and exact tree speculative sampling.
 
 Terms (as vLLM's rejection sampler uses them): *draft tokens* are proposed; *accepted tokens*
 pass verification; the *bonus token* is the one the target adds after the accepted path. The
 *acceptance length* of a step is accepted + 1.
 
 Nodes are numbered as the engine forwards them: node 0 is the root (the last committed token,
-not yet in the KV cache) and node i + 1 is draft token i.
+not yet in the KV cache) and node i + 1 is draft token i. Row i of the target's output is its
+distribution for the token after node i.
+
+Both verifiers return ``(path, bonus)``: the accepted node indices starting with the root, and
+the target's token after the last of them. The batched torch and Triton versions live in
+``agentspec.kernels``; they are tested for equality against these.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
-__all__ = ["greedy_verify"]
+import torch
+
+__all__ = ["greedy_verify", "process_logits", "sampling_verify", "sampling_walk"]
 
 
 def greedy_verify(
@@ -22,12 +30,9 @@ def greedy_verify(
 ) -> tuple[list[int], int]:
     """Longest root-to-node path whose every token equals the target's argmax at its parent.
 
-    Returns ``(path, bonus)``: the accepted node indices starting with the root, and the
-    target's token after the last of them.
+    Children are tried in index order; the first match wins.
     """
-    children: dict[int, list[int]] = {}
-    for i in range(1, len(parents)):
-        children.setdefault(parents[i], []).append(i)
+    children = _children(parents)
     node = 0
     path = [0]
     while True:
@@ -37,3 +42,115 @@ def greedy_verify(
             return path, want
         path.append(nxt)
         node = nxt
+
+
+def process_logits(
+    logits: torch.Tensor,      # [..., V]
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> torch.Tensor:             # [..., V] float32, each row sums to 1
+    """The distribution the target samples from: ``softmax(logits / temperature)`` restricted
+    to the top-k tokens (ties with the k-th kept) and then to the smallest prefix, by
+    probability, whose mass reaches ``top_p``. ``temperature <= 0`` gives the argmax as a
+    point mass (the first one on ties), so sampling verification reduces to greedy.
+    Same processing as the engine's ``sample``.
+    """
+    x = logits.float()
+    if temperature <= 0:
+        return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+    x = x / temperature
+    if top_k and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, -math.inf)
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_x = sorted_x.masked_fill(drop, -math.inf)
+        x = torch.full_like(x, -math.inf).scatter(-1, order, sorted_x)
+    return torch.softmax(x, dim=-1)
+
+
+def sampling_verify(
+    tokens: Sequence[int],     # [T] node tokens, tokens[0] = root
+    parents: Sequence[int],    # [T] parent node per node, parents[0] = -1
+    logits: torch.Tensor,      # [T, V] target logits after each node
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Exact tree speculative sampling for deterministic drafts (see ``sampling_walk``).
+
+    The emitted tokens (accepted path, then bonus) are distributed exactly as tokens sampled
+    one by one from ``process_logits(logits, ...)``. Draws ``2 * T`` uniforms from ``generator``.
+    """
+    probs = process_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k)
+    u = torch.rand(2, len(tokens), generator=generator, device=probs.device)
+    return sampling_walk(tokens, parents, probs, u[0], u[1])
+
+
+def sampling_walk(
+    tokens: Sequence[int],     # [T] node tokens, tokens[0] = root
+    parents: Sequence[int],    # [T] parent node per node, parents[0] = -1
+    probs: torch.Tensor,       # [T, V] target distribution after each node (rows sum to 1)
+    u_accept: torch.Tensor,    # [T] uniforms in [0, 1): u_accept[c] decides whether node c is accepted
+    u_bonus: torch.Tensor,     # [T] uniforms in [0, 1): u_bonus[n] draws the bonus when the walk ends at n
+) -> tuple[list[int], int]:
+    """Recursive rejection for a tree of point-mass drafts (SpecInfer, Sequoia).
+
+    At node n, with p' = probs[n], try n's children in index order without replacement: accept
+    child c with probability p'(c) (a point-mass draft has q(c) = 1, so min(1, p/q) = p'(c));
+    on rejection set p'(c) = 0, renormalise, try the next child. An accepted child becomes the
+    new node. When every child is rejected, the bonus is drawn from the residual p'.
+
+    Why exact: child c1 is emitted with probability p(c1); otherwise, given rejection, the
+    walk continues from p restricted to tokens != c1, renormalised, and so on; so the first
+    emitted token has distribution p. After an accepted child, the walk restarts from that
+    child's row, so the next token follows the target given the new prefix.
+
+    Renormalising is kept implicit: ``mass`` is the p-mass not yet rejected, and c is accepted
+    when ``u * mass < p(c)``; the bonus is the first token whose residual cumulative mass
+    exceeds ``u * mass`` (the same arithmetic as the kernels, which can then match exactly).
+    """
+    children = _children(parents)
+    node, path = 0, [0]
+    while True:
+        row = probs[node]
+        mass = 1.0          # p-mass not yet rejected at this node
+        rejected: list[int] = []
+        for c in children.get(node, ()):
+            t = tokens[c]
+            q = 0.0 if t in rejected else float(row[t])   # a token already rejected has p' = 0
+            if float(u_accept[c]) * mass < q:            # accept with probability q / mass
+                path.append(c)
+                node = c
+                break
+            rejected.append(t)
+            mass = max(mass - q, 0.0)   # (clamped: rounding must not make it negative)
+        else:
+            residual = row.clone()
+            residual[rejected] = 0.0
+            return path, _inverse_cdf(residual, float(u_bonus[node]) * mass, row)
+
+
+def _inverse_cdf(residual: torch.Tensor, threshold: float, row: torch.Tensor) -> int:
+    """First token whose cumulative ``residual`` exceeds ``threshold``. When rounding puts the
+    threshold past the end: the last token with residual mass; with none left (only reachable
+    through rounding or rows that do not sum to 1): the row's argmax."""
+    cdf = residual.cumsum(0)
+    i = int((cdf <= threshold).sum())
+    if i < residual.numel():
+        return i
+    nonzero = torch.nonzero(residual > 0)
+    return int(nonzero[-1]) if nonzero.numel() else int(row.argmax())
+
+
+def _children(parents: Sequence[int]) -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for i in range(1, len(parents)):
+        children.setdefault(parents[i], []).append(i)
+    return children

@@ -1,4 +1,21 @@
-"""Tree attention mask and positions from a parent list (torch reference)."""
+"""Tree attention mask, positions and verification: torch references and dispatchers.
+
+One tree (lists): ``with_root``, ``tree_depths``, ``tree_mask``.
+
+Batched (ragged) layout, shared with the Triton kernels in ``tree_triton``: request b owns rows
+``offsets[b]:offsets[b + 1]`` of the flat tensors, in the order the engine forwards them: its
+row 0 is the root (the last committed token) and row i + 1 is draft token i. Parents are local
+to the request: -1 for the root, otherwise a row index < the child's (``with_root``).
+``W`` is the largest tree (``max T_b``). Verification returns ``(paths, lengths, bonus)``:
+
+    paths    # [B, W] int64  accepted local rows, root first, -1 after lengths[b]
+    lengths  # [B]    int64  rows on the path = acceptance length (accepted draft tokens + 1)
+    bonus    # [B]    int64  the target's token after the last accepted row
+
+Each batched function has a torch reference (``*_torch``, any device) and a Triton kernel
+(``*_triton``, CUDA, or CPU under ``TRITON_INTERPRET=1``); the plain name dispatches: Triton
+for CUDA tensors, the reference elsewhere. The single-request math is ``agentspec.verify``.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +23,22 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["tree_depths", "tree_mask", "with_root"]
+__all__ = [
+    "check_layout",
+    "greedy_verify_batch",
+    "greedy_verify_batch_torch",
+    "greedy_verify_batch_triton",
+    "pack_trees",
+    "sampling_verify_batch",
+    "sampling_verify_batch_torch",
+    "sampling_verify_batch_triton",
+    "tree_attention",
+    "tree_attention_torch",
+    "tree_attention_triton",
+    "tree_depths",
+    "tree_mask",
+    "with_root",
+]
 
 
 def with_root(parents: Sequence[int]) -> list[int]:
@@ -31,3 +63,216 @@ def tree_mask(parents: Sequence[int], *, device=None) -> torch.Tensor:
             m[i] = m[p]
         m[i, i] = True
     return m.to(device) if device is not None else m
+
+
+def pack_trees(trees: Sequence[tuple[Sequence[int], Sequence[int]]], *, device=None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[(tokens, parents), ...]`` (root included) -> flat ``tokens [N]``, ``parents [N]``,
+    ``offsets [B + 1]`` (int64)."""
+    lengths = [len(t) for t, _ in trees]
+    offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+    tokens = torch.tensor([x for t, _ in trees for x in t], dtype=torch.int64)
+    parents = torch.tensor([x for _, p in trees for x in p], dtype=torch.int64)
+    return tokens.to(device), parents.to(device), offsets.to(device)
+
+
+# ---------------------------------------------------------------------------------- dispatch
+
+
+def tree_attention(parents: torch.Tensor, offsets: torch.Tensor, *, width: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tree attention mask ``[B, width, width]`` bool and depths ``[N]`` int64 (positions are
+    the start position plus depth). ``mask[b, i, j]``: row i of request b sees row j (j is i
+    or an ancestor). Padding rows (i >= T_b) see only themselves. ``width`` defaults to W."""
+    fn = tree_attention_triton if parents.is_cuda else tree_attention_torch
+    return fn(parents, offsets, width=width)
+
+
+def greedy_verify_batch(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor,
+                        offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy tree verification of every request (``agentspec.verify.greedy_verify``);
+    ``target [N]`` is the target's argmax after each row."""
+    fn = greedy_verify_batch_triton if tokens.is_cuda else greedy_verify_batch_torch
+    return fn(tokens, parents, target, offsets)
+
+
+def sampling_verify_batch(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
+                          u_accept: torch.Tensor, u_bonus: torch.Tensor, offsets: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact tree speculative sampling of every request (``agentspec.verify.sampling_walk``).
+
+    ``probs [N, V]`` float32: the processed target distribution after each row
+    (``agentspec.verify.process_logits``); ``u_accept [N]``, ``u_bonus [N]`` float32 uniforms
+    in [0, 1) (``u_accept`` of a row decides that row's acceptance, ``u_bonus`` of the row the
+    walk ends at draws the bonus). Given the same uniforms, the reference and the kernel agree
+    except where a uniform falls within float rounding of a boundary (the bonus's cumulative
+    sums are added in a different order).
+    """
+    fn = sampling_verify_batch_triton if tokens.is_cuda else sampling_verify_batch_torch
+    return fn(tokens, parents, probs, u_accept, u_bonus, offsets)
+
+
+def _triton():
+    try:
+        from . import tree_triton
+    except ImportError as e:
+        if not (e.name or "").startswith("triton"):
+            raise
+        raise ImportError(
+            "the Triton tree kernels need triton: pip install 'agentspec-serve[dev]' (or pip install triton)"
+        ) from e
+    return tree_triton
+
+
+def tree_attention_triton(parents, offsets, *, width=None):
+    """Triton version of ``tree_attention``."""
+    return _triton().tree_attention(parents, offsets, width=width)
+
+
+def greedy_verify_batch_triton(tokens, parents, target, offsets):
+    """Triton version of ``greedy_verify_batch``."""
+    return _triton().greedy_verify_batch(tokens, parents, target, offsets)
+
+
+def sampling_verify_batch_triton(tokens, parents, probs, u_accept, u_bonus, offsets):
+    """Triton version of ``sampling_verify_batch``."""
+    return _triton().sampling_verify_batch(tokens, parents, probs, u_accept, u_bonus, offsets)
+
+
+# --------------------------------------------------------------------------- torch references
+
+
+class _Padded:
+    """The ragged batch as padded ``[B, W]`` views (requests walk in lockstep over columns)."""
+
+    def __init__(self, parents: torch.Tensor, offsets: torch.Tensor, width: int | None = None) -> None:
+        check_layout(parents, offsets)
+        dev = parents.device
+        self.offsets = offsets.long()
+        self.start = self.offsets[:-1]                                   # [B]
+        self.lengths = self.offsets.diff()                               # [B]
+        self.B = self.lengths.numel()
+        self.W = int(self.lengths.max()) if self.B else 0
+        if width is not None:
+            if width < self.W:
+                raise ValueError(f"width {width} is smaller than the largest tree ({self.W} rows)")
+            self.W = width
+        self.col = torch.arange(self.W, device=dev)                      # [W]
+        self.valid = self.col < self.lengths[:, None]                    # [B, W]
+        self.rows = torch.where(self.valid, self.start[:, None] + self.col, 0)  # [B, W] flat row
+        self.parents = torch.where(self.valid, parents.long()[self.rows], -2)    # [B, W]
+
+    def gather(self, x: torch.Tensor, fill) -> torch.Tensor:
+        """``x [N]`` -> ``[B, W]`` with ``fill`` in padding."""
+        return torch.where(self.valid, x[self.rows], fill)
+
+
+def check_layout(parents: torch.Tensor, offsets: torch.Tensor) -> None:
+    """Raise ValueError unless ``offsets`` and ``parents`` describe well-formed ragged trees."""
+    if parents.dim() != 1 or offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"parents must be [N] and offsets [B + 1], got shapes "
+                         f"{tuple(parents.shape)} and {tuple(offsets.shape)}")
+    if parents.is_floating_point() or offsets.is_floating_point():
+        raise ValueError(f"parents and offsets must be integer tensors, got {parents.dtype} and {offsets.dtype}")
+    off = offsets.long()
+    if int(off[0]) != 0 or int(off[-1]) != parents.numel() or bool((off.diff() < 1).any()):
+        raise ValueError(f"offsets must start at 0, grow by >= 1 (every tree has a root) and end at "
+                         f"N = {parents.numel()}, got {off.tolist()[:8]}{'...' if off.numel() > 8 else ''}")
+    local = torch.arange(parents.numel(), device=parents.device) - torch.repeat_interleave(off[:-1], off.diff())
+    p = parents.long()
+    bad = torch.where(local == 0, p != -1, (p < 0) | (p >= local))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"parents[{i}] = {int(p[i])} (row {int(local[i])} of its tree) must be "
+                         f"{'-1 for a root' if int(local[i]) == 0 else f'in [0, {int(local[i])})'}")
+
+
+def tree_attention_torch(parents: torch.Tensor, offsets: torch.Tensor, *, width: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of ``tree_attention``."""
+    pad = _Padded(parents, offsets, width)
+    B, W = pad.B, pad.W
+    mask = torch.zeros(B, W, W, dtype=torch.bool, device=parents.device)
+    depth = torch.zeros(B, W, dtype=torch.int64, device=parents.device)
+    b = torch.arange(B, device=parents.device)
+    for i in range(W):
+        par = pad.parents[:, i].clamp(min=0)                             # [B]
+        has_parent = pad.parents[:, i] >= 0
+        mask[:, i] = mask[b, par] & has_parent[:, None]                  # the parent's ancestors
+        depth[:, i] = torch.where(has_parent, depth[b, par] + 1, 0)
+        mask[:, i, i] = True
+    return mask, depth[pad.valid]
+
+
+def greedy_verify_batch_torch(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor,
+                              offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of ``greedy_verify_batch``: all requests walk their rows in lockstep;
+    a row is taken when its parent is the current node and its token is the target there
+    (rows in index order, so the first matching child wins)."""
+    if tokens.shape != parents.shape or target.shape != parents.shape:
+        raise ValueError(f"tokens, parents and target must all be [N], got {tuple(tokens.shape)}, "
+                         f"{tuple(parents.shape)}, {tuple(target.shape)}")
+    pad = _Padded(parents, offsets)
+    tok = pad.gather(tokens.long(), -1)                                  # [B, W]
+    target = target.long()
+    node = torch.zeros(pad.B, dtype=torch.int64, device=tokens.device)   # current local row
+    paths = torch.full((pad.B, pad.W), -1, dtype=torch.int64, device=tokens.device)
+    paths[:, 0] = 0
+    lengths = torch.ones(pad.B, dtype=torch.int64, device=tokens.device)
+    b = torch.arange(pad.B, device=tokens.device)
+    for j in range(1, pad.W):
+        want = target[pad.start + node]
+        take = (pad.parents[:, j] == node) & (tok[:, j] == want)
+        paths[b[take], lengths[take]] = j
+        lengths += take
+        node = torch.where(take, j, node)
+    return paths, lengths, target[pad.start + node]
+
+
+def sampling_verify_batch_torch(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
+                                u_accept: torch.Tensor, u_bonus: torch.Tensor, offsets: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of ``sampling_verify_batch`` (vectorised over requests: it also serves
+    as a fast sampler on CPU)."""
+    if probs.dim() != 2 or probs.shape[0] != parents.numel():
+        raise ValueError(f"probs must be [N, V] with N = {parents.numel()}, got {tuple(probs.shape)}")
+    for name, u in (("tokens", tokens), ("u_accept", u_accept), ("u_bonus", u_bonus)):
+        if u.shape != parents.shape:
+            raise ValueError(f"{name} must be [N] = [{parents.numel()}], got {tuple(u.shape)}")
+    pad = _Padded(parents, offsets)
+    dev = tokens.device
+    probs = probs.float()
+    V = probs.shape[1]
+    tok = pad.gather(tokens.long(), -1)                                  # [B, W]
+    ua = pad.gather(u_accept.float(), 2.0)                               # [B, W]
+    # dup[b, j]: an earlier sibling has the same token; once it is rejected that token has p' = 0
+    earlier = pad.col[None, :] < pad.col[:, None]                        # [W, W]: k < j
+    dup = ((pad.parents[:, :, None] == pad.parents[:, None, :]) & (tok[:, :, None] == tok[:, None, :])
+           & earlier & pad.valid[:, None, :]).any(-1)                    # [B, W]
+    node = torch.zeros(pad.B, dtype=torch.int64, device=dev)
+    mass = torch.ones(pad.B, dtype=torch.float32, device=dev)            # p-mass not yet rejected
+    paths = torch.full((pad.B, pad.W), -1, dtype=torch.int64, device=dev)
+    paths[:, 0] = 0
+    lengths = torch.ones(pad.B, dtype=torch.int64, device=dev)
+    b = torch.arange(pad.B, device=dev)
+    for j in range(1, pad.W):
+        trying = pad.parents[:, j] == node                               # [B]
+        q = probs[pad.start + node, tok[:, j].clamp(min=0)]              # p(c) at the current node
+        q = torch.where(dup[:, j], 0.0, q)
+        take = trying & (ua[:, j] * mass < q)                            # accept with probability q / mass
+        paths[b[take], lengths[take]] = j
+        lengths += take
+        mass = torch.where(take, 1.0, torch.where(trying, (mass - q).clamp(min=0.0), mass))
+        node = torch.where(take, j, node)
+    # bonus: every child of the final node was rejected; draw from the residual
+    row = pad.start + node                                               # [B]
+    residual = probs[row].clone()                                        # [B, V]
+    child = pad.valid & (pad.parents == node[:, None])                   # [B, W]
+    bb, jj = child.nonzero(as_tuple=True)
+    residual[bb, tok[bb, jj]] = 0.0
+    threshold = u_bonus.float()[row] * mass                              # [B]
+    first = (residual.cumsum(-1) <= threshold[:, None]).sum(-1)          # [B]
+    vocab = torch.arange(V, device=dev)
+    last = torch.where(residual > 0, vocab, -1).max(-1).values           # [B]
+    fallback = torch.where(last >= 0, last, probs[row].argmax(-1))
+    return paths, lengths, torch.where(first < V, first, fallback)

@@ -1,0 +1,230 @@
+"""Triton tree kernels against their torch references.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors: ``TRITON_INTERPRET=1``
+must be set before the kernels are decorated, so it is set here at import, before anything
+imports ``agentspec.kernels.tree_triton`` (guarded: never when CUDA is present, and a module
+already compiled for the GPU is reported rather than silently reused). With CUDA the same
+comparisons run the real kernels, and the ``gpu`` tests add realistic sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+CUDA = torch.cuda.is_available()
+if not CUDA and "agentspec.kernels.tree_triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton", reason="the Triton kernels need triton (extra [dev])")
+
+from agentspec import kernels as K  # noqa: E402
+from agentspec.kernels import tree_triton  # noqa: E402
+from agentspec.verify import greedy_verify, process_logits, sampling_walk  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+if not CUDA and not tree_triton.INTERPRETED:
+    pytest.skip("agentspec.kernels.tree_triton was imported before TRITON_INTERPRET could be set",
+                allow_module_level=True)
+
+
+def _random_batch(g: torch.Generator, *, trees: int, max_nodes: int, vocab: int):
+    out = []
+    for _ in range(trees):
+        n = int(torch.randint(1, max_nodes + 1, (1,), generator=g))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        tokens = torch.randint(0, vocab, (n,), generator=g).tolist()
+        out.append((tokens, parents))
+    return out
+
+
+def _assert_same(a, b):
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu()), (x, y)
+
+
+def test_tree_attention_kernel_matches_reference():
+    g = torch.Generator().manual_seed(0)
+    trees = _random_batch(g, trees=5, max_nodes=9, vocab=4) + [([1], [-1]), ([1, 2, 3, 4], [-1, 0, 1, 2])]
+    _, par, off = K.pack_trees(trees, device=DEV)
+    ref = K.tree_attention_torch(par, off)
+    _assert_same(K.tree_attention_triton(par, off), ref)
+    _assert_same(K.tree_attention_triton(par, off, width=12), K.tree_attention_torch(par, off, width=12))
+    _assert_same(K.tree_attention(par, off), ref)                # dispatcher, with its defaults
+    mask, depth = ref
+    start = 0
+    for b, (_, parents) in enumerate(trees):                     # agrees with the one-tree functions
+        T = len(parents)
+        assert torch.equal(mask[b, :T, :T].cpu(), K.tree_mask(parents))
+        assert depth[start:start + T].tolist() == K.tree_depths(parents)
+        assert not mask[b, :T, T:].any() and not mask[b, T:, :T].any()
+        assert torch.equal(mask[b, T:, T:].cpu(), torch.eye(mask.shape[1] - T, dtype=torch.bool))
+        start += T
+
+
+@st.composite
+def greedy_batches(draw, max_trees=4, max_nodes=10, vocab=3):
+    trees, targets = [], []
+    for _ in range(draw(st.integers(1, max_trees))):
+        n = draw(st.integers(1, max_nodes))
+        parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+        trees.append((draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n)), parents))
+        targets += draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n))
+    return trees, targets
+
+
+@given(greedy_batches())
+@settings(max_examples=60 if not CUDA else 300, deadline=None)
+def test_greedy_kernel_matches_reference(batch):
+    trees, targets = batch
+    tok, par, off = K.pack_trees(trees, device=DEV)
+    target = torch.tensor(targets, device=DEV)
+    ref = K.greedy_verify_batch_torch(tok, par, target, off)
+    _assert_same(K.greedy_verify_batch_triton(tok, par, target, off), ref)
+    paths, lengths, bonus = ref
+    start = 0
+    for b, (tokens, parents) in enumerate(trees):
+        want = greedy_verify(tokens, parents, targets[start:start + len(tokens)])
+        assert (paths[b, :lengths[b]].tolist(), int(bonus[b])) == want
+        start += len(tokens)
+
+
+def test_greedy_dispatcher_defaults():
+    tok, par, off = K.pack_trees([([5, 1, 2], [-1, 0, 1]), ([7, 3], [-1, 0])], device=DEV)
+    paths, lengths, bonus = K.greedy_verify_batch(tok, par, torch.tensor([1, 2, 9, 4, 4], device=DEV), off)
+    assert paths.tolist() == [[0, 1, 2], [0, -1, -1]] and lengths.tolist() == [3, 1] and bonus.tolist() == [9, 4]
+
+
+def _sampling_case(g, *, trees, max_nodes, vocab, dyadic):
+    batch = _random_batch(g, trees=trees, max_nodes=max_nodes, vocab=vocab)
+    tok, par, off = K.pack_trees(batch, device=DEV)
+    N = tok.numel()
+    if dyadic:   # probabilities in 1/64ths, uniforms in 1/256ths: all arithmetic exact
+        cuts = torch.randint(0, 65, (N, vocab - 1), generator=g).sort(-1).values
+        probs = (torch.cat([cuts, torch.full((N, 1), 64)], 1)
+                 - torch.cat([torch.zeros(N, 1, dtype=torch.int64), cuts], 1)).float() / 64
+        u = torch.randint(0, 256, (2, N), generator=g).float() / 256
+    else:
+        probs = process_logits(torch.randn(N, vocab, generator=g) * 2, temperature=0.9, top_k=vocab // 2 + 1)
+        u = torch.rand(2, N, generator=g)
+    return batch, tok, par, off, probs.to(DEV), u[0].to(DEV), u[1].to(DEV)
+
+
+@pytest.mark.parametrize("dyadic", [True, False], ids=["exact-arithmetic", "softmax"])
+def test_sampling_kernel_matches_reference(dyadic):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        batch, tok, par, off, probs, ua, ub = _sampling_case(g, trees=4, max_nodes=9, vocab=6, dyadic=dyadic)
+        ref = K.sampling_verify_batch_torch(tok, par, probs, ua, ub, off)
+        _assert_same(K.sampling_verify_batch_triton(tok, par, probs, ua, ub, off), ref)
+        paths, lengths, bonus = ref
+        start = 0
+        for b, (tokens, parents) in enumerate(batch):
+            end = start + len(tokens)
+            want = sampling_walk(tokens, parents, probs[start:end].cpu(), ua[start:end].cpu(), ub[start:end].cpu())
+            assert (paths[b, :lengths[b]].tolist(), int(bonus[b])) == want
+            start = end
+
+
+def test_sampling_kernel_vocab_blocks_and_duplicates():
+    """A vocabulary over several blocks, duplicate sibling tokens, and the dispatcher."""
+    g = torch.Generator().manual_seed(2)
+    trees = [([0, 3, 3, 40, 3, 7], [-1, 0, 0, 0, 1, 1]), ([1, 60, 60], [-1, 0, 0]), ([2], [-1])]
+    tok, par, off = K.pack_trees(trees, device=DEV)
+    N, V = tok.numel(), 70
+    logits = torch.randn(N, V, generator=g)
+    logits[:, [3, 40, 60, 7]] += 3.0
+    probs = process_logits(logits, temperature=1.0).to(DEV)
+    for _ in range(10):
+        u = torch.rand(2, N, generator=g).to(DEV)
+        ref = K.sampling_verify_batch_torch(tok, par, probs, u[0], u[1], off)
+        _assert_same(tree_triton.sampling_verify_batch(tok, par, probs, u[0], u[1], off, block_v=16), ref)
+        _assert_same(K.sampling_verify_batch(tok, par, probs, u[0], u[1], off), ref)
+
+
+def test_sampling_kernel_fallback_when_no_residual_is_left():
+    tok, par, off = K.pack_trees([([9, 1], [-1, 0])], device=DEV)
+    probs = torch.tensor([[0.0, 0.3, 0.0], [1.0, 0.0, 0.0]], device=DEV)
+    ua, ub = torch.tensor([0.0, 0.9], device=DEV), torch.tensor([0.5, 0.5], device=DEV)
+    _assert_same(K.sampling_verify_batch_triton(tok, par, probs, ua, ub, off),
+                 K.sampling_verify_batch_torch(tok, par, probs, ua, ub, off))
+
+
+def test_kernels_validate_inputs():
+    tok, par, off = K.pack_trees([([1, 2], [-1, 0])], device=DEV)
+    with pytest.raises(ValueError, match=r"parents\[0\] = 0 \(row 0 of its tree\) must be -1"):
+        K.greedy_verify_batch_triton(tok, torch.zeros_like(par), tok, off)
+    with pytest.raises(ValueError, match="probs must be float32"):
+        K.sampling_verify_batch_triton(tok, par, torch.zeros(2, 4, dtype=torch.float64, device=DEV),
+                                       tok.float(), tok.float(), off)
+    with pytest.raises(ValueError, match="width 1 is smaller than the largest tree"):
+        K.tree_attention_triton(par, off, width=1)
+
+
+def test_missing_triton_names_the_extra(monkeypatch):
+    monkeypatch.delitem(sys.modules, "agentspec.kernels.tree_triton")
+    monkeypatch.delattr(K, "tree_triton")
+    monkeypatch.setitem(sys.modules, "triton", None)
+    tok, par, off = K.pack_trees([([1], [-1])])
+    with pytest.raises(ImportError, match=r"agentspec-serve\[dev\]"):
+        K.greedy_verify_batch_triton(tok, par, tok, off)
+
+
+def test_kernels_compile_for_cuda():
+    """The real (non-interpreted) kernels compile to sm_90 cubins; no GPU needed (fresh
+    process: this one has the interpreted kernels)."""
+    code = textwrap.dedent("""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from agentspec.kernels import tree_triton as K
+        i64, f32 = "*i64", "*fp32"
+        sigs = {
+            K._tree_attention_kernel: ([i64, i64, "*u8", i64, "i32"], {}),
+            K._greedy_kernel: ([i64] * 7 + ["i32"], {}),
+            K._sampling_kernel: ([i64, i64, f32, f32, f32, i64, i64, i64, i64, "i32", "i32", "i32",
+                                  "constexpr", "constexpr"], {"TB": 16, "BLOCK_V": 256}),
+        }
+        for fn, (types, consts) in sigs.items():
+            sig = dict(zip(fn.arg_names, types))
+            src = ASTSource(fn=fn, signature=sig,
+                            constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
+            assert compiled.asm["cubin"], fn
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-W", "error", "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr.lower():
+        pytest.skip(f"no ptxas to compile with: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_kernels_on_cuda_at_real_sizes():
+    g = torch.Generator().manual_seed(3)
+    batch = _random_batch(g, trees=64, max_nodes=64, vocab=151_936)
+    tok, par, off = K.pack_trees(batch, device="cuda")
+    N, V = tok.numel(), 151_936
+    _assert_same(K.tree_attention(par, off, width=64), K.tree_attention_torch(par, off, width=64))
+    target = torch.randint(0, V, (N,), device="cuda")
+    # row i often wants the next row's token (a child on chains): long accepted paths
+    target[:-1] = torch.where(torch.rand(N - 1, device="cuda") < 0.7, tok[1:], target[:-1])
+    _assert_same(K.greedy_verify_batch(tok, par, target, off), K.greedy_verify_batch_torch(tok, par, target, off))
+    logits = torch.randn(N, V, device="cuda")
+    logits[torch.arange(N, device="cuda"), torch.roll(tok, -1)] += 8.0   # drafts often likely
+    probs = process_logits(logits, temperature=0.8, top_p=0.95)
+    u = torch.rand(2, N, device="cuda")
+    got = K.sampling_verify_batch(tok, par, probs, u[0], u[1], off)
+    ref = K.sampling_verify_batch_torch(tok, par, probs, u[0], u[1], off)
+    _assert_same(got[:2], ref[:2])                      # paths and lengths: same arithmetic
+    # bonus: cumulative sums in another order may move a draw across a boundary, rarely
+    assert (got[2] == ref[2]).float().mean() > 0.95
