@@ -70,11 +70,12 @@ class Job:
 
 
 class Worker:
-    def __init__(self, engine: Any, *, max_queue: int, max_batch: int = 16, budget: str = "load_aware") -> None:
+    def __init__(self, engine: Any, *, max_queue: int, max_batch: int = 16, budget: str = "load_aware",
+                 background: bool = True) -> None:
         from ..engine.batch import BatchEngine
 
         self.max_queue = max_queue
-        self.batch = BatchEngine(engine, max_batch=max_batch, budget=budget)
+        self.batch = BatchEngine(engine, max_batch=max_batch, budget=budget, background=background)
         self._lock = threading.Lock()
 
     @property

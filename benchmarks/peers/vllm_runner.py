@@ -17,6 +17,7 @@ spec.json (keys marked * are optional):
       "num_speculative_tokens": 8,            # K: max draft length for ngram/suffix
       "batched": false,                       # false: one request at a time;
                                               # true: all prompts in one generate()
+      "max_num_seqs": 8,                      # * with batched: at most this many in flight
       "prompt_lookup_max": 3,                 # * ngram: longest n-gram to match
       "prompt_lookup_min": 1,                 # * ngram: shortest n-gram to match
       "dtype": "bfloat16",                    # * model dtype on CPU
@@ -138,6 +139,7 @@ def run_method(method, spec, max_model_len):
         disable_log_stats=False,    # needed for get_metrics()
         enable_prefix_caching=False,  # no reuse between timed requests
         seed=0,
+        **({"max_num_seqs": int(spec["max_num_seqs"])} if spec.get("max_num_seqs") else {}),
     )
     params = SamplingParams(temperature=0.0, max_tokens=int(spec["max_tokens"]),
                             ignore_eos=False)

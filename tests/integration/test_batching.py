@@ -36,7 +36,7 @@ def reference(engine, prompts):
 
 @pytest.mark.parametrize("policy", ["off", "fixed", "load_aware"])
 def test_batched_greedy_equals_single_request_plain(engine, prompts, reference, step_costs, policy):
-    with BatchEngine(engine, budget=policy, step_costs=step_costs) as be:
+    with BatchEngine(engine, budget=policy, step_costs=step_costs, background=False) as be:
         out = be.generate_many(prompts, max_tokens=MAX_TOKENS)
     bad = [i for i, (a, r) in enumerate(zip(out, reference)) if a.token_ids != r.token_ids]
     assert not bad, f"batched ({policy}) output differs from plain decoding on prompts {bad}"

