@@ -114,6 +114,41 @@ def stream_chat(client, model: str, item: dict, spec: bool, max_tokens: int) -> 
             "mat": stats["mean_acceptance_length"] if stats else None}
 
 
+def agent_items(data: Path, n: int, max_prompt: int, start: int, tokenizer) -> list[dict]:
+    """Agent turns as chat messages: the system message plus the latest messages within ``max_prompt`` tokens."""
+    from agentspec.traces import load_records, prompt_messages
+
+    out = []
+    for i, r in enumerate(load_records(data / "agent_turns.jsonl")):
+        if i < start:
+            continue
+        msgs = prompt_messages(r["prompt"])
+        head, tail = msgs[:1], []
+        for m in reversed(msgs[1:]):
+            if len(tokenizer.encode(tokenizer.apply_chat_template(head + [m] + tail))) > max_prompt:
+                break
+            tail.insert(0, m)
+        if tail:
+            out.append({"id": r["id"], "messages": head + tail})
+        if len(out) == n:
+            break
+    return out
+
+
+def concurrent_chat(client, model: str, items: list[dict], spec: bool, max_tokens: int, concurrency: int) -> dict:
+    """All ``items`` through chat completions, at most ``concurrency`` in flight."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        runs = list(pool.map(lambda it: stream_chat(client, model, it, spec, max_tokens), items))
+    wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in runs)
+    return {"requests": len(runs), "completion_tokens": tokens, "wall_s": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 2), "ttft_ms_p50": round(statistics.median(r["ttft_s"] for r in runs) * 1e3, 1),
+            "texts": [r["text"] for r in runs]}
+
+
 def summarize(runs: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in runs)
     wall = sum(r["wall_s"] for r in runs)
@@ -132,6 +167,8 @@ def main() -> int:
     ap.add_argument("--max-prompt", type=int, default=2000)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1, help="rounds over all prompts (medians of per-round figures)")
+    ap.add_argument("--concurrency", type=int, default=8, help="concurrent phase: requests in flight (0: skip)")
+    ap.add_argument("--concurrent-requests", type=int, default=16, help="concurrent phase: requests per workload")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -190,6 +227,19 @@ def main() -> int:
                     log(f"{it['id']}: apply {a_on['tokens'] / a_on['wall_s']:.1f} vs {a_off['tokens'] / a_off['wall_s']:.1f} "
                         f"tok/s, chat {c_on['tokens'] / c_on['wall_s']:.1f} vs {c_off['tokens'] / c_off['wall_s']:.1f}")
                 rounds.append(({k: summarize(v) for k, v in res.items()}, same))
+            concurrent = {}
+            if args.concurrency:
+                n = args.concurrent_requests
+                workloads = {"rewrites": (items * (n // len(items) + 1))[:n],
+                             "agent_turns": agent_items(args.data, n, args.max_prompt, 150, tok)}
+                for wl, its in workloads.items():
+                    on = concurrent_chat(client, model, its, True, args.max_tokens, args.concurrency)
+                    off = concurrent_chat(client, model, its, False, args.max_tokens, args.concurrency)
+                    same_n = sum(a == b for a, b in zip(on.pop("texts"), off.pop("texts")))
+                    concurrent[wl] = {"spec": on, "plain": off, "identical": f"{same_n}/{len(its)}",
+                                      "speedup": round(on["tokens_per_s"] / off["tokens_per_s"], 3)}
+                    log(f"concurrency {args.concurrency}, {wl}: spec {on['tokens_per_s']} vs plain {off['tokens_per_s']} "
+                        f"tok/s, identical {same_n}/{len(its)}")
         finally:
             proc.terminate()
             proc.wait(30)
@@ -209,7 +259,8 @@ def main() -> int:
     report = {"benchmark": "bench_server", "machine": {"cpus": os.cpu_count()},
               "config": {"prompts": [it["id"] for it in items], "max_tokens": args.max_tokens, "repeats": args.repeats,
                          "streamed": True, "greedy": True, "one_request_at_a_time": True},
-              "summary": summary, "rounds": [r[0] for r in rounds]}
+              "summary": summary, "concurrent": {"concurrency": args.concurrency, **concurrent},
+              "rounds": [r[0] for r in rounds]}
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -32,7 +32,7 @@ from ..drafting import EMPTY_DRAFT, Draft, Drafter
 from ..drafting.base import AcceptanceTracker, cut_for_cost, drop_unlikely
 from ..errors import InvalidRequestError
 from ..kernels.tree import tree_depths, tree_mask, with_root
-from ..verify import greedy_verify
+from ..verify import greedy_verify, sampling_verify
 from .base import DEFAULT_SPEC, Generation, GenerationStats
 from .model import KVCache, Segment, round_up
 
@@ -127,6 +127,8 @@ class BatchEngine:
       budget: "load_aware" (global top-B slots, default), "fixed" (each request's own
         ``cut_for_cost`` as in single-request decoding) or "off" (plain batched decoding).
       step_costs: {rows: seconds} to use instead of profiling at start-up.
+      verify: "auto" (batched greedy verification with ``agentspec.kernels`` on CUDA, the
+        per-request reference on CPU), "batched" or "reference".
       background: run the scheduler on its own thread (default). False: steps run in the
         caller's thread, in ``generate_many`` or ``serve_forever``. On CPU, prefer False with the
         process's main thread: libgomp throttles its spin-waiting once a second thread runs
@@ -134,13 +136,17 @@ class BatchEngine:
     """
 
     def __init__(self, engine, *, max_batch: int = 16, budget: BudgetPolicy = "load_aware",
-                 step_costs: dict[int, float] | None = None, background: bool = True) -> None:
+                 step_costs: dict[int, float] | None = None, background: bool = True,
+                 verify: str = "auto") -> None:
         if engine.deterministic:
             raise InvalidRequestError("continuous batching does not support the deterministic mode", param="engine")
         if budget not in ("load_aware", "fixed", "off"):
             raise InvalidRequestError(f"budget must be 'load_aware', 'fixed' or 'off', got {budget!r}", param="budget")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InvalidRequestError(f"max_batch must be an integer >= 1, got {max_batch!r}", param="max_batch")
+        if verify not in ("auto", "batched", "reference"):
+            raise InvalidRequestError(f"verify must be 'auto', 'batched' or 'reference', got {verify!r}", param="verify")
+        self._batched_verify = verify == "batched" or (verify == "auto" and engine.device.type == "cuda")
         self.engine = engine
         self.max_batch = max_batch
         self.budget = budget
@@ -215,6 +221,12 @@ class BatchEngine:
             if isinstance(r, BaseException):
                 raise r
         return results
+
+    def run_until_idle(self) -> None:
+        """Run steps in this thread until nothing waits or runs (``background=False`` only)."""
+        if self._thread is not None:
+            raise RuntimeError("this BatchEngine runs in the background already")
+        self._loop(until_idle=True)
 
     def serve_forever(self) -> None:
         """Run the scheduler in this thread until ``close()`` (from another thread)."""
@@ -354,12 +366,11 @@ class BatchEngine:
         spec = req.spec
         if spec is None:
             on, reason = False, "disabled by request (spec=None)"
-        elif req.temperature > 0:
-            on, reason = False, "temperature > 0: exact tree sampling is not implemented yet"
         elif spec.budget == 0 or self.budget == "off":
             on, reason = False, "budget 0" if spec.budget == 0 else "batch budget policy 'off'"
         else:
-            on, reason = True, f"greedy, batched ({self.budget})"
+            kind = "sampled: exact tree speculative sampling" if req.temperature > 0 else "greedy"
+            on, reason = True, f"{kind}, batched ({self.budget})"
         req.spec_on = on
         req.budget_cap = spec.budget if on else 0
         req.stats = GenerationStats(prompt_tokens=len(req.ids), spec_enabled=on, spec_reason=reason)
@@ -424,6 +435,28 @@ class BatchEngine:
             draft = drop_unlikely(draft, req.spec.min_prob)
         return draft
 
+    def _greedy_batched(self, reqs, segs, layout, logits) -> dict[int, tuple[list[int], int]]:
+        """Greedy verification of every greedy request at once with ``agentspec.kernels``
+        (Triton on CUDA, the torch reference elsewhere): one device-to-host copy per step."""
+        from ..kernels import greedy_verify_batch
+
+        dev = logits.device
+        picked = [(r, sg, lay) for r, sg, lay in zip(reqs, segs, layout) if r.temperature <= 0]
+        if not picked:
+            return {}
+        rows, toks, pars, lengths = [], [], [], [0]
+        for r, sg, (tokens, parents, depths, T) in picked:
+            rows.extend(range(sg.offset, sg.offset + T))
+            toks += tokens
+            pars += parents
+            lengths.append(T)
+        target = logits[torch.tensor(rows, device=dev)].argmax(dim=-1)
+        offsets = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(dev)
+        paths, n, bonus = greedy_verify_batch(torch.tensor(toks, device=dev), torch.tensor(pars, device=dev),
+                                              target, offsets)
+        paths, n, bonus = paths.tolist(), n.tolist(), bonus.tolist()
+        return {id(r): (paths[b][:n[b]], bonus[b]) for b, (r, _, _) in enumerate(picked)}
+
     def _step(self) -> None:
         e = self.engine
         dev = e.device
@@ -455,6 +488,7 @@ class BatchEngine:
             layout.append((tokens, parents, depths, T))
         logits = e.model.forward_segments(torch.tensor(toks, device=dev), torch.tensor(poss, device=dev), segs)
         self.steps += 1
+        greedy_paths = self._greedy_batched(reqs, segs, layout, logits) if self._batched_verify else {}
         off = 0
         for r, d, sg, (tokens, parents, depths, T) in zip(reqs, drafts, segs, layout):
             lg = logits[off:off + T]
@@ -462,14 +496,19 @@ class BatchEngine:
             s = r.stats
             s.steps += 1
             s.draft_depths.append(max(depths) if d.token_ids else 0)
-            if r.temperature > 0:
+            if r.temperature > 0 and not d.token_ids:
                 tok = e._pick(lg[0], r.temperature, r.top_p, r.top_k, r.gen)
                 r.cache.commit([0])
                 s.acceptance_lengths.append(1)
                 self._commit(r, [tok])
                 continue
-            target = lg.argmax(dim=-1).tolist()
-            path, bonus = greedy_verify(tokens, parents, target)
+            if r.temperature > 0:
+                path, bonus = sampling_verify(tokens, parents, lg, temperature=r.temperature, top_p=r.top_p,
+                                              top_k=r.top_k, generator=r.gen)
+            elif id(r) in greedy_paths:
+                path, bonus = greedy_paths[id(r)]
+            else:
+                path, bonus = greedy_verify(tokens, parents, lg.argmax(dim=-1).tolist())
             r.cache.commit(path)
             n_acc = len(path) - 1
             if d.token_ids:

@@ -23,7 +23,7 @@ from ..drafting import EMPTY_DRAFT, Draft, Drafter, default_drafter
 from ..drafting.base import AcceptanceTracker, cut_for_cost, drop_unlikely
 from ..errors import ContextLengthError, InvalidRequestError
 from ..kernels.tree import tree_depths, tree_mask, with_root
-from ..verify import greedy_verify
+from ..verify import greedy_verify, sampling_verify
 from .base import DEFAULT_SPEC, Engine, Generation, GenerationStats
 from .model import KVCache, Transformer, round_up
 from .tokenizer import Tokenizer
@@ -283,12 +283,11 @@ class EmbeddedEngine(Engine):
              tenant, should_stop=None) -> Iterator[list[int]]:
         if spec is None:
             spec_on, reason = False, "disabled by request (spec=None)"
-        elif temperature > 0:
-            spec_on, reason = False, "temperature > 0: exact tree sampling is not implemented yet"
         elif spec.budget == 0:
             spec_on, reason = False, "budget 0"
         else:
-            spec_on, reason = True, "greedy" + (", deterministic" if self.deterministic else "")
+            spec_on, reason = True, ("sampled: exact tree speculative sampling" if temperature > 0 else "greedy") + (
+                ", deterministic" if self.deterministic else "")
         budget_cap = spec.budget if spec_on else 0
         row_cost = self.row_cost if spec is None or spec.row_cost is None else spec.row_cost
         tracker = AcceptanceTracker()
@@ -423,13 +422,16 @@ class EmbeddedEngine(Engine):
             logits = self.model(tok_t, pos_t, cache, mask)[:T]
         stats.steps += 1
         stats.draft_depths.append(max(depths) if draft.token_ids else 0)
-        if temperature > 0:  # plain sampling (speculation is off for sampled requests)
+        if temperature > 0 and not draft.token_ids:  # plain sampling
             tok = self._pick(logits[0], temperature, top_p, top_k, gen)
             cache.commit([0])
             stats.acceptance_lengths.append(1)
             return [tok]
-        target = logits.argmax(dim=-1).tolist()
-        path, bonus = greedy_verify(tokens, parents, target)
+        if temperature > 0:  # exact tree speculative sampling: output follows the target's distribution
+            path, bonus = sampling_verify(tokens, parents, logits, temperature=temperature, top_p=top_p,
+                                          top_k=top_k, generator=gen)
+        else:
+            path, bonus = greedy_verify(tokens, parents, logits.argmax(dim=-1).tolist())
         cache.commit(path)
         n_acc = len(path) - 1
         if draft.token_ids:

@@ -118,3 +118,14 @@ def test_select_slots_keeps_global_top_b():
     assert select_slots(surv, 4, 4.0, lambda rows: 1.0) == [3, 2, 0, 4]
     # a prefix even when a later slot is better than an earlier one
     assert select_slots([[0.1, 0.9]], 2, 1.0, lambda rows: 1.0 + 0.01 * rows) == [2]
+
+
+def test_batched_kernel_verification_equals_reference(engine, prompts, reference, step_costs):
+    """The engine's CUDA path (greedy verification of all requests at once with agentspec.kernels),
+    here on CPU through the kernels' torch reference."""
+    with BatchEngine(engine, step_costs=step_costs, background=False, verify="batched") as be:
+        out = be.generate_many(prompts, max_tokens=MAX_TOKENS)
+    assert [g.token_ids for g in out] == [r.token_ids for r in reference]
+    assert sum(g.stats.accepted_tokens for g in out) > 0
+    with pytest.raises(ValueError, match="verify"):
+        BatchEngine(engine, step_costs=step_costs, verify="fast")

@@ -111,14 +111,17 @@ def test_stop_strings_eos_and_length(engine):
     assert not set(short.token_ids) & engine.tokenizer.eos_token_ids
 
 
-def test_sampling_turns_speculation_off_and_seeds_repeat(engine):
+def test_sampling_speculates_and_seeds_repeat(engine):
     kw = dict(max_tokens=24, temperature=0.8, top_p=0.95, seed=11)
     a = engine.generate("Tell me a story about a cat.", **kw)
     b = engine.generate("Tell me a story about a cat.", **kw)
     c = engine.generate("Tell me a story about a cat.", **{**kw, "seed": 12})
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
-    assert not a.stats.spec_enabled and "temperature" in a.stats.spec_reason
+    assert a.stats.spec_enabled and "exact tree speculative sampling" in a.stats.spec_reason
+    p1 = engine.generate("Tell me a story about a cat.", spec=None, **kw)
+    p2 = engine.generate("Tell me a story about a cat.", spec=None, **kw)
+    assert p1.token_ids == p2.token_ids and not p1.stats.spec_enabled
     plain = engine.generate("x", max_tokens=2, spec=SpecConfig(budget=0))
     assert not plain.stats.spec_enabled and plain.stats.spec_reason == "budget 0"
 
