@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_attention
+
 __all__ = ["KVCache", "ModelArgs", "Transformer"]
 
 
@@ -139,11 +141,16 @@ class Block(nn.Module):
                 qa.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                 attn_mask=mask, is_causal=causal, enable_gqa=True,
             ).squeeze(0)                                      # [H, T, D]
+        elif cpu_attention.supports(q, cache.k):
+            # native exact kernel (float32 cache on CPU): returns [T, H, D], rows first
+            qa = q.to(cache.k.dtype)
+            o = cpu_attention.decode_attention(qa, cache.k[layer], cache.v[layer], mask, key_len)
+            o = o.view(T, self.q_size).to(x.dtype)
         else:
             qa = q.to(cache.k.dtype)
             o = small_attention(qa, cache.k[layer], cache.v[layer], mask, key_len)
-        o = o.to(x.dtype)
-        o = o.transpose(0, 1).reshape(T, self.q_size)
+        if o.dim() == 3:
+            o = o.to(x.dtype).transpose(0, 1).reshape(T, self.q_size)
         x = x + self.wo(o)
         gate, up = self.w_gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
         return x + self.w_down(F.silu(gate) * up)
