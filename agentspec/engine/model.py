@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_attention
+
 __all__ = ["KVCache", "ModelArgs", "Segment", "Transformer"]
 
 
@@ -139,11 +141,16 @@ class Block(nn.Module):
                 qa.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                 attn_mask=mask, is_causal=causal, enable_gqa=True,
             ).squeeze(0)                                      # [H, T, D]
+        elif cpu_attention.supports(q, cache.k[layer]):
+            # native exact kernel (float32 cache on CPU): returns [T, H, D], rows first
+            qa = q.to(cache.k.dtype)
+            o = cpu_attention.decode_attention(qa, cache.k[layer], cache.v[layer], mask, key_len)
+            o = o.view(T, self.q_size).to(x.dtype)
         else:
             qa = q.to(cache.k.dtype)
             o = small_attention(qa, cache.k[layer], cache.v[layer], mask, key_len)
-        o = o.to(x.dtype)
-        o = o.transpose(0, 1).reshape(T, self.q_size)
+        if o.dim() == 3:
+            o = o.to(x.dtype).transpose(0, 1).reshape(T, self.q_size)
         x = x + self.wo(o)
         gate, up = self.w_gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
         return x + self.w_down(F.silu(gate) * up)
@@ -160,14 +167,23 @@ class Block(nn.Module):
         q = apply_rope(q.view(R, a.n_heads, a.head_dim).transpose(0, 1), cos, sin)    # [H, R, D]
         k = apply_rope(k.view(R, a.n_kv_heads, a.head_dim).transpose(0, 1), cos, sin)  # [Hkv, R, D]
         v = v.view(R, a.n_kv_heads, a.head_dim).transpose(0, 1)
-        outs = []
-        for sg in segs:
-            cache, start, off, T = sg.cache, sg.cache.length, sg.offset, sg.rows
-            cache.k[layer, :, start:start + T] = k[:, off:off + T]
-            cache.v[layer, :, start:start + T] = v[:, off:off + T]
-            qa = q[:, off:off + T].to(cache.k.dtype)
-            outs.append(small_attention(qa, cache.k[layer], cache.v[layer], sg.mask, start + T))
-        o = torch.cat(outs, dim=1).to(x.dtype).transpose(0, 1).reshape(R, self.q_size)
+        if cpu_attention.supports(q, segs[0].cache.k[layer]):
+            # one native call for every segment: writes the new keys/values, then attends
+            kv = torch.stack([k, v]).to(torch.float32).contiguous()       # [2, Hkv, R, D]
+            o = cpu_attention.segment_attention(
+                q.to(torch.float32), kv,
+                [(sg.cache.k[layer], sg.cache.v[layer], sg.cache.length + sg.rows, sg.mask, sg.offset, sg.rows)
+                 for sg in segs])                                         # [R, H, D]
+            o = o.view(R, self.q_size).to(x.dtype)
+        else:
+            outs = []
+            for sg in segs:
+                cache, start, off, T = sg.cache, sg.cache.length, sg.offset, sg.rows
+                cache.k[layer, :, start:start + T] = k[:, off:off + T]
+                cache.v[layer, :, start:start + T] = v[:, off:off + T]
+                qa = q[:, off:off + T].to(cache.k.dtype)
+                outs.append(small_attention(qa, cache.k[layer], cache.v[layer], sg.mask, start + T))
+            o = torch.cat(outs, dim=1).to(x.dtype).transpose(0, 1).reshape(R, self.q_size)
         x = x + self.wo(o)
         gate, up = self.w_gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
         return x + self.w_down(F.silu(gate) * up)

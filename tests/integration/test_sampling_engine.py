@@ -17,17 +17,27 @@ pytestmark = pytest.mark.slow
 
 TEMPERATURE, TOP_K = 1.0, 3
 N = 240
+MAX_TOKENS = 2 + TOP_K  # the engine drafts at most max_tokens - generated - 1 tokens
 
 
-def _next_probs(engine, ids: list[int]) -> torch.Tensor:
+def _next_probs(engine, ids: list[int], then: int | None = None) -> torch.Tensor:
+    """The target distribution after ``ids`` (+ ``then``), computed as the engine computes it:
+    the prompt by prefill, ``then`` by a decode step (its own row plus a padding row)."""
     cache = KVCache(engine.args, len(ids) + 256, dtype=engine.kv_dtype, device=engine.device)
     logits = engine.model(torch.tensor(ids), torch.arange(len(ids)), cache, logits_rows=slice(-1, None))[0]
+    if then is not None:
+        n = len(ids)
+        cache.commit(list(range(n)))
+        mask = torch.zeros(2, n + 2, dtype=torch.bool)
+        mask[:, :n] = True
+        mask[0, n] = mask[1, n + 1] = True
+        logits = engine.model(torch.tensor([then, then]), torch.tensor([n, n]), cache, mask)[0]
     return process_logits(logits, temperature=TEMPERATURE, top_k=TOP_K)
 
 
 class TopKTreeDrafter:
-    """After the first generated token, drafts a tree of that context's top-k tokens (worst
-    first, so rejection and renormalisation are exercised), each with a child."""
+    """After the first generated token, drafts that context's top-k tokens as sibling children
+    of the root, worst first (so rejection and renormalisation are exercised)."""
 
     def __init__(self, table: dict[int, list[int]]) -> None:
         self.table = table
@@ -41,12 +51,10 @@ class TopKTreeDrafter:
 
     def propose(self, req_id, budget):
         out = self.ctx[req_id]
-        if len(out) != 1 or out[0] not in self.table or budget < 6:
+        if len(out) != 1 or out[0] not in self.table or budget < 1:
             return EMPTY_DRAFT
-        kids = self.table[out[0]][::-1]
-        toks = kids + [kids[0]] * len(kids)
-        parents = [-1] * len(kids) + list(range(len(kids)))
-        return Draft(toks, parents, [0.5] * len(toks), 1.0, "test")
+        kids = self.table[out[0]][::-1][:budget]
+        return Draft(kids, [-1] * len(kids), [0.5] * len(kids), 1.0, "test")
 
     def stop(self, req_id):
         self.ctx.pop(req_id, None)
@@ -77,7 +85,7 @@ def target(engine):
     firsts = torch.nonzero(p1).flatten().tolist()
     joint, table = {}, {}
     for t1 in firsts:
-        p2 = _next_probs(engine, prompt + [t1])
+        p2 = _next_probs(engine, prompt, then=t1)
         seconds = torch.nonzero(p2).flatten().tolist()
         table[t1] = seconds
         for t2 in seconds:
@@ -89,7 +97,7 @@ def target(engine):
 
 
 def _pair(g) -> tuple[int, int]:
-    return (g.token_ids[0], g.token_ids[1] if len(g.token_ids) == 2 else -1)
+    return (g.token_ids[0], g.token_ids[1] if len(g.token_ids) >= 2 else -1)
 
 
 def _check(samples: list[tuple[int, int]], joint: dict) -> None:
@@ -106,7 +114,7 @@ def test_single_request_speculative_sampling_matches_target(engine, target):
     drafter = TopKTreeDrafter(table)
     samples, drafted = [], 0
     for seed in range(N):
-        g = engine.generate(prompt, max_tokens=2, temperature=TEMPERATURE, top_k=TOP_K, seed=seed,
+        g = engine.generate(prompt, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, top_k=TOP_K, seed=seed,
                             spec=SpecConfig(budget=8, row_cost=0), drafter=drafter)
         assert g.stats.spec_enabled
         drafted += g.stats.draft_tokens > 0
@@ -121,7 +129,7 @@ def test_batched_speculative_sampling_matches_target(engine, target):
     results = []
     with BatchEngine(engine, max_batch=8, step_costs={2: 1.0, 264: 1.0}, background=False) as be:
         for seed in range(N):
-            be.submit(prompt, max_tokens=2, temperature=TEMPERATURE, top_k=TOP_K, seed=10_000 + seed,
+            be.submit(prompt, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, top_k=TOP_K, seed=10_000 + seed,
                       spec=SpecConfig(budget=8), drafter=drafter, on_done=lambda g, e: results.append(e or g))
         be.run_until_idle()  # the queued requests, batched, in this thread
     assert len(results) == N and not any(isinstance(r, BaseException) for r in results)

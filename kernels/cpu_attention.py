@@ -1,0 +1,103 @@
+"""Exact decode / tree-verification attention on CPU (native: ``agentspec.kernels._cpu``).
+
+``decode_attention`` computes, for every query row and head, softmax attention over the row's
+visible keys (mask true) of one layer's float32 KV cache. It visits those keys in ascending slot
+order with reductions whose shape depends only on that visible sequence, so a draft-tree node
+gets the same bits as the same token in plain decoding (its ancestors sit at tree slots there,
+at consecutive slots here); see kernels/csrc/attention.cpp. ``available()`` is False when the
+extension is not built; callers then use ``agentspec.engine.model.small_attention``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch  # first: the extension uses the libgomp.so.1 that torch's wheel loads
+
+try:
+    from . import _cpu
+except ImportError:  # not built (e.g. a source checkout without the extension)
+    _cpu = None
+
+__all__ = ["available", "decode_attention", "segment_attention"]
+
+# AGENTSPEC_CPU_ATTENTION=0 turns the native kernel off (benchmarks compare both paths)
+_ENABLED = os.environ.get("AGENTSPEC_CPU_ATTENTION", "1") != "0"
+
+
+def available() -> bool:
+    return _cpu is not None and _ENABLED
+
+
+def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``decode_attention`` handles queries like ``q`` (any float dtype: cast to float32
+    first) over the cache ``k`` (else use the torch path)."""
+    return (
+        available()
+        and q.device.type == "cpu" and k.device.type == "cpu" and k.dtype == torch.float32
+        and q.shape[-1] == 64 and q.shape[0] % k.shape[0] == 0 and q.shape[0] // k.shape[0] <= 8
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,            # [H, T, D] float32, unit stride in D
+    k: torch.Tensor,            # [Hkv, capacity, D] float32 contiguous (one layer of the cache)
+    v: torch.Tensor,            # [Hkv, capacity, D]
+    mask: torch.Tensor | None,  # [T, >= L] bool; None = all L keys visible
+    L: int,                     # keys in use: slots [0, L)
+    *,
+    threads: int = 0,           # 0: torch's OpenMP thread count
+) -> torch.Tensor:              # [T, H, D] float32 (rows first: the layout the output projection reads)
+    H, T, D = q.shape
+    Hkv, cap, Dk = k.shape
+    if Dk != D or v.shape != k.shape or not (0 < L <= cap):
+        raise ValueError(f"shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, L {L}")
+    if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
+        raise TypeError("decode_attention needs float32 q, k, v")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError("k and v must be contiguous")
+    out = torch.empty(T, H, D, dtype=torch.float32)
+    if mask is None:
+        mask_ptr, mask_st = 0, 0
+    else:
+        if mask.dtype != torch.bool or mask.shape[0] != T or mask.shape[1] < L:
+            raise ValueError(f"mask must be bool [T, >= L]: {tuple(mask.shape)}, {mask.dtype}")
+        if mask.stride(1) != 1:
+            mask = mask.contiguous()
+        mask_ptr, mask_st = mask.data_ptr(), mask.stride(0)
+    _cpu.attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), cap,
+                   mask_ptr, mask_st, out.data_ptr(), H, Hkv, T, L, D, threads)
+    return out
+
+
+def segment_attention(
+    q: torch.Tensor,            # [H, R, D] float32: every segment's query rows, unit stride in D
+    kv_new: torch.Tensor,       # [2, Hkv, R, D] float32 contiguous: the rows' new keys and values
+    segments: list,             # per segment: (k [Hkv, cap, D], v [Hkv, cap, D], L, mask [T, >= L] bool, row_off, T)
+    *,
+    threads: int = 0,
+) -> torch.Tensor:              # [R, H, D] float32
+    """Several requests' rows in one native call (continuous batching): writes each segment's new
+    keys/values at its cache slots ``[L - T, L)``, then attends exactly as ``decode_attention``
+    would for that segment alone."""
+    H, R, D = q.shape
+    if kv_new.dtype != torch.float32 or q.dtype != torch.float32 or not kv_new.is_contiguous():
+        raise TypeError("segment_attention needs float32 q and a contiguous float32 kv_new")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    Hkv = kv_new.shape[1]
+    rows = []
+    for k, v, L, mask, off, T in segments:
+        if not (k.is_contiguous() and v.is_contiguous()) or k.dtype != torch.float32:
+            raise ValueError("cache layers must be contiguous float32")
+        if mask.dtype != torch.bool or mask.shape[0] != T or mask.shape[1] < L or mask.stride(1) != 1:
+            raise ValueError(f"mask must be bool [T, >= L] with unit column stride: {tuple(mask.shape)}")
+        rows.append((k.data_ptr(), v.data_ptr(), k.shape[1], L, mask.data_ptr(), mask.stride(0), off, T))
+    segs = torch.tensor(rows, dtype=torch.int64)
+    out = torch.empty(R, H, D, dtype=torch.float32)
+    _cpu.attention_segments(q.data_ptr(), q.stride(0), q.stride(1), kv_new[0].data_ptr(), kv_new[1].data_ptr(),
+                            kv_new.stride(1), kv_new.stride(2), segs.data_ptr(), len(rows), out.data_ptr(), H, Hkv,
+                            D, threads)
+    return out

@@ -1,0 +1,377 @@
+// agentspec.kernels._cpu: decode / tree-verification attention over a float32 KV cache on CPU.
+//
+// Exact by construction. For one (query row, query head) the kernel visits the row's visible keys
+// (mask true) in ascending slot order; after a committed prefix a draft-tree node's visible tree
+// slots are its ancestors in depth order, so it sees the same key/value vectors in the same order
+// as the same token does in plain decoding, where they sit at consecutive slots. Every reduction
+// below has a fixed shape over that *compact* sequence of visible keys (or over head_dim), never
+// over slot numbers, so a token's output is bit for bit the same in both cases:
+//   score_n  = sum_{d=0..63} (q_d * scale) * k_{n,d}        sequential in d (one SIMD lane per key)
+//   m        = max_n score_n                                  (exact in any order)
+//   p_n      = exp(score_n - m)                               (polynomial below, plain + and *)
+//   sum      = 16 lane partial sums over n (lane n % 16, sequential), then a fixed pairwise tree
+//   o_d      = (sum_n p_n * v_{n,d}) / sum                    sequential in n (one lane per d)
+// No fused multiply-add (-ffp-contract=off) and no fast-math, so every target_clones variant (and
+// every compiler vectorisation of these loops) performs the same IEEE operations: the same bits.
+#include <nanobind/nanobind.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+namespace nb = nanobind;
+
+namespace {
+
+constexpr int D = 64;        // head_dim (SmolLM2-135M)
+constexpr int KB = 64;       // keys per score block (4 x 16 floats)
+constexpr int MAXG = 8;      // query heads per kv head supported
+
+// GCC vector extensions: 16 floats, lowered to one zmm, two ymm or four xmm per dispatch variant;
+// every operation is elementwise IEEE, so each lane computes the same bits in every variant.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16 load16(const float* p) { v16 x; std::memcpy(&x, p, sizeof x); return x; }
+static inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+static inline v16 splat(float x) { return v16{} + x; }
+
+// exp(x - m) for x <= m (Cephes expf: range reduction by ln 2, degree-5 polynomial, 2^n from the
+// exponent bits), plain float arithmetic. Arguments below CUT give exactly 0: those terms are
+// < e^-60 of the largest one (no effect on a float32 result), and keeping them would make
+// denormal products in p @ v, which are very slow on x86.
+constexpr float CUT = -60.0f;
+static inline v16 exp16(v16 x, float m) {
+    v16 t = x - m;
+    v16i low = t < CUT;
+    t = low ? splat(CUT) : t;
+    v16 fx = t * 1.44269504088896341f + 0.5f;
+    v16 fi = __builtin_convertvector(__builtin_convertvector(fx, v16i), v16);  // toward zero
+    fi = fi > fx ? fi - 1.0f : fi;                                             // floor
+    v16 r = t - fi * 0.693359375f;
+    r = r - fi * -2.12194440e-4f;
+    v16 z = splat(1.9875691500e-4f);
+    z = z * r + 1.3981999507e-3f;
+    z = z * r + 8.3334519073e-3f;
+    z = z * r + 4.1665795894e-2f;
+    z = z * r + 1.6666665459e-1f;
+    z = z * r + 5.0000001201e-1f;
+    z = z * (r * r) + r;
+    z = z + 1.0f;
+    v16i bits = (__builtin_convertvector(fi, v16i) + 127) << 23;
+    v16 pow2 = (v16)bits;
+    v16 p = z * pow2;
+    return low ? v16{} : p;
+}
+
+struct Args {
+    const float* q; int64_t q_sh, q_st;    // q[h, t, :] at q + h*q_sh + t*q_st (unit stride in d)
+    const float* k; const float* v;        // [Hkv, cap, D] contiguous
+    int64_t cap;
+    const uint8_t* mask; int64_t m_st;     // mask[t, j] at mask + t*m_st + j; nullptr: all visible
+    float* out;                            // [T, H, D] contiguous
+    int H, Hkv, T, L;
+    float scale;
+    float* kt;                             // scratch [Hkv, D, Lr]: keys transposed
+    int Lr;
+};
+
+// Keys of kv head hk, slots [j0, j1) (multiple of 16), transposed to kt[hk][d][j].
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+void transpose_keys(const Args& a, int hk, int j0, int j1) {
+    const float* k = a.k + (int64_t)hk * a.cap * D;
+    float* kt = a.kt + (int64_t)hk * D * a.Lr;
+    for (int jb = j0; jb < j1; jb += 16) {
+        float blk[D][16];
+        for (int l = 0; l < 16; ++l) {
+            int j = jb + l;
+            if (j < a.L) {
+                const float* kr = k + (int64_t)j * D;
+                for (int d = 0; d < D; ++d) blk[d][l] = kr[d];
+            } else {
+                for (int d = 0; d < D; ++d) blk[d][l] = 0.0f;
+            }
+        }
+        for (int d = 0; d < D; ++d)
+            std::memcpy(kt + (int64_t)d * a.Lr + jb, blk[d], sizeof blk[d]);
+    }
+}
+
+struct Scratch {
+    std::vector<float> s;      // [G, Lr] scores, then compact probabilities
+    std::vector<int32_t> idx;  // compact visible slots
+};
+
+// One (row t, kv head hk): the G query heads h = hk*G + g of row t.
+template <int G>
+static inline __attribute__((always_inline)) void row_body(const Args& a, int hk, int t, Scratch& sc) {
+    const int Lr = a.Lr;
+    sc.s.resize((size_t)G * Lr);
+    sc.idx.resize((size_t)Lr);
+    float* S = sc.s.data();
+    int32_t* idx = sc.idx.data();
+
+    // visible slots, ascending
+    int n = 0;
+    const uint8_t* mr = a.mask == nullptr ? nullptr : a.mask + (int64_t)t * a.m_st;
+    if (mr == nullptr) {
+        for (int j = 0; j < a.L; ++j) idx[j] = j;
+        n = a.L;
+    } else {
+        for (int j = 0; j < a.L; ++j)
+            if (mr[j]) idx[n++] = j;
+    }
+    float* outp = a.out + ((int64_t)t * a.H + (int64_t)hk * G) * D;
+    if (n == 0) {  // a row that sees nothing: zeros (never produced by the engine)
+        std::memset(outp, 0, sizeof(float) * G * D);
+        return;
+    }
+
+    float qs[G][D];
+    for (int g = 0; g < G; ++g) {
+        const float* qr = a.q + (int64_t)(hk * G + g) * a.q_sh + (int64_t)t * a.q_st;
+        for (int d = 0; d < D; ++d) qs[g][d] = qr[d] * a.scale;
+    }
+
+    // scores of the 64-slot blocks holding a visible key: one lane per slot, summed over d in order
+    const float* kt = a.kt + (int64_t)hk * D * Lr;
+    const int last = idx[n - 1];
+    for (int jb = 0; jb <= last; jb += KB) {
+        if (mr != nullptr) {  // skip blocks with no visible key (pad rows, masked prefixes)
+            int je = std::min(jb + KB, a.L);
+            bool any = false;
+            for (int j = jb; j < je; ++j) any |= mr[j] != 0;
+            if (!any) continue;
+        }
+        const int nc = std::min(KB, Lr - jb) / 16;  // Lr is a multiple of 16
+        if (nc == 4) {
+            v16 acc[G][4];
+            for (int g = 0; g < G; ++g)
+                for (int c = 0; c < 4; ++c) acc[g][c] = v16{};
+            for (int d = 0; d < D; ++d) {
+                const float* kr = kt + (int64_t)d * Lr + jb;
+                v16 k0 = load16(kr), k1 = load16(kr + 16), k2 = load16(kr + 32), k3 = load16(kr + 48);
+                for (int g = 0; g < G; ++g) {
+                    const float qd = qs[g][d];
+                    acc[g][0] = acc[g][0] + qd * k0;
+                    acc[g][1] = acc[g][1] + qd * k1;
+                    acc[g][2] = acc[g][2] + qd * k2;
+                    acc[g][3] = acc[g][3] + qd * k3;
+                }
+            }
+            for (int g = 0; g < G; ++g)
+                for (int c = 0; c < 4; ++c) store16(S + (int64_t)g * Lr + jb + 16 * c, acc[g][c]);
+        } else {
+            for (int c = 0; c < nc; ++c) {
+                v16 acc[G];
+                for (int g = 0; g < G; ++g) acc[g] = v16{};
+                for (int d = 0; d < D; ++d) {
+                    v16 k0 = load16(kt + (int64_t)d * Lr + jb + 16 * c);
+                    for (int g = 0; g < G; ++g) acc[g] = acc[g] + qs[g][d] * k0;
+                }
+                for (int g = 0; g < G; ++g) store16(S + (int64_t)g * Lr + jb + 16 * c, acc[g]);
+            }
+        }
+    }
+
+    const int n16 = (n + 15) / 16 * 16;
+    for (int g = 0; g < G; ++g) {
+        float* Sg = S + (int64_t)g * Lr;
+        // compact in place (idx[i] >= i, so reading ahead of writing is safe)
+        if (mr != nullptr)
+            for (int i = 0; i < n; ++i) Sg[i] = Sg[idx[i]];
+        for (int i = n; i < n16; ++i) Sg[i] = Sg[0];  // pad to 16 (ignored below)
+        // max: exact in any order
+        v16 mx = load16(Sg);
+        for (int i = 16; i < n16; i += 16) {
+            v16 x = load16(Sg + i);
+            mx = x > mx ? x : mx;
+        }
+        float m = mx[0];
+        for (int l = 1; l < 16; ++l) m = mx[l] > m ? mx[l] : m;
+        // p = exp(s - m); sum: lane i % 16 in order of i, then a fixed pairwise tree
+        v16 part{};
+        int i = 0;
+        for (; i + 16 <= n; i += 16) {
+            v16 p = exp16(load16(Sg + i), m);
+            store16(Sg + i, p);
+            part = part + p;
+        }
+        if (i < n) {
+            v16 p = exp16(load16(Sg + i), m);
+            for (int l = n - i; l < 16; ++l) p[l] = 0.0f;
+            store16(Sg + i, p);
+            part = part + p;
+        }
+        float pt[16];
+        store16(pt, part);
+        for (int w = 8; w >= 1; w /= 2)
+            for (int l = 0; l < w; ++l) pt[l] = pt[l] + pt[l + w];
+        const v16 inv_sum = splat(1.0f / pt[0]);
+        for (int j = 0; j < n16; j += 16) store16(Sg + j, load16(Sg + j) * inv_sum);  // p / sum
+    }
+
+    // o = p @ v, sequentially over the visible keys, one lane per d
+    const float* v = a.v + (int64_t)hk * a.cap * D;
+    v16 acc[G][4];
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < 4; ++c) acc[g][c] = v16{};
+    for (int i = 0; i < n; ++i) {
+        const float* vr = v + (int64_t)idx[i] * D;
+        v16 v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32), v3 = load16(vr + 48);
+        for (int g = 0; g < G; ++g) {
+            const float w = S[(int64_t)g * Lr + i];
+            acc[g][0] = acc[g][0] + w * v0;
+            acc[g][1] = acc[g][1] + w * v1;
+            acc[g][2] = acc[g][2] + w * v2;
+            acc[g][3] = acc[g][3] + w * v3;
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < 4; ++c) store16(outp + g * D + 16 * c, acc[g][c]);
+}
+
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+void row_task(const Args& a, int hk, int t, Scratch& sc) {
+    switch (a.H / a.Hkv) {
+        case 1: return row_body<1>(a, hk, t, sc);
+        case 2: return row_body<2>(a, hk, t, sc);
+        case 3: return row_body<3>(a, hk, t, sc);
+        case 4: return row_body<4>(a, hk, t, sc);
+        case 5: return row_body<5>(a, hk, t, sc);
+        case 6: return row_body<6>(a, hk, t, sc);
+        case 7: return row_body<7>(a, hk, t, sc);
+        default: return row_body<8>(a, hk, t, sc);
+    }
+}
+
+void attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v, int64_t cap,
+               uintptr_t mask, int64_t m_st, uintptr_t out, int H, int Hkv, int T, int L, int head_dim,
+               int threads) {
+    if (head_dim != D) throw std::invalid_argument("head_dim must be 64");
+    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAXG) throw std::invalid_argument("bad head counts");
+    if (T <= 0 || L <= 0 || L > cap) throw std::invalid_argument("bad T / L / capacity");
+    Args a;
+    a.q = reinterpret_cast<const float*>(q); a.q_sh = q_sh; a.q_st = q_st;
+    a.k = reinterpret_cast<const float*>(k); a.v = reinterpret_cast<const float*>(v);
+    a.cap = cap;
+    a.mask = reinterpret_cast<const uint8_t*>(mask); a.m_st = m_st;
+    a.out = reinterpret_cast<float*>(out);
+    a.H = H; a.Hkv = Hkv; a.T = T; a.L = L;
+    a.scale = (float)(1.0 / std::sqrt((double)D));
+    a.Lr = (L + 15) / 16 * 16;
+    nb::gil_scoped_release nogil;
+    static thread_local std::vector<float> kt;
+    kt.resize((size_t)Hkv * D * a.Lr);
+    a.kt = kt.data();
+    const int nchunk = (a.Lr + 255) / 256;
+    const int ntask = Hkv * T;
+    if (threads <= 0) threads = omp_get_max_threads();
+    threads = std::max(1, std::min(threads, std::max(ntask, Hkv * nchunk)));
+#pragma omp parallel num_threads(threads)
+    {
+        static thread_local Scratch sc;
+#pragma omp for schedule(static)
+        for (int c = 0; c < Hkv * nchunk; ++c) {
+            int hk = c / nchunk, ch = c % nchunk;
+            transpose_keys(a, hk, ch * 256, std::min(a.Lr, ch * 256 + 256));
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < ntask; ++i) row_task(a, i % Hkv, i / Hkv, sc);
+    }
+}
+
+// Several requests' rows in one call (continuous batching): segment s owns rows
+// [row_off, row_off + T) of q / k_new / v_new / out and one layer of its own KV cache. The new
+// keys and values are first written at cache slots [L - T, L); then every (segment, kv head,
+// row) runs row_task exactly as `attention` would for that segment alone, so the bits do not
+// depend on the other segments. segs: int64 [S, 8] = k, v, capacity, L, mask, mask_stride,
+// row_off, T.
+void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new, uintptr_t v_new, int64_t kn_sh,
+                        int64_t kn_st, uintptr_t segs_ptr, int S, uintptr_t out, int H, int Hkv, int head_dim,
+                        int threads) {
+    if (head_dim != D) throw std::invalid_argument("head_dim must be 64");
+    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAXG) throw std::invalid_argument("bad head counts");
+    if (S <= 0) throw std::invalid_argument("no segments");
+    const int64_t* sg = reinterpret_cast<const int64_t*>(segs_ptr);
+    std::vector<Args> args(S);
+    std::vector<size_t> kt_off(S + 1, 0);
+    std::vector<int> row_base(S + 1, 0), tr_base(S + 1, 0);
+    const float scale = (float)(1.0 / std::sqrt((double)D));
+    for (int s = 0; s < S; ++s) {
+        const int64_t* r = sg + (int64_t)s * 8;
+        Args& a = args[s];
+        a.k = reinterpret_cast<const float*>(r[0]); a.v = reinterpret_cast<const float*>(r[1]);
+        a.cap = r[2]; a.L = (int)r[3];
+        a.mask = reinterpret_cast<const uint8_t*>(r[4]); a.m_st = r[5];
+        const int64_t off = r[6];
+        a.T = (int)r[7];
+        if (a.T <= 0 || a.L < a.T || a.L > a.cap) throw std::invalid_argument("bad segment T / L / capacity");
+        a.q = reinterpret_cast<const float*>(q) + off * q_st; a.q_sh = q_sh; a.q_st = q_st;
+        a.out = reinterpret_cast<float*>(out) + off * (int64_t)H * D;
+        a.H = H; a.Hkv = Hkv; a.scale = scale;
+        a.Lr = (a.L + 15) / 16 * 16;
+        kt_off[s + 1] = kt_off[s] + (size_t)Hkv * D * a.Lr;
+        row_base[s + 1] = row_base[s] + Hkv * a.T;
+        tr_base[s + 1] = tr_base[s] + Hkv * ((a.Lr + 255) / 256);
+    }
+    nb::gil_scoped_release nogil;
+    static thread_local std::vector<float> kt;
+    kt.resize(kt_off[S]);
+    for (int s = 0; s < S; ++s) args[s].kt = kt.data() + kt_off[s];
+    const float* kn = reinterpret_cast<const float*>(k_new);
+    const float* vn = reinterpret_cast<const float*>(v_new);
+    const int nrows = row_base[S], ntr = tr_base[S];
+    if (threads <= 0) threads = omp_get_max_threads();
+    threads = std::max(1, std::min(threads, std::max(nrows, ntr)));
+#pragma omp parallel num_threads(threads)
+    {
+        static thread_local Scratch sc;
+#pragma omp for schedule(static)
+        for (int i = 0; i < nrows; ++i) {  // write the new keys / values into each cache
+            int s = int(std::upper_bound(row_base.begin(), row_base.end(), i) - row_base.begin()) - 1;
+            const Args& a = args[s];
+            int j = i - row_base[s], hk = j % Hkv, t = j / Hkv;
+            int64_t src = (int64_t)hk * kn_sh + (sg[(int64_t)s * 8 + 6] + t) * kn_st;
+            int64_t dst = ((int64_t)hk * a.cap + (a.L - a.T + t)) * D;
+            std::memcpy(const_cast<float*>(a.k) + dst, kn + src, sizeof(float) * D);
+            std::memcpy(const_cast<float*>(a.v) + dst, vn + src, sizeof(float) * D);
+        }
+#pragma omp for schedule(static)
+        for (int c = 0; c < ntr; ++c) {
+            int s = int(std::upper_bound(tr_base.begin(), tr_base.end(), c) - tr_base.begin()) - 1;
+            const Args& a = args[s];
+            int nchunk = (a.Lr + 255) / 256, j = c - tr_base[s], hk = j / nchunk, ch = j % nchunk;
+            transpose_keys(a, hk, ch * 256, std::min(a.Lr, ch * 256 + 256));
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < nrows; ++i) {
+            int s = int(std::upper_bound(row_base.begin(), row_base.end(), i) - row_base.begin()) - 1;
+            int j = i - row_base[s];
+            row_task(args[s], j % Hkv, j / Hkv, sc);
+        }
+    }
+}
+
+}  // namespace
+
+NB_MODULE(_cpu, m) {
+    m.doc() = "agentspec CPU kernels: exact decode / tree-verification attention (float32 cache)";
+    m.def("abi_version", []() { return 2; });
+    m.def("attention", &attention,
+          nb::arg("q"), nb::arg("q_stride_h"), nb::arg("q_stride_t"), nb::arg("k"), nb::arg("v"),
+          nb::arg("capacity"), nb::arg("mask"), nb::arg("mask_stride_t"), nb::arg("out"),
+          nb::arg("n_heads"), nb::arg("n_kv_heads"), nb::arg("T"), nb::arg("L"), nb::arg("head_dim"),
+          nb::arg("threads") = 0,
+          "Raw-pointer entry point; call agentspec.kernels.cpu_attention.decode_attention instead.");
+    m.def("attention_segments", &attention_segments,
+          nb::arg("q"), nb::arg("q_stride_h"), nb::arg("q_stride_t"), nb::arg("k_new"), nb::arg("v_new"),
+          nb::arg("new_stride_h"), nb::arg("new_stride_t"), nb::arg("segments"), nb::arg("n_segments"),
+          nb::arg("out"), nb::arg("n_heads"), nb::arg("n_kv_heads"), nb::arg("head_dim"), nb::arg("threads") = 0,
+          "Raw-pointer entry point; call agentspec.kernels.cpu_attention.segment_attention instead.");
+}

@@ -1,0 +1,128 @@
+"""agentspec.kernels._cpu decode attention: against a float64 torch reference, and bitwise
+identity of a draft-tree node with the same token computed as a plain decoding row."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from agentspec.kernels import cpu_attention
+from agentspec.kernels.tree import tree_mask
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="agentspec.kernels._cpu not built")
+
+H, HKV, D = 9, 3, 64
+
+
+def reference(q, k, v, mask, L):
+    """float64 softmax attention, GQA: query head h reads kv head h // (H // Hkv). -> [T, H, D]"""
+    Hq, T, _ = q.shape
+    G = Hq // k.shape[0]
+    kk = k[:, :L].double().repeat_interleave(G, dim=0)
+    vv = v[:, :L].double().repeat_interleave(G, dim=0)
+    s = torch.matmul(q.double(), kk.transpose(1, 2)) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        s = s.masked_fill(~mask[:, :L], -math.inf)
+    return torch.matmul(torch.softmax(s, dim=-1), vv).transpose(0, 1)
+
+
+def random_parents(rng: random.Random, n: int) -> list[int]:
+    return [-1] + [rng.randrange(i) for i in range(1, n)]
+
+
+def make_cache(g: torch.Generator, cap: int):
+    k = torch.randn(HKV, cap, D, generator=g)
+    v = torch.randn(HKV, cap, D, generator=g)
+    return k, v
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 8, 13, 16, 17, 33, 40])
+def test_matches_float64_reference_with_tree_masks(T):
+    g = torch.Generator().manual_seed(T)
+    rng = random.Random(T)
+    for start in (0, 1, 7, 250, 1201):
+        L = start + T
+        cap = L + rng.randrange(0, 300)
+        k, v = make_cache(g, cap)
+        q = torch.randn(H, T, D, generator=g) * 2.0
+        mask = torch.zeros(T, L, dtype=torch.bool)
+        mask[:, :start] = True
+        mask[:, start:] = tree_mask(random_parents(rng, T))
+        out = cpu_attention.decode_attention(q, k, v, mask, L)
+        torch.testing.assert_close(out.double(), reference(q, k, v, mask, L), rtol=2e-5, atol=2e-5)
+        out_all = cpu_attention.decode_attention(q, k, v, None, L)
+        torch.testing.assert_close(out_all.double(), reference(q, k, v, None, L), rtol=2e-5, atol=2e-5)
+
+
+def test_wide_mask_noncontiguous_q_and_sparse_rows():
+    g = torch.Generator().manual_seed(1)
+    T, L = 6, 517
+    k, v = make_cache(g, 768)
+    q = torch.randn(T, H, D, generator=g).transpose(0, 1)  # [H, T, D] as the model makes it
+    mask = torch.zeros(T, 768, dtype=torch.bool)            # wider than L (fixed key_len)
+    mask[:, :L] = torch.rand(T, L, generator=g) < 0.3
+    mask[0, :] = False
+    mask[0, 400] = True                                     # one visible key: exactly v
+    out = cpu_attention.decode_attention(q, k, v, mask, L)
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask, L), rtol=2e-5, atol=2e-5)
+    assert torch.equal(out[0], v[:, 400].repeat_interleave(H // HKV, dim=0))
+
+
+def test_large_scores_are_stable():
+    g = torch.Generator().manual_seed(2)
+    T, L = 4, 300
+    k, v = make_cache(g, 512)
+    q = torch.randn(H, T, D, generator=g) * 40.0  # scores in the hundreds: softmax near one-hot
+    out = cpu_attention.decode_attention(q, k, v, None, L)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), reference(q, k, v, None, L), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("start", [0, 5, 127, 128, 300, 1199])
+def test_tree_node_equals_plain_row_bitwise(start):
+    """A node's output in a tree forward equals the same token's in a plain 2-row forward, where
+    its ancestors' keys sit at consecutive slots after the prefix instead of at tree slots."""
+    g = torch.Generator().manual_seed(start)
+    rng = random.Random(start)
+    n = 24
+    parents = random_parents(rng, n)
+    cap = start + n + 64
+    k, v = make_cache(g, cap)
+    q = torch.randn(H, n, D, generator=g)
+    mask = torch.zeros(n, start + n, dtype=torch.bool)
+    mask[:, :start] = True
+    mask[:, start:] = tree_mask(parents)
+    tree_out = cpu_attention.decode_attention(q, k, v, mask, start + n)
+    for i in range(n):
+        chain = [j for j in range(n) if mask[i, start + j]]  # ancestors and i, in depth order
+        depth = len(chain) - 1
+        pk = k.clone()
+        pv = v.clone()
+        pk[:, start:start + depth + 1] = k[:, [start + j for j in chain]]
+        pv[:, start:start + depth + 1] = v[:, [start + j for j in chain]]
+        # plain decoding: the token at slot p = start + depth, plus a padding row at p + 1
+        p = start + depth
+        pk[:, p + 1] = torch.randn(HKV, D, generator=g)
+        pv[:, p + 1] = torch.randn(HKV, D, generator=g)
+        pq = torch.stack([q[:, i], torch.randn(H, D, generator=g)], dim=1)
+        pm = torch.zeros(2, p + 2, dtype=torch.bool)
+        pm[:, :p] = True
+        pm[0, p] = True
+        pm[1, p + 1] = True
+        plain_out = cpu_attention.decode_attention(pq, pk, pv, pm, p + 2)
+        assert torch.equal(plain_out[0], tree_out[i]), f"node {i} (depth {depth})"
+        # and with no mask, as the committed prefix + this token alone
+        alone = cpu_attention.decode_attention(q[:, i:i + 1], pk, pv, None, p + 1)
+        assert torch.equal(alone[0], tree_out[i])
+
+
+def test_thread_count_does_not_change_bits():
+    g = torch.Generator().manual_seed(3)
+    T, L = 11, 1000
+    k, v = make_cache(g, 1024)
+    q = torch.randn(H, T, D, generator=g)
+    outs = [cpu_attention.decode_attention(q, k, v, None, L, threads=n) for n in (1, 2, 3)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
