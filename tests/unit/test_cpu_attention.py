@@ -126,3 +126,53 @@ def test_thread_count_does_not_change_bits():
     q = torch.randn(H, T, D, generator=g)
     outs = [cpu_attention.decode_attention(q, k, v, None, L, threads=n) for n in (1, 2, 3)]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_segment_attention_equals_each_segment_alone():
+    """Several requests in one native call: each gets the bits it gets alone, and the new keys /
+    values land at its cache slots [L - T, L)."""
+    g = torch.Generator().manual_seed(5)
+    sizes = [(37, 1), (300, 5), (1, 2), (129, 33)]   # (committed, rows)
+    R = sum(t for _, t in sizes)
+    q = torch.randn(H, R, D, generator=g)
+    kv = torch.randn(2, HKV, R, D, generator=g)
+    caches, segs, off = [], [], 0
+    for start, T in sizes:
+        k = torch.randn(HKV, 512, D, generator=g)
+        v = torch.randn(HKV, 512, D, generator=g)
+        mask = torch.zeros(T, start + T, dtype=torch.bool)
+        mask[:, :start] = True
+        mask[:, start:] = tree_mask([-1] + [random.Random(T).randrange(i) for i in range(1, T)])
+        caches.append((k.clone(), v.clone()))
+        segs.append((k, v, start + T, mask, off, T))
+        off += T
+    out = cpu_attention.segment_attention(q, kv, segs)
+    for (k0, v0), (k, v, L, mask, o, T) in zip(caches, segs):
+        assert torch.equal(k[:, L - T:L], kv[0, :, o:o + T]) and torch.equal(v[:, L - T:L], kv[1, :, o:o + T])
+        assert torch.equal(k[:, :L - T], k0[:, :L - T])
+        alone = cpu_attention.decode_attention(q[:, o:o + T].contiguous(), k, v, mask, L)
+        assert torch.equal(out[o:o + T], alone)
+
+
+def test_engine_uses_the_native_kernel(monkeypatch):
+    """Guards the dispatch: once `supports` was handed the whole cache instead of one layer and
+    the engine silently fell back to small_attention."""
+    from agentspec.engine.model import KVCache, ModelArgs, Segment, Transformer
+
+    args = ModelArgs(dim=576, n_layers=2, n_heads=9, n_kv_heads=3, hidden_dim=64, vocab_size=50, max_seq_len=256)
+    model = Transformer(args).eval()
+    calls = {"decode": 0, "segments": 0}
+    real_decode, real_segments = cpu_attention.decode_attention, cpu_attention.segment_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention",
+                        lambda *a, **k: calls.__setitem__("decode", calls["decode"] + 1) or real_decode(*a, **k))
+    monkeypatch.setattr(cpu_attention, "segment_attention",
+                        lambda *a, **k: calls.__setitem__("segments", calls["segments"] + 1) or real_segments(*a, **k))
+    cache = KVCache(args, 64, dtype=torch.float32, device=torch.device("cpu"))
+    model(torch.arange(5), torch.arange(5), cache)
+    cache.commit(list(range(5)))
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    model(torch.tensor([1, 2]), torch.tensor([5, 6]), cache, mask)
+    assert calls["decode"] == args.n_layers
+    seg_mask = torch.ones(2, 7, dtype=torch.bool)
+    model.forward_segments(torch.tensor([1, 2]), torch.tensor([5, 6]), [Segment(cache=cache, rows=2, mask=seg_mask)])
+    assert calls["segments"] == args.n_layers
