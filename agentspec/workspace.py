@@ -420,6 +420,10 @@ class Workspace:
     # ---- watching -----------------------------------------------------------------------------
 
     def _start_watching(self) -> None:
+        """One non-recursive watch per folder that is not ignored: ignored trees (.venv, build
+        output, node_modules) are never watched, so their churn (a fresh venv compiling .pyc
+        files on first import) cannot flood inotify or the updater. New folders get watches as
+        their events arrive (in the updater thread); deleted ones lose them."""
         from watchdog.events import FileSystemEventHandler
         from watchdog.observers import Observer
 
@@ -434,12 +438,33 @@ class Workspace:
                 ws._queue.put((event.event_type, event.src_path, getattr(event, "dest_path", "") or "",
                                event.is_directory))
 
+        self._handler = Handler()
+        self._watches: dict[str, Any] = {}
+        self._observer = Observer()
+        self._observer.daemon = True
+        self._watch_tree(self.root)
         self._thread = threading.Thread(target=self._updater, name="agentspec-workspace", daemon=True)
         self._thread.start()
-        self._observer = Observer()
-        self._observer.schedule(Handler(), str(self.root), recursive=True)
-        self._observer.daemon = True
         self._observer.start()
+
+    def _watch_tree(self, folder: Path) -> None:
+        for dirpath, dirnames, _ in os.walk(folder):
+            base = Path(dirpath)
+            dirnames[:] = [d for d in dirnames if not self._ignore.ignored(self._rel(base / d), True)]
+            rel = self._rel(base)
+            if rel in self._watches or rel.startswith("../") or rel.startswith("/"):
+                continue
+            try:
+                self._watches[rel] = self._observer.schedule(self._handler, str(base), recursive=False)
+            except OSError:  # gone meanwhile, or out of inotify watches: its files are still scanned
+                pass
+
+    def _unwatch_tree(self, rel: str) -> None:
+        for key in [k for k in self._watches if k == rel or k.startswith(rel + "/")]:
+            try:
+                self._observer.unschedule(self._watches.pop(key))
+            except (KeyError, OSError):
+                pass
 
     def _updater(self) -> None:
         while True:
@@ -463,6 +488,18 @@ class Workspace:
                 if x is None:
                     continue
                 kind, src, dest, is_dir = x
+                if not is_dir and Path(src).name == ".gitignore" and self._observer is not None:
+                    self._watch_tree(Path(src).parent)   # folders it no longer ignores need watches
+                if is_dir and self._observer is not None:
+                    try:
+                        if kind in ("deleted", "moved"):
+                            self._unwatch_tree(self._rel(Path(src)))
+                        for p in (src if kind == "created" else "", dest):
+                            rel = self._rel(Path(p)) if p else None
+                            if rel is not None and not self._ignore.ignored(rel, True) and Path(p).is_dir():
+                                self._watch_tree(Path(p))
+                    except Exception as e:  # noqa: BLE001 - watching is best effort; scanning still works
+                        print(f"[agentspec] workspace watch update failed: {e!r}", file=sys.stderr, flush=True)
                 for p in (src, dest):
                     if p:
                         paths.add(p)

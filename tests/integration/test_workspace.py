@@ -219,6 +219,33 @@ def test_live_edits_creates_deletes_renames_and_bursts(tmp_path, tokenizer):
         assert "README.md" not in ws.files()
 
 
+def test_new_folders_are_watched_and_ignored_trees_are_not(tmp_path, tokenizer):
+    make_repo(tmp_path)
+    (tmp_path / ".venv" / "lib").mkdir(parents=True)
+    with Workspace(tmp_path, tokenizer=tokenizer) as ws:
+        assert ".venv" not in ws._watches and ".venv/lib" not in ws._watches and "src" in ws._watches
+        # churn in an ignored tree (a fresh venv compiling .pyc files) reaches nothing
+        for i in range(200):
+            (tmp_path / ".venv" / "lib" / f"m{i}.py").write_text("x = 1\n")
+        assert ws.wait_idle(5)
+        assert ws._queue.unfinished_tasks == 0 and not any(f.startswith(".venv") for f in ws.files())
+        # a new folder tree gets watches, and edits inside it after that are seen
+        deep = tmp_path / "pkg" / "sub"
+        deep.mkdir(parents=True)
+        (deep / "a.py").write_text("def first_version_qq():\n    return 'one-one'\n")
+        assert ws.wait_idle(5)
+        assert "pkg/sub/a.py" in ws.files() and "pkg/sub" in ws._watches
+        (deep / "a.py").write_text("def second_version_qq():\n    return 'two-two'\n")
+        assert ws.wait_idle(5)
+        assert continues(ws.index, tokenizer, "def second_version_qq():\n    return", " 'two-two'")
+        # a deleted folder loses its watches
+        import shutil
+
+        shutil.rmtree(tmp_path / "pkg")
+        assert ws.wait_idle(5)
+        assert "pkg/sub" not in ws._watches and "pkg/sub/a.py" not in ws.files()
+
+
 def test_response_reproducing_a_file_not_in_the_prompt_is_drafted_from_the_workspace(tmp_path, tokenizer):
     make_repo(tmp_path)
     with Workspace(tmp_path, tokenizer=tokenizer, watch=False) as ws:
