@@ -127,8 +127,8 @@ class BatchEngine:
       budget: "load_aware" (global top-B slots, default), "fixed" (each request's own
         ``cut_for_cost`` as in single-request decoding) or "off" (plain batched decoding).
       step_costs: {rows: seconds} to use instead of profiling at start-up.
-      verify: "auto" (batched greedy verification with ``agentspec.kernels`` on CUDA, the
-        per-request reference on CPU), "batched" or "reference".
+      verify: "auto" (batched verification, greedy and sampled, with ``agentspec.kernels`` on
+        CUDA; the per-request reference on CPU), "batched" or "reference".
       background: run the scheduler on its own thread (default). False: steps run in the
         caller's thread, in ``generate_many`` or ``serve_forever``. On CPU, prefer False with the
         process's main thread: libgomp throttles its spin-waiting once a second thread runs
@@ -440,27 +440,46 @@ class BatchEngine:
             draft = drop_unlikely(draft, req.spec.min_prob)
         return draft
 
-    def _greedy_batched(self, reqs, segs, layout, logits) -> dict[int, tuple[list[int], int]]:
-        """Greedy verification of every greedy request at once with ``agentspec.kernels``
-        (Triton on CUDA, the torch reference elsewhere): one device-to-host copy per step."""
-        from ..kernels import greedy_verify_batch
+    def _verify_batched(self, reqs, drafts, segs, layout, logits) -> dict[int, tuple[list[int], int]]:
+        """Verify every request with a draft at once with ``agentspec.kernels`` (Triton on CUDA,
+        the torch reference elsewhere): greedy requests with ``greedy_verify_batch``, sampled ones
+        with ``sampling_verify_batch`` (each request's uniforms drawn from its own generator, as
+        ``sampling_verify`` draws them). One device-to-host copy per group and step."""
+        from ..kernels import greedy_verify_batch, sampling_verify_batch
+        from ..verify import process_logits
 
         dev = logits.device
-        picked = [(r, sg, lay) for r, sg, lay in zip(reqs, segs, layout) if r.temperature <= 0]
-        if not picked:
-            return {}
-        rows, toks, pars, lengths = [], [], [], [0]
-        for r, sg, (tokens, parents, depths, T) in picked:
-            rows.extend(range(sg.offset, sg.offset + T))
-            toks += tokens
-            pars += parents
-            lengths.append(T)
-        target = logits[torch.tensor(rows, device=dev)].argmax(dim=-1)
-        offsets = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(dev)
-        paths, n, bonus = greedy_verify_batch(torch.tensor(toks, device=dev), torch.tensor(pars, device=dev),
-                                              target, offsets)
-        paths, n, bonus = paths.tolist(), n.tolist(), bonus.tolist()
-        return {id(r): (paths[b][:n[b]], bonus[b]) for b, (r, _, _) in enumerate(picked)}
+        out: dict[int, tuple[list[int], int]] = {}
+        greedy = [(r, sg, lay) for r, d, sg, lay in zip(reqs, drafts, segs, layout) if r.temperature <= 0]
+        sampled = [(r, sg, lay) for r, d, sg, lay in zip(reqs, drafts, segs, layout)
+                   if r.temperature > 0 and d.token_ids]
+        for group, kind in ((greedy, "greedy"), (sampled, "sampled")):
+            if not group:
+                continue
+            rows, toks, pars, lengths, probs, ua, ub = [], [], [], [0], [], [], []
+            for r, sg, (tokens, parents, depths, T) in group:
+                rows.extend(range(sg.offset, sg.offset + T))
+                toks += tokens
+                pars += parents
+                lengths.append(T)
+                if kind == "sampled":
+                    probs.append(process_logits(logits[sg.offset:sg.offset + T], temperature=r.temperature,
+                                                top_p=r.top_p, top_k=r.top_k))
+                    u = torch.rand(2, T, generator=r.gen, device=dev)
+                    ua.append(u[0])
+                    ub.append(u[1])
+            offsets = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(dev)
+            tok_t, par_t = torch.tensor(toks, device=dev), torch.tensor(pars, device=dev)
+            if kind == "greedy":
+                target = logits[torch.tensor(rows, device=dev)].argmax(dim=-1)
+                paths, n, bonus = greedy_verify_batch(tok_t, par_t, target, offsets)
+            else:
+                paths, n, bonus = sampling_verify_batch(tok_t, par_t, torch.cat(probs), torch.cat(ua), torch.cat(ub),
+                                                        offsets)
+            paths, n, bonus = paths.tolist(), n.tolist(), bonus.tolist()
+            for b, (r, _, _) in enumerate(group):
+                out[id(r)] = (paths[b][:n[b]], bonus[b])
+        return out
 
     def _step(self) -> None:
         e = self.engine
@@ -499,7 +518,7 @@ class BatchEngine:
             layout.append((tokens, parents, depths, T))
         logits = e.model.forward_segments(torch.tensor(toks, device=dev), torch.tensor(poss, device=dev), segs)
         self.steps += 1
-        greedy_paths = self._greedy_batched(reqs, segs, layout, logits) if self._batched_verify else {}
+        batched = self._verify_batched(reqs, drafts, segs, layout, logits) if self._batched_verify else {}
         off = 0
         for r, d, sg, (tokens, parents, depths, T) in zip(reqs, drafts, segs, layout):
             lg = logits[off:off + T]
@@ -513,11 +532,11 @@ class BatchEngine:
                 s.acceptance_lengths.append(1)
                 self._commit(r, [tok])
                 continue
-            if r.temperature > 0:
+            if id(r) in batched:
+                path, bonus = batched[id(r)]
+            elif r.temperature > 0:
                 path, bonus = sampling_verify(tokens, parents, lg, temperature=r.temperature, top_p=r.top_p,
                                               top_k=r.top_k, generator=r.gen)
-            elif id(r) in greedy_paths:
-                path, bonus = greedy_paths[id(r)]
             else:
                 path, bonus = greedy_verify(tokens, parents, lg.argmax(dim=-1).tolist())
             r.cache.commit(path)

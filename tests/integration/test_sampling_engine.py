@@ -123,11 +123,14 @@ def test_single_request_speculative_sampling_matches_target(engine, target):
     _check(samples, joint)
 
 
-def test_batched_speculative_sampling_matches_target(engine, target):
+@pytest.mark.parametrize("verify", ["reference", "batched"])
+def test_batched_speculative_sampling_matches_target(engine, target, verify):
+    """Batched; ``verify="batched"`` is the engine's CUDA path (agentspec.kernels), here through
+    the kernels' torch reference."""
     prompt, joint, table = target
     drafter = TopKTreeDrafter(table)
     results = []
-    with BatchEngine(engine, max_batch=8, step_costs={2: 1.0, 264: 1.0}, background=False) as be:
+    with BatchEngine(engine, max_batch=8, step_costs={2: 1.0, 264: 1.0}, background=False, verify=verify) as be:
         for seed in range(N):
             be.submit(prompt, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, top_k=TOP_K, seed=10_000 + seed,
                       spec=SpecConfig(budget=8), drafter=drafter, on_done=lambda g, e: results.append(e or g))
