@@ -46,25 +46,9 @@ def rewrite_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> 
 def agent_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> list[list[int]]:
     """Agent turns: the system message plus the most recent messages that fit ``max_prompt``
     tokens (the recorded histories run to ~10k tokens, past what this CPU can prefill quickly)."""
-    from agentspec.traces import load_records, prompt_messages
+    from bench_server import agent_items
 
-    out = []
-    for i, r in enumerate(load_records(data / "agent_turns.jsonl")):
-        if i < start:
-            continue
-        msgs = prompt_messages(r["prompt"])
-        head, tail = msgs[:1], []
-        for m in reversed(msgs[1:]):
-            trial = engine.encode(head + [m] + tail)
-            if len(trial) > max_prompt:
-                break
-            tail.insert(0, m)
-        if not tail:
-            continue
-        out.append(engine.encode(head + tail))
-        if len(out) == n:
-            break
-    return out
+    return [engine.encode(it["messages"]) for it in agent_items(data, n, max_prompt, start, engine.tokenizer)]
 
 
 def run_ours(engine, prompts, c: int, policy: str, max_tokens: int, step_costs) -> dict:

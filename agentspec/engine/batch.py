@@ -31,9 +31,10 @@ from ..config import SpecConfig
 from ..drafting import EMPTY_DRAFT, Draft, Drafter
 from ..drafting.base import AcceptanceTracker, cut_for_cost, drop_unlikely
 from ..errors import InvalidRequestError
-from ..kernels.tree import tree_depths, tree_mask, with_root
-from ..verify import greedy_verify, sampling_verify
+from ..kernels.tree import greedy_verify_batch, sampling_verify_batch, tree_depths, tree_mask, with_root
+from ..verify import process_logits
 from .base import DEFAULT_SPEC, Generation, GenerationStats
+from .embedded import spec_decision
 from .model import KVCache, Segment, round_up
 
 __all__ = ["BatchEngine", "BudgetPolicy", "select_slots"]
@@ -368,16 +369,13 @@ class BatchEngine:
             req.on_done(Generation(text="", token_ids=[], finish_reason="cancelled",
                                    stats=GenerationStats(prompt_tokens=len(req.ids))), None)
             return
-        spec = req.spec
-        if spec is None:
-            on, reason = False, "disabled by request (spec=None)"
-        elif spec.budget == 0 or self.budget == "off":
-            on, reason = False, "budget 0" if spec.budget == 0 else "batch budget policy 'off'"
-        else:
-            kind = "sampled: exact tree speculative sampling" if req.temperature > 0 else "greedy"
-            on, reason = True, f"{kind}, batched ({self.budget})"
+        on, reason = spec_decision(req.spec, req.temperature)
+        if on and self.budget == "off":
+            on, reason = False, "batch budget policy 'off'"
+        elif on:
+            reason += f", batched ({self.budget})"
         req.spec_on = on
-        req.budget_cap = spec.budget if on else 0
+        req.budget_cap = req.spec.budget if on else 0
         req.stats = GenerationStats(prompt_tokens=len(req.ids), spec_enabled=on, spec_reason=reason)
         need = len(req.ids) + req.max_tokens + req.budget_cap + 2
         req.cache = KVCache(e.args, round_up(need, 256), dtype=e.kv_dtype, device=e.device)
@@ -385,10 +383,7 @@ class BatchEngine:
             td = time.perf_counter()
             req.drafter.start(req.req_id, req.ids, tenant=req.tenant)
             req.stats.draft_seconds += time.perf_counter() - td
-        ids = torch.tensor(req.ids, device=e.device)
-        logits = e.model(ids, torch.arange(len(req.ids), device=e.device), req.cache, logits_rows=slice(-1, None))
-        req.cache.commit(list(range(len(req.ids))))
-        first = e._pick(logits[0], req.temperature, req.top_p, req.top_k, req.gen)
+        first = e._prefill(req.ids, req.cache, req.temperature, req.top_p, req.top_k, req.gen)
         req.stats.prefill_seconds = time.perf_counter() - req.t_start
         self._commit(req, [first])
         if req.cache is not None:
@@ -410,22 +405,10 @@ class BatchEngine:
             self._finish(req)
 
     def _finish(self, req: _Request) -> None:
-        e = self.engine
         if req.spec_on:
             req.drafter.stop(req.req_id)
-        s = req.stats
-        s.completion_tokens = len(req.out)
-        s.seconds = time.perf_counter() - req.t_start
-        s.decode_seconds = s.seconds - s.prefill_seconds
-        if s.steps:
-            s.mean_acceptance_length = sum(s.acceptance_lengths) / s.steps
-        text = e.tokenizer.decode(req.out)
-        if req.stops:
-            cut = min((i for i in (text.find(x) for x in req.stops) if i >= 0), default=-1)
-            if cut >= 0:
-                text = text[:cut]
         req.cache = None
-        req.on_done(Generation(text=text, token_ids=list(req.out), finish_reason=req.finish, stats=s), None)
+        req.on_done(self.engine._finish(list(req.out), req.stats, req.stops, req.finish, req.t_start), None)
 
     def _draft(self, req: _Request) -> Draft:
         if not req.spec_on:
@@ -445,9 +428,6 @@ class BatchEngine:
         the torch reference elsewhere): greedy requests with ``greedy_verify_batch``, sampled ones
         with ``sampling_verify_batch`` (each request's uniforms drawn from its own generator, as
         ``sampling_verify`` draws them). One device-to-host copy per group and step."""
-        from ..kernels import greedy_verify_batch, sampling_verify_batch
-        from ..verify import process_logits
-
         dev = logits.device
         out: dict[int, tuple[list[int], int]] = {}
         greedy = [(r, sg, lay) for r, d, sg, lay in zip(reqs, drafts, segs, layout) if r.temperature <= 0]
@@ -523,30 +503,9 @@ class BatchEngine:
         for r, d, sg, (tokens, parents, depths, T) in zip(reqs, drafts, segs, layout):
             lg = logits[off:off + T]
             off += sg.rows
-            s = r.stats
-            s.steps += 1
-            s.draft_depths.append(max(depths) if d.token_ids else 0)
-            if r.temperature > 0 and not d.token_ids:
-                tok = e._pick(lg[0], r.temperature, r.top_p, r.top_k, r.gen)
-                r.cache.commit([0])
-                s.acceptance_lengths.append(1)
-                self._commit(r, [tok])
-                continue
-            if id(r) in batched:
-                path, bonus = batched[id(r)]
-            elif r.temperature > 0:
-                path, bonus = sampling_verify(tokens, parents, lg, temperature=r.temperature, top_p=r.top_p,
-                                              top_k=r.top_k, generator=r.gen)
-            else:
-                path, bonus = greedy_verify(tokens, parents, lg.argmax(dim=-1).tolist())
-            r.cache.commit(path)
-            n_acc = len(path) - 1
+            new = e._verify(tokens, parents, max(depths), d, lg, r.cache, r.temperature, r.top_p, r.top_k, r.gen,
+                            r.stats, verified=batched.get(id(r)))
             if d.token_ids:
-                s.draft_tokens += len(d.token_ids)
-                s.accepted_tokens += n_acc
-                src = d.source or "unknown"
-                s.draft_sources[src] = s.draft_sources.get(src, 0) + 1
-                r.tracker.update(d.score, n_acc)
-            s.acceptance_lengths.append(n_acc + 1)
-            self._commit(r, [tokens[i] for i in path[1:]] + [bonus])
+                r.tracker.update(d.score, len(new) - 1)
+            self._commit(r, new)
         self._running = [r for r in self._running if r.cache is not None]

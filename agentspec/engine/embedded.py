@@ -281,13 +281,9 @@ class EmbeddedEngine(Engine):
 
     def _run(self, ids: list[int], *, max_tokens, temperature, top_p, top_k, seed, stops, spec, drafter,
              tenant, should_stop=None) -> Iterator[list[int]]:
-        if spec is None:
-            spec_on, reason = False, "disabled by request (spec=None)"
-        elif spec.budget == 0:
-            spec_on, reason = False, "budget 0"
-        else:
-            spec_on, reason = True, ("sampled: exact tree speculative sampling" if temperature > 0 else "greedy") + (
-                ", deterministic" if self.deterministic else "")
+        spec_on, reason = spec_decision(spec, temperature)
+        if spec_on and self.deterministic:
+            reason += ", deterministic"
         budget_cap = spec.budget if spec_on else 0
         row_cost = self.row_cost if spec is None or spec.row_cost is None else spec.row_cost
         tracker = AcceptanceTracker()
@@ -314,12 +310,7 @@ class EmbeddedEngine(Engine):
                 drafter.start(req_id, ids, tenant=tenant)
                 stats.draft_seconds += time.perf_counter() - td
             try:
-                # prefill: the whole prompt; its last logits give the first token
-                logits = self.model(torch.tensor(ids, device=self.device),
-                                    torch.arange(len(ids), device=self.device), cache,
-                                    logits_rows=slice(-1, None))
-                cache.commit(list(range(len(ids))))
-                first = self._pick(logits[0], temperature, top_p, top_k, gen)
+                first = self._prefill(ids, cache, temperature, top_p, top_k, gen)
                 stats.prefill_seconds = time.perf_counter() - t_start
                 new = [first]
                 while True:
@@ -352,17 +343,26 @@ class EmbeddedEngine(Engine):
             finally:
                 if spec_on:
                     drafter.stop(req_id)
+        return self._finish(out, stats, stops, finish, t_start)
+
+    def _prefill(self, ids: list[int], cache: KVCache, temperature, top_p, top_k, gen) -> int:
+        """Run the whole prompt into ``cache`` (committed); its last logits give the first token."""
+        logits = self.model(torch.tensor(ids, device=self.device), torch.arange(len(ids), device=self.device),
+                            cache, logits_rows=slice(-1, None))
+        cache.commit(list(range(len(ids))))
+        return self._pick(logits[0], temperature, top_p, top_k, gen)
+
+    def _finish(self, out: list[int], stats: GenerationStats, stops: list[str], finish: str,
+                t_start: float) -> Generation:
+        """The Generation for a finished request: totals in ``stats``, text cut at a stop string."""
         stats.completion_tokens = len(out)
         stats.seconds = time.perf_counter() - t_start
         stats.decode_seconds = stats.seconds - stats.prefill_seconds
         if stats.steps:
             stats.mean_acceptance_length = sum(stats.acceptance_lengths) / stats.steps
         text = self.tokenizer.decode(out)
-        if stops:
-            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:
-                text = text[:cut]
-        return Generation(text=text, token_ids=out, finish_reason=finish, stats=stats)
+        cut = stop_index(text, stops)
+        return Generation(text=text[:cut] if cut >= 0 else text, token_ids=out, finish_reason=finish, stats=stats)
 
     def _accept(self, out: list[int], new: list[int], max_tokens: int, stops: list[str]):
         """Append ``new`` to ``out`` up to EOS / max_tokens / a stop string. Returns (added, finish, done)."""
@@ -420,14 +420,25 @@ class EmbeddedEngine(Engine):
             for i in range(T, rows):  # padding rows see the prefix and themselves
                 mask[i, start + i] = True
             logits = self.model(tok_t, pos_t, cache, mask)[:T]
+        return self._verify(tokens, parents, max(depths), draft, logits, cache, temperature, top_p, top_k, gen,
+                            stats)
+
+    def _verify(self, tokens: list[int], parents: list[int], depth: int, draft: Draft, logits: torch.Tensor,
+                cache: KVCache, temperature, top_p, top_k, gen, stats: GenerationStats,
+                verified: tuple[list[int], int] | None = None) -> list[int]:
+        """Verify one request's forwarded rows (``logits``: [T, vocab], row 0 the root), commit
+        the accepted path in ``cache``, count the step in ``stats``; the new committed tokens.
+        ``verified``: (path, bonus) already computed by a batched kernel."""
         stats.steps += 1
-        stats.draft_depths.append(max(depths) if draft.token_ids else 0)
+        stats.draft_depths.append(depth if draft.token_ids else 0)
         if temperature > 0 and not draft.token_ids:  # plain sampling
             tok = self._pick(logits[0], temperature, top_p, top_k, gen)
             cache.commit([0])
             stats.acceptance_lengths.append(1)
             return [tok]
-        if temperature > 0:  # exact tree speculative sampling: output follows the target's distribution
+        if verified is not None:
+            path, bonus = verified
+        elif temperature > 0:  # exact tree speculative sampling: output follows the target's distribution
             path, bonus = sampling_verify(tokens, parents, logits, temperature=temperature, top_p=top_p,
                                           top_k=top_k, generator=gen)
         else:
@@ -454,6 +465,20 @@ class EmbeddedEngine(Engine):
             self._cache = None
             self._cache = KVCache(self.args, max(cap, need), dtype=self.kv_dtype, device=self.device)
         return self._cache
+
+
+def spec_decision(spec: SpecConfig | None, temperature: float) -> tuple[bool, str]:
+    """Whether a request speculates, and why (``GenerationStats.spec_reason``)."""
+    if spec is None:
+        return False, "disabled by request (spec=None)"
+    if spec.budget == 0:
+        return False, "budget 0"
+    return True, "sampled: exact tree speculative sampling" if temperature > 0 else "greedy"
+
+
+def stop_index(text: str, stops: Sequence[str]) -> int:
+    """Where the earliest stop string starts in ``text``; -1 if none does."""
+    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
 
 
 def _dtype(value, name: str) -> torch.dtype:

@@ -116,15 +116,19 @@ class Block(nn.Module):
         self.w_gate_up = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)
         self.w_down = nn.Linear(args.hidden_dim, args.dim, bias=False)
 
-    def forward(self, x, layer: int, cache: KVCache, start: int, cos, sin, mask, causal: bool, key_len: int):
-        # x: [T, dim]; cos/sin: [T, head_dim]; mask: [T, start + T] bool, or None with `causal`
+    def _qkv(self, x, cos, sin):
+        """x: [T, dim] -> q [H, T, D], k [Hkv, T, D] (rotated), v [Hkv, T, D]."""
         a = self.args
         T = x.shape[0]
-        qkv = self.wqkv(self.attn_norm(x))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(T, a.n_heads, a.head_dim).transpose(0, 1), cos, sin)    # [H, T, D]
-        k = apply_rope(k.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1), cos, sin)  # [Hkv, T, D]
-        v = v.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1)
+        q, k, v = self.wqkv(self.attn_norm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(T, a.n_heads, a.head_dim).transpose(0, 1), cos, sin)
+        k = apply_rope(k.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1), cos, sin)
+        return q, k, v.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1)
+
+    def forward(self, x, layer: int, cache: KVCache, start: int, cos, sin, mask, causal: bool, key_len: int):
+        # x: [T, dim]; cos/sin: [T, head_dim]; mask: [T, start + T] bool, or None with `causal`
+        T = x.shape[0]
+        q, k, v = self._qkv(x, cos, sin)
         end = start + T
         cache.k[layer, :, start:end] = k
         cache.v[layer, :, start:end] = v
@@ -160,13 +164,8 @@ class Block(nn.Module):
         """Several requests' decode/verify rows in one pass: the linear layers see every row at
         once (a row's result does not depend on the others: see ``small_attention``), attention
         runs per request over its own cache. x: [R, dim] rows of all segments, in order."""
-        a = self.args
         R = x.shape[0]
-        qkv = self.wqkv(self.attn_norm(x))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(R, a.n_heads, a.head_dim).transpose(0, 1), cos, sin)    # [H, R, D]
-        k = apply_rope(k.view(R, a.n_kv_heads, a.head_dim).transpose(0, 1), cos, sin)  # [Hkv, R, D]
-        v = v.view(R, a.n_kv_heads, a.head_dim).transpose(0, 1)
+        q, k, v = self._qkv(x, cos, sin)
         if cpu_attention.supports(q, segs[0].cache.k[layer]):
             # one native call for every segment: writes the new keys/values, then attends
             kv = torch.stack([k, v]).to(torch.float32).contiguous()       # [2, Hkv, R, D]

@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HTTPRoute
 
 from ..config import ServerConfig
+from ..engine.embedded import stop_index
 from ..errors import ContextLengthError, InvalidRequestError
 from ..routing import Route, Router
 from .protocol import APIError, ApplyRequest, ChatCompletionRequest, CompletionRequest, decode_body, error_body
@@ -192,7 +193,7 @@ class TextStream:
     def push(self, tokens: Sequence[int]) -> str:
         self.ids.extend(tokens)
         text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        cut = stop_index(text, self.stops)
         if cut >= 0:  # a complete stop string: the answer ends before it
             text = text[:cut]
         elif self.hold:
@@ -237,7 +238,7 @@ class Call:
 
 def _resolve(state: ServerState, *, endpoint: str, tenant: Tenant, model: str, ids: list[int], temperature: float,
              top_p: float | None, top_k: int | None, seed: int | None, stop, max_tokens: int | None,
-             speculation: bool | None, prediction: str | None, session: str | None, stream: bool,
+             speculation: bool | None, prediction: str | list[int] | None, session: str | None, stream: bool,
              include_usage: bool, want_stats: bool, t0: float, prefix: str) -> Call:
     engine = state.engine
     route = state.router.resolve(endpoint=endpoint, tenant=tenant.name, model=model, temperature=temperature)
@@ -252,7 +253,8 @@ def _resolve(state: ServerState, *, endpoint: str, tenant: Tenant, model: str, i
                        else "prompt", code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(state.config.server.default_max_tokens, room)
-    pred_ids = engine.tokenizer.encode(prediction) if prediction else None
+    pred_ids = engine.tokenizer.encode(prediction) if isinstance(prediction, str) and prediction else (
+        prediction or None)
     if isinstance(stop, str):
         stop = [stop]
     return Call(endpoint=endpoint, tenant=tenant, ids=ids, max_tokens=max_tokens, temperature=temperature,
@@ -429,13 +431,18 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 # ---- endpoints ---------------------------------------------------------------------------------------
 
-async def chat_completions(request: Request) -> Response:
+async def _parse(request: Request, body_type):
+    """What every generation endpoint starts with: (state, arrival time, tenant, body, model id)."""
     state: ServerState = request.app.state.agentspec
     t0 = time.monotonic()
     tenant = _authenticate(state, request)
-    req = decode_body(await _read_body(request, state.config.server.max_body_bytes), ChatCompletionRequest)
+    req = decode_body(await _read_body(request, state.config.server.max_body_bytes), body_type)
     req.check_unsupported()
-    model = _check_model(state, req.model)
+    return state, t0, tenant, req, _check_model(state, req.model)
+
+
+async def chat_completions(request: Request) -> Response:
+    state, t0, tenant, req, model = await _parse(request, ChatCompletionRequest)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
                 for m in req.messages]
     prediction = _text(req.prediction.content) if req.prediction is not None else None
@@ -501,12 +508,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def completions(request: Request) -> Response:
-    state: ServerState = request.app.state.agentspec
-    t0 = time.monotonic()
-    tenant = _authenticate(state, request)
-    req = decode_body(await _read_body(request, state.config.server.max_body_bytes), CompletionRequest)
-    req.check_unsupported()
-    model = _check_model(state, req.model)
+    state, t0, tenant, req, model = await _parse(request, CompletionRequest)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) != 1:
@@ -591,11 +593,7 @@ def _read_workspace_file(tenant: Tenant, path: str, limit: int) -> str:
 
 
 async def apply(request: Request) -> Response:
-    state: ServerState = request.app.state.agentspec
-    t0 = time.monotonic()
-    tenant = _authenticate(state, request)
-    req = decode_body(await _read_body(request, state.config.server.max_body_bytes), ApplyRequest)
-    model = _check_model(state, req.model)
+    state, t0, tenant, req, model = await _parse(request, ApplyRequest)
     if (req.code is None) == (req.path is None):
         raise APIError(400, "give exactly one of `code` or `path`", param="code", code="invalid_value")
     if not req.update and not req.instruction:
@@ -606,13 +604,14 @@ async def apply(request: Request) -> Response:
     name = Path(req.path).name if req.path is not None else "the file"
     messages = [{"role": "user", "content": apply_prompt(code, req.update, req.instruction, name)}]
     ids = state.engine.encode(messages)
+    code_ids = state.engine.tokenizer.encode(code)   # the draft source, and the output's expected size
     max_tokens = req.max_tokens
     if max_tokens is None:  # room for the whole file and the update, within the context window
-        est = len(state.engine.tokenizer.encode(code)) + len(state.engine.tokenizer.encode(req.update or "")) + 64
+        est = len(code_ids) + len(state.engine.tokenizer.encode(req.update or "")) + 64
         max_tokens = max(1, min(est, state.engine.max_context - len(ids)))
     call = _resolve(state, endpoint="apply", tenant=tenant, model=model, ids=ids, temperature=req.temperature,
                     top_p=None, top_k=None, seed=req.seed, stop=None, max_tokens=max_tokens,
-                    speculation=req.speculation, prediction=code, session=req.prompt_cache_key, stream=req.stream,
+                    speculation=req.speculation, prediction=code_ids, session=req.prompt_cache_key, stream=req.stream,
                     include_usage=True, want_stats=True, t0=t0, prefix="apply")
     job = _submit(state, call)
     base = {"id": call.request_id, "object": "apply", "created": call.created, "model": model}

@@ -35,7 +35,8 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    pass
+    def check_unsupported(self) -> None:
+        """Refuse, by name, options that decode fine but are not implemented (none here)."""
 
 
 class ContentPart(_Strict):
