@@ -19,10 +19,13 @@ try:
 except ImportError:  # not built (e.g. a source checkout without the extension)
     _cpu = None
 
-__all__ = ["available", "decode_attention", "segment_attention"]
+__all__ = ["QKVAttention", "available", "decode_attention", "fused_supported", "segment_attention"]
 
 # AGENTSPEC_CPU_ATTENTION=0 turns the native kernel off (benchmarks compare both paths)
 _ENABLED = os.environ.get("AGENTSPEC_CPU_ATTENTION", "1") != "0"
+# AGENTSPEC_CPU_FUSED=0 keeps the native attention but runs rotary / cache writes in torch
+# (QKVAttention off; benchmarks compare both paths)
+_FUSED = os.environ.get("AGENTSPEC_CPU_FUSED", "1") != "0"
 
 
 def available() -> bool:
@@ -101,3 +104,68 @@ def segment_attention(
                             kv_new.stride(1), kv_new.stride(2), segs.data_ptr(), len(rows), out.data_ptr(), H, Hkv,
                             D, threads)
     return out
+
+
+def fused_supported(cache, dtype: torch.dtype, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+    """Whether ``QKVAttention`` serves a forward of model dtype ``dtype`` over ``cache``."""
+    return (
+        available() and _FUSED and getattr(cache, "kt", None) is not None
+        and dtype in (torch.float32, torch.bfloat16)
+        and head_dim == 64 and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= 8
+    )
+
+
+class QKVAttention:
+    """The attention of every decoder layer in one decode / verify forward, natively: from the
+    fused ``q|k|v`` projection ``[R, (H + 2 Hkv) D]`` to the output projection's input
+    ``[R, H D]``, both in the model's dtype. Per row: rotary embedding (rounded as torch rounds
+    it in that dtype), the new key / value written at the row's cache slot (float32, keys also
+    transposed in ``cache.kt``), then exact attention as ``decode_attention`` computes it.
+
+    Built once per forward (``segments``: per request ``(cache, start, L, mask, T)``: its ``T``
+    rows go to slots ``[start, start + T)`` and attend over ``[0, L)`` as ``mask`` [T, >= L]
+    bool says, None = all), then called once per layer. The returned tensor is one buffer,
+    overwritten by the next call."""
+
+    def __init__(self, segments, cos: torch.Tensor, sin: torch.Tensor, *, n_heads: int, n_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, threads: int = 0):
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"QKVAttention runs float32 or bfloat16 models, not {dtype}")
+        rows = []
+        self._keep = []   # masks made contiguous here must outlive the calls
+        R = 0
+        for cache, start, L, mask, T in segments:
+            if cache.kt is None or cache.k.dtype != torch.float32:
+                raise ValueError("QKVAttention needs a float32 CPU cache with transposed keys (cache.kt)")
+            if mask is None:
+                mask_ptr, mask_st = 0, 0
+            else:
+                if mask.dtype != torch.bool or mask.shape[0] != T or mask.shape[1] < L:
+                    raise ValueError(f"mask must be bool [T, >= L]: {tuple(mask.shape)}, {mask.dtype}")
+                if mask.stride(1) != 1:
+                    mask = mask.contiguous()
+                self._keep.append(mask)
+                mask_ptr, mask_st = mask.data_ptr(), mask.stride(0)
+            rows.append((cache.k.data_ptr(), cache.v.data_ptr(), cache.kt.data_ptr(), cache.capacity, L,
+                         mask_ptr, mask_st, R, T, start))
+            R += T
+        self.segs = torch.tensor(rows, dtype=torch.int64)
+        self.cos = cos.to(dtype).contiguous()
+        self.sin = sin.to(dtype).contiguous()
+        if self.cos.shape != (R, head_dim) or self.sin.shape != (R, head_dim):
+            raise ValueError(f"cos/sin must be [{R}, {head_dim}]: {tuple(cos.shape)}")
+        self.out = torch.empty(R, n_heads * head_dim, dtype=dtype)
+        self.R, self.H, self.Hkv, self.D = R, n_heads, n_kv_heads, head_dim
+        self.bf16 = int(dtype == torch.bfloat16)
+        self.dtype = dtype
+        self.threads = threads
+        self._args = (self.bf16, self.cos.data_ptr(), self.sin.data_ptr(), self.cos.stride(0),
+                      self.segs.data_ptr(), len(rows))
+
+    def __call__(self, qkv: torch.Tensor, layer: int) -> torch.Tensor:
+        if qkv.dtype != self.dtype or qkv.shape != (self.R, (self.H + 2 * self.Hkv) * self.D) or qkv.stride(1) != 1:
+            raise ValueError(f"qkv must be [{self.R}, {(self.H + 2 * self.Hkv) * self.D}] {self.dtype}, unit column stride")
+        bf16, cp, sp, cst, segp, S = self._args
+        _cpu.qkv_attention(qkv.data_ptr(), qkv.stride(0), bf16, cp, sp, cst, segp, S, layer,
+                           self.out.data_ptr(), self.out.stride(0), self.H, self.Hkv, self.D, self.threads)
+        return self.out

@@ -51,6 +51,10 @@ class KVCache(nn.Module):
     ``length`` counts committed tokens. A forward writes its T new tokens at ``[length, length+T)``
     without committing them; ``commit`` keeps a subset of those slots (the accepted path),
     moving them to ``[length, length + len(keep))``.
+
+    A float32 cache on CPU with the native kernels also keeps the keys transposed, ``kt``
+    ``[n_layers, n_kv_heads, head_dim, capacity]``, which the native decode attention reads
+    (``cpu_attention.QKVAttention``); ``write`` and ``commit`` keep both layouts equal.
     """
 
     def __init__(self, args: ModelArgs, capacity: int, *, dtype: torch.dtype, device: torch.device):
@@ -59,8 +63,20 @@ class KVCache(nn.Module):
         shape = (args.n_layers, args.n_kv_heads, capacity, args.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kt = None
+        if (dtype == torch.float32 and torch.device(device).type == "cpu" and cpu_attention.available()
+                and args.head_dim == 64):
+            self.kt = torch.zeros(args.n_layers, args.n_kv_heads, args.head_dim, capacity, dtype=dtype)
         self.capacity = capacity
         self.length = 0
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values ``[n_kv_heads, T, head_dim]`` of T new tokens at slots ``[start, start+T)``."""
+        end = start + k.shape[1]
+        self.k[layer, :, start:end] = k
+        self.v[layer, :, start:end] = v
+        if self.kt is not None:
+            self.kt[layer, :, :, start:end] = k.transpose(1, 2)
 
     def reset(self) -> None:
         self.length = 0
@@ -73,6 +89,8 @@ class KVCache(nn.Module):
             dst = torch.arange(self.length, self.length + n, device=self.k.device)
             self.k[:, :, dst] = self.k[:, :, src]
             self.v[:, :, dst] = self.v[:, :, src]
+            if self.kt is not None:
+                self.kt[:, :, :, dst] = self.kt[:, :, :, src]
         self.length += n
 
 
@@ -129,9 +147,7 @@ class Block(nn.Module):
         # x: [T, dim]; cos/sin: [T, head_dim]; mask: [T, start + T] bool, or None with `causal`
         T = x.shape[0]
         q, k, v = self._qkv(x, cos, sin)
-        end = start + T
-        cache.k[layer, :, start:end] = k
-        cache.v[layer, :, start:end] = v
+        cache.write(layer, start, k, v)
         if causal and q.dtype == torch.bfloat16:
             # prefill from an empty cache in bf16: blockwise causal attention skips the masked
             # half and runs ~2x faster than SDPA's CPU flash kernel. Plain and speculative
@@ -155,9 +171,19 @@ class Block(nn.Module):
             o = small_attention(qa, cache.k[layer], cache.v[layer], mask, key_len)
         if o.dim() == 3:
             o = o.to(x.dtype).transpose(0, 1).reshape(T, self.q_size)
-        x = x + self.wo(o)
-        gate, up = self.w_gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
+        return self._mlp(x + self.wo(o))
+
+    def forward_native(self, x, layer: int, attn: "cpu_attention.QKVAttention"):
+        """Decode / verify rows with the native attention (rotary, cache writes and attention in
+        one call per layer): the same bits as ``forward``, with a few torch calls per layer."""
+        a = self.attn_norm
+        qkv = F.linear(F.rms_norm(x, (x.shape[-1],), a.weight, a.eps), self.wqkv.weight)
+        return self._mlp(x + F.linear(attn(qkv, layer), self.wo.weight))
+
+    def _mlp(self, x):
+        n = self.ffn_norm
+        gate, up = F.linear(F.rms_norm(x, (x.shape[-1],), n.weight, n.eps), self.w_gate_up.weight).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.w_down.weight)
 
 
     def forward_segments(self, x, layer: int, segs: list["Segment"], cos, sin):
@@ -178,14 +204,11 @@ class Block(nn.Module):
             outs = []
             for sg in segs:
                 cache, start, off, T = sg.cache, sg.cache.length, sg.offset, sg.rows
-                cache.k[layer, :, start:start + T] = k[:, off:off + T]
-                cache.v[layer, :, start:start + T] = v[:, off:off + T]
+                cache.write(layer, start, k[:, off:off + T], v[:, off:off + T])
                 qa = q[:, off:off + T].to(cache.k.dtype)
                 outs.append(small_attention(qa, cache.k[layer], cache.v[layer], sg.mask, start + T))
             o = torch.cat(outs, dim=1).to(x.dtype).transpose(0, 1).reshape(R, self.q_size)
-        x = x + self.wo(o)
-        gate, up = self.w_gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
+        return self._mlp(x + self.wo(o))
 
 
 PREFILL_BLOCK = 128
@@ -360,8 +383,16 @@ class Transformer(nn.Module):
             else:
                 mask = causal_mask(start, T, tokens.device)
         key_len = start + T if key_len is None else key_len
-        for i, layer in enumerate(self.layers):
-            x = layer(x, i, cache, start, cos, sin, mask, causal, key_len)
+        a = self.args
+        if not causal and T <= SMALL_T and cpu_attention.fused_supported(cache, dtype, a.n_heads, a.n_kv_heads,
+                                                                         a.head_dim):
+            attn = cpu_attention.QKVAttention([(cache, start, key_len, mask, T)], cos, sin, n_heads=a.n_heads,
+                                              n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, dtype=dtype)
+            for i, layer in enumerate(self.layers):
+                x = layer.forward_native(x, i, attn)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, i, cache, start, cos, sin, mask, causal, key_len)
         if logits_rows is not None:
             x = x[logits_rows]
         x = self.norm(x)
@@ -390,6 +421,16 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         cos = self.rope_cos[positions].to(dtype)
         sin = self.rope_sin[positions].to(dtype)
+        a = self.args
+        if all(cpu_attention.fused_supported(sg.cache, dtype, a.n_heads, a.n_kv_heads, a.head_dim) for sg in segs):
+            attn = cpu_attention.QKVAttention(
+                [(sg.cache, sg.cache.length, sg.cache.length + sg.rows, sg.mask, sg.rows) for sg in segs], cos, sin,
+                n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, dtype=dtype)
+            for i, layer in enumerate(self.layers):
+                x = layer.forward_native(x, i, attn)
+            x = self.norm(x)
+            w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+            return F.linear(x, w).float()
         for i, layer in enumerate(self.layers):
             x = layer.forward_segments(x, i, segs, cos, sin)
         x = self.norm(x)

@@ -10,9 +10,17 @@
 //   m        = max_n score_n                                  (exact in any order)
 //   p_n      = exp(score_n - m)                               (polynomial below, plain + and *)
 //   sum      = 16 lane partial sums over n (lane n % 16, sequential), then a fixed pairwise tree
-//   o_d      = (sum_n p_n * v_{n,d}) / sum                    sequential in n (one lane per d)
+//   o_d      = sum_n (p_n / sum) * v_{n,d}                   sequential in n (one lane per d)
 // No fused multiply-add (-ffp-contract=off) and no fast-math, so every target_clones variant (and
 // every compiler vectorisation of these loops) performs the same IEEE operations: the same bits.
+// (Explicit FMAs were tried: no faster on Zen 4, whose separate add pipes already overlap the
+// multiplies, and GCC spilled the accumulators of a per-lane fmaf loop.)
+//
+// qkv_attention is the whole attention of a decoder layer for decode / verify rows, from the
+// fused q|k|v projection to the output-projection input: rotary embedding (rounded step by step
+// as torch computes it in the model's dtype), writing the new keys / values into the float32
+// cache, attention over the cache, and rounding the result to the model's dtype. The cache keeps
+// its keys transposed as well ([Hkv, D, capacity]), so the score loop reads them directly.
 #include <nanobind/nanobind.h>
 
 #include <omp.h>
@@ -22,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 namespace nb = nanobind;
@@ -40,6 +49,19 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 static inline v16 load16(const float* p) { v16 x; std::memcpy(&x, p, sizeof x); return x; }
 static inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
 static inline v16 splat(float x) { return v16{} + x; }
+// bfloat16 <-> float as torch converts them (round to nearest even; NaN -> 0x7FC0)
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 // exp(x - m) for x <= m (Cephes expf: range reduction by ln 2, degree-5 polynomial, 2^n from the
 // exponent bits), plain float arithmetic. Arguments below CUT give exactly 0: those terms are
@@ -77,15 +99,16 @@ struct Args {
     float* out;                            // [T, H, D] contiguous
     int H, Hkv, T, L;
     float scale;
-    float* kt;                             // scratch [Hkv, D, Lr]: keys transposed
+    const float* kt;                       // keys transposed: kt[hk][d][j] at kt + (hk*D + d)*kt_st + j
+    int64_t kt_st;                         // Lr (scratch) or the cache capacity (persistent)
     int Lr;
 };
 
 // Keys of kv head hk, slots [j0, j1) (multiple of 16), transposed to kt[hk][d][j].
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 void transpose_keys(const Args& a, int hk, int j0, int j1) {
     const float* k = a.k + (int64_t)hk * a.cap * D;
-    float* kt = a.kt + (int64_t)hk * D * a.Lr;
+    float* kt = const_cast<float*>(a.kt) + (int64_t)hk * D * a.kt_st;
     for (int jb = j0; jb < j1; jb += 16) {
         float blk[D][16];
         for (int l = 0; l < 16; ++l) {
@@ -98,7 +121,7 @@ void transpose_keys(const Args& a, int hk, int j0, int j1) {
             }
         }
         for (int d = 0; d < D; ++d)
-            std::memcpy(kt + (int64_t)d * a.Lr + jb, blk[d], sizeof blk[d]);
+            std::memcpy(kt + (int64_t)d * a.kt_st + jb, blk[d], sizeof blk[d]);
     }
 }
 
@@ -139,7 +162,7 @@ static inline __attribute__((always_inline)) void row_body(const Args& a, int hk
     }
 
     // scores of the 64-slot blocks holding a visible key: one lane per slot, summed over d in order
-    const float* kt = a.kt + (int64_t)hk * D * Lr;
+    const float* kt = a.kt + (int64_t)hk * D * a.kt_st;
     const int last = idx[n - 1];
     for (int jb = 0; jb <= last; jb += KB) {
         if (mr != nullptr) {  // skip blocks with no visible key (pad rows, masked prefixes)
@@ -154,7 +177,7 @@ static inline __attribute__((always_inline)) void row_body(const Args& a, int hk
             for (int g = 0; g < G; ++g)
                 for (int c = 0; c < 4; ++c) acc[g][c] = v16{};
             for (int d = 0; d < D; ++d) {
-                const float* kr = kt + (int64_t)d * Lr + jb;
+                const float* kr = kt + (int64_t)d * a.kt_st + jb;
                 v16 k0 = load16(kr), k1 = load16(kr + 16), k2 = load16(kr + 32), k3 = load16(kr + 48);
                 for (int g = 0; g < G; ++g) {
                     const float qd = qs[g][d];
@@ -171,7 +194,7 @@ static inline __attribute__((always_inline)) void row_body(const Args& a, int hk
                 v16 acc[G];
                 for (int g = 0; g < G; ++g) acc[g] = v16{};
                 for (int d = 0; d < D; ++d) {
-                    v16 k0 = load16(kt + (int64_t)d * Lr + jb + 16 * c);
+                    v16 k0 = load16(kt + (int64_t)d * a.kt_st + jb + 16 * c);
                     for (int g = 0; g < G; ++g) acc[g] = acc[g] + qs[g][d] * k0;
                 }
                 for (int g = 0; g < G; ++g) store16(S + (int64_t)g * Lr + jb + 16 * c, acc[g]);
@@ -236,7 +259,7 @@ static inline __attribute__((always_inline)) void row_body(const Args& a, int hk
         for (int c = 0; c < 4; ++c) store16(outp + g * D + 16 * c, acc[g][c]);
 }
 
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 void row_task(const Args& a, int hk, int t, Scratch& sc) {
     switch (a.H / a.Hkv) {
         case 1: return row_body<1>(a, hk, t, sc);
@@ -269,6 +292,7 @@ void attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v
     static thread_local std::vector<float> kt;
     kt.resize((size_t)Hkv * D * a.Lr);
     a.kt = kt.data();
+    a.kt_st = a.Lr;
     const int nchunk = (a.Lr + 255) / 256;
     const int ntask = Hkv * T;
     if (threads <= 0) threads = omp_get_max_threads();
@@ -323,7 +347,10 @@ void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new
     nb::gil_scoped_release nogil;
     static thread_local std::vector<float> kt;
     kt.resize(kt_off[S]);
-    for (int s = 0; s < S; ++s) args[s].kt = kt.data() + kt_off[s];
+    for (int s = 0; s < S; ++s) {
+        args[s].kt = kt.data() + kt_off[s];
+        args[s].kt_st = args[s].Lr;
+    }
     const float* kn = reinterpret_cast<const float*>(k_new);
     const float* vn = reinterpret_cast<const float*>(v_new);
     const int nrows = row_base[S], ntr = tr_base[S];
@@ -358,11 +385,150 @@ void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new
     }
 }
 
+// Rotary embedding of one head (HF rotate_half layout) as torch computes it in dtype X:
+//   y = x * cos + cat(-x[D/2:], x[:D/2]) * sin, each product and the sum rounded to X.
+template <bool BF16>
+static inline float round_x(float f) {
+    if constexpr (BF16) return bf16_to_float(float_to_bf16(f));
+    else return f;
+}
+template <bool BF16, typename X>
+static inline float load_x(const X* p, int i) {
+    if constexpr (BF16) return bf16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
+    else return reinterpret_cast<const float*>(p)[i];
+}
+template <bool BF16, typename X>
+static inline void rope_head(const X* x, const X* cs, const X* sn, float* y) {
+    constexpr int half = D / 2;
+    for (int d = 0; d < D; ++d) {
+        const float xd = load_x<BF16>(x, d);
+        const float rot = d < half ? -load_x<BF16>(x, d + half) : load_x<BF16>(x, d - half);
+        const float a = round_x<BF16>(xd * load_x<BF16>(cs, d));
+        const float b = round_x<BF16>(rot * load_x<BF16>(sn, d));
+        y[d] = round_x<BF16>(a + b);
+    }
+}
+
+// qkv_attention: see the header. Rows [0, R) of qkv ([R, H*D + 2*Hkv*D], row stride qkv_st, dtype
+// X = float32 or bfloat16) belong to segments; cos / sin are [R, D] (row stride cs_st, dtype X).
+// segs: int64 [S, 10] = k, v, kt (layer 0 of the cache: [n_layers, Hkv, cap, D] and
+// [n_layers, Hkv, D, cap] float32), cap, L, mask, mask_stride, row_off, T, start: the segment's
+// T rows are written at cache slots [start, start + T) of `layer` and attend over slots [0, L) as
+// mask ([T, >= L] bool) says. out: [R, H*D] dtype X, row stride out_st.
+template <bool BF16>
+void qkv_attention_impl(const void* qkv, int64_t qkv_st, const void* cos, const void* sin, int64_t cs_st,
+                        const int64_t* sg, int S, int layer, void* out, int64_t out_st, int H, int Hkv,
+                        int threads) {
+    typedef typename std::conditional<BF16, uint16_t, float>::type X;
+    std::vector<Args> args(S);
+    std::vector<int> row_base(S + 1, 0), seg_of_row;
+    std::vector<int64_t> start(S), off(S);
+    const float scale = (float)(1.0 / std::sqrt((double)D));
+    int R = 0;
+    for (int s = 0; s < S; ++s) {
+        const int64_t* r = sg + (int64_t)s * 10;
+        Args& a = args[s];
+        a.cap = r[3];
+        const int64_t lay = (int64_t)layer * Hkv * a.cap * D;
+        a.k = reinterpret_cast<const float*>(r[0]) + lay;
+        a.v = reinterpret_cast<const float*>(r[1]) + lay;
+        a.kt = reinterpret_cast<const float*>(r[2]) + lay;
+        a.kt_st = a.cap;
+        a.L = (int)r[4];
+        a.mask = reinterpret_cast<const uint8_t*>(r[5]); a.m_st = r[6];
+        off[s] = r[7];
+        a.T = (int)r[8];
+        start[s] = r[9];
+        if (a.T <= 0 || a.L <= 0 || a.L > a.cap || start[s] < 0 || start[s] + a.T > a.cap)
+            throw std::invalid_argument("bad segment T / L / start / capacity");
+        if (off[s] != R) throw std::invalid_argument("segments must cover rows in order");
+        R += a.T;
+        a.H = H; a.Hkv = Hkv; a.scale = scale;
+        a.Lr = (a.L + 15) / 16 * 16;
+        if (a.Lr > a.cap) throw std::invalid_argument("capacity must be a multiple of 16");
+        row_base[s + 1] = row_base[s] + Hkv * a.T;
+        for (int t = 0; t < a.T; ++t) seg_of_row.push_back(s);
+    }
+    nb::gil_scoped_release nogil;
+    static thread_local std::vector<float> qf, of;
+    qf.resize((size_t)R * H * D);
+    of.resize((size_t)R * H * D);
+    float* const qfp = qf.data();  // (inside the parallel region `qf` would name each thread's own)
+    for (int s = 0; s < S; ++s) {
+        args[s].q = qfp + off[s] * H * D; args[s].q_sh = D; args[s].q_st = (int64_t)H * D;
+        args[s].out = of.data() + off[s] * H * D;
+    }
+    const X* in = reinterpret_cast<const X*>(qkv);
+    const X* cs = reinterpret_cast<const X*>(cos);
+    const X* sn = reinterpret_cast<const X*>(sin);
+    X* o = reinterpret_cast<X*>(out);
+    const int nrows = row_base[S];
+    if (threads <= 0) threads = omp_get_max_threads();
+    threads = std::max(1, std::min(threads, nrows));
+#pragma omp parallel num_threads(threads)
+    {
+        static thread_local Scratch sc;
+#pragma omp for schedule(static)
+        for (int r = 0; r < R; ++r) {  // rotary embedding; new keys / values into the cache
+            const int s = seg_of_row[r];
+            const Args& a = args[s];
+            const int64_t slot = start[s] + (r - off[s]);
+            const X* x = in + (int64_t)r * qkv_st;
+            const X* c = cs + (int64_t)r * cs_st;
+            const X* sv = sn + (int64_t)r * cs_st;
+            for (int h = 0; h < H; ++h) rope_head<BF16>(x + h * D, c, sv, qfp + ((int64_t)r * H + h) * D);
+            for (int hk = 0; hk < Hkv; ++hk) {
+                float kr[D];
+                rope_head<BF16>(x + (H + hk) * D, c, sv, kr);
+                float* kd = const_cast<float*>(a.k) + ((int64_t)hk * a.cap + slot) * D;
+                float* vd = const_cast<float*>(a.v) + ((int64_t)hk * a.cap + slot) * D;
+                float* ktd = const_cast<float*>(a.kt) + (int64_t)hk * D * a.cap + slot;
+                const X* vx = x + (H + Hkv + hk) * D;
+                for (int d = 0; d < D; ++d) {
+                    kd[d] = kr[d];
+                    ktd[(int64_t)d * a.cap] = kr[d];
+                    vd[d] = load_x<BF16>(vx, d);
+                }
+            }
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < nrows; ++i) {
+            const int s = int(std::upper_bound(row_base.begin(), row_base.end(), i) - row_base.begin()) - 1;
+            const int j = i - row_base[s], hk = j % Hkv, t = j / Hkv;
+            const Args& a = args[s];
+            row_task(a, hk, t, sc);
+            const float* src = a.out + ((int64_t)t * H + (int64_t)hk * (H / Hkv)) * D;
+            X* dst = o + (off[s] + t) * out_st + (int64_t)hk * (H / Hkv) * D;
+            for (int e = 0; e < (H / Hkv) * D; ++e) {
+                if constexpr (BF16) dst[e] = float_to_bf16(src[e]);
+                else dst[e] = src[e];
+            }
+        }
+    }
+}
+
+void qkv_attention(uintptr_t qkv, int64_t qkv_st, int bf16, uintptr_t cos, uintptr_t sin, int64_t cs_st,
+                   uintptr_t segs, int S, int layer, uintptr_t out, int64_t out_st, int H, int Hkv, int head_dim,
+                   int threads) {
+    if (head_dim != D) throw std::invalid_argument("head_dim must be 64");
+    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAXG) throw std::invalid_argument("bad head counts");
+    if (S <= 0) throw std::invalid_argument("no segments");
+    const int64_t* sg = reinterpret_cast<const int64_t*>(segs);
+    if (bf16)
+        qkv_attention_impl<true>(reinterpret_cast<const void*>(qkv), qkv_st, reinterpret_cast<const void*>(cos),
+                                 reinterpret_cast<const void*>(sin), cs_st, sg, S, layer,
+                                 reinterpret_cast<void*>(out), out_st, H, Hkv, threads);
+    else
+        qkv_attention_impl<false>(reinterpret_cast<const void*>(qkv), qkv_st, reinterpret_cast<const void*>(cos),
+                                  reinterpret_cast<const void*>(sin), cs_st, sg, S, layer,
+                                  reinterpret_cast<void*>(out), out_st, H, Hkv, threads);
+}
+
 }  // namespace
 
 NB_MODULE(_cpu, m) {
     m.doc() = "agentspec CPU kernels: exact decode / tree-verification attention (float32 cache)";
-    m.def("abi_version", []() { return 2; });
+    m.def("abi_version", []() { return 3; });
     m.def("attention", &attention,
           nb::arg("q"), nb::arg("q_stride_h"), nb::arg("q_stride_t"), nb::arg("k"), nb::arg("v"),
           nb::arg("capacity"), nb::arg("mask"), nb::arg("mask_stride_t"), nb::arg("out"),
@@ -374,4 +540,10 @@ NB_MODULE(_cpu, m) {
           nb::arg("new_stride_h"), nb::arg("new_stride_t"), nb::arg("segments"), nb::arg("n_segments"),
           nb::arg("out"), nb::arg("n_heads"), nb::arg("n_kv_heads"), nb::arg("head_dim"), nb::arg("threads") = 0,
           "Raw-pointer entry point; call agentspec.kernels.cpu_attention.segment_attention instead.");
+    m.def("qkv_attention", &qkv_attention,
+          nb::arg("qkv"), nb::arg("qkv_stride"), nb::arg("bf16"), nb::arg("cos"), nb::arg("sin"),
+          nb::arg("cos_stride"), nb::arg("segments"), nb::arg("n_segments"), nb::arg("layer"), nb::arg("out"),
+          nb::arg("out_stride"), nb::arg("n_heads"), nb::arg("n_kv_heads"), nb::arg("head_dim"),
+          nb::arg("threads") = 0,
+          "Raw-pointer entry point; call agentspec.kernels.cpu_attention.QKVAttention instead.");
 }

@@ -156,23 +156,124 @@ def test_segment_attention_equals_each_segment_alone():
 
 def test_engine_uses_the_native_kernel(monkeypatch):
     """Guards the dispatch: once `supports` was handed the whole cache instead of one layer and
-    the engine silently fell back to small_attention."""
+    the engine silently fell back to small_attention. Decode / verify forwards run the fused
+    QKVAttention once per layer; with it off (AGENTSPEC_CPU_FUSED=0) the native attention alone."""
     from agentspec.engine.model import KVCache, ModelArgs, Segment, Transformer
 
     args = ModelArgs(dim=576, n_layers=2, n_heads=9, n_kv_heads=3, hidden_dim=64, vocab_size=50, max_seq_len=256)
     model = Transformer(args).eval()
-    calls = {"decode": 0, "segments": 0}
+    calls = {"decode": 0, "segments": 0, "fused": 0}
     real_decode, real_segments = cpu_attention.decode_attention, cpu_attention.segment_attention
+    real_call = cpu_attention.QKVAttention.__call__
     monkeypatch.setattr(cpu_attention, "decode_attention",
                         lambda *a, **k: calls.__setitem__("decode", calls["decode"] + 1) or real_decode(*a, **k))
     monkeypatch.setattr(cpu_attention, "segment_attention",
                         lambda *a, **k: calls.__setitem__("segments", calls["segments"] + 1) or real_segments(*a, **k))
-    cache = KVCache(args, 64, dtype=torch.float32, device=torch.device("cpu"))
-    model(torch.arange(5), torch.arange(5), cache)
-    cache.commit(list(range(5)))
-    mask = torch.ones(2, 7, dtype=torch.bool)
-    model(torch.tensor([1, 2]), torch.tensor([5, 6]), cache, mask)
-    assert calls["decode"] == args.n_layers
-    seg_mask = torch.ones(2, 7, dtype=torch.bool)
-    model.forward_segments(torch.tensor([1, 2]), torch.tensor([5, 6]), [Segment(cache=cache, rows=2, mask=seg_mask)])
-    assert calls["segments"] == args.n_layers
+    monkeypatch.setattr(cpu_attention.QKVAttention, "__call__",
+                        lambda *a, **k: calls.__setitem__("fused", calls["fused"] + 1) or real_call(*a, **k))
+    for fused in (True, False):
+        monkeypatch.setattr(cpu_attention, "_FUSED", fused)
+        cache = KVCache(args, 64, dtype=torch.float32, device=torch.device("cpu"))
+        model(torch.arange(5), torch.arange(5), cache)
+        cache.commit(list(range(5)))
+        mask = torch.ones(2, 7, dtype=torch.bool)
+        model(torch.tensor([1, 2]), torch.tensor([5, 6]), cache, mask)
+        seg_mask = torch.ones(2, 7, dtype=torch.bool)
+        model.forward_segments(torch.tensor([1, 2]), torch.tensor([5, 6]), [Segment(cache=cache, rows=2, mask=seg_mask)])
+        if fused:
+            assert calls == {"decode": 0, "segments": 0, "fused": 2 * args.n_layers}
+        else:
+            assert calls == {"decode": args.n_layers, "segments": args.n_layers, "fused": 2 * args.n_layers}
+
+
+def _random_model(dtype):
+    from agentspec.engine.model import ModelArgs, Transformer
+
+    args = ModelArgs(dim=576, n_layers=3, n_heads=9, n_kv_heads=3, hidden_dim=256, vocab_size=300,
+                     max_seq_len=1024)
+    torch.manual_seed(0)
+    model = Transformer(args).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+        for layer in model.layers:  # norms near 1, as trained models have
+            layer.attn_norm.weight.normal_(1, 0.1)
+            layer.ffn_norm.weight.normal_(1, 0.1)
+    return args, model.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_attention_equals_torch_rotary_and_native_attention(dtype, monkeypatch):
+    """QKVAttention (rotary, cache writes and attention in one native call per layer) gives the
+    same bits as torch's rotary + cache writes + decode_attention: logits, keys, values, and the
+    transposed keys equal the keys, through a tree step, a branch commit and a second step."""
+    from agentspec.engine.model import KVCache
+
+    from agentspec.kernels.tree import tree_depths
+
+    args, model = _random_model(dtype)
+    ids = torch.randint(0, args.vocab_size, (300,))
+    caches, logits = {}, {}
+    for fused in (True, False):
+        monkeypatch.setattr(cpu_attention, "_FUSED", fused)
+        cache = KVCache(args, 400, dtype=torch.float32, device=torch.device("cpu"))
+        model(ids, torch.arange(300), cache, logits_rows=slice(-1, None))
+        cache.commit(list(range(300)))
+        out = []
+        for step in range(2):
+            parents = [-1, 0, 1, 1, 2, 3, 0, 6, 7]
+            T = len(parents)
+            start = cache.length
+            pos = torch.tensor([start + d for d in tree_depths(parents)])
+            tok = torch.randint(0, args.vocab_size, (T,), generator=torch.Generator().manual_seed(step))
+            mask = torch.zeros(T, start + T, dtype=torch.bool)
+            mask[:, :start] = True
+            mask[:, start:] = tree_mask(parents)
+            out.append(model(tok, pos, cache, mask))
+            cache.commit([0, 1, 3, 5])  # a branch: slots move down
+        caches[fused], logits[fused] = cache, out
+    for a, b in zip(logits[True], logits[False]):
+        assert torch.equal(a, b)
+    n = caches[True].length
+    assert torch.equal(caches[True].k[:, :, :n], caches[False].k[:, :, :n])
+    assert torch.equal(caches[True].v[:, :, :n], caches[False].v[:, :, :n])
+    for c in caches.values():
+        assert torch.equal(c.kt[..., :n], c.k[:, :, :n].transpose(2, 3))
+
+
+def test_fused_segments_equal_each_request_alone(monkeypatch):
+    """forward_segments with the fused attention: each request's logits and cache as when it
+    runs alone through forward (and as the unfused path)."""
+    from agentspec.engine.model import KVCache, Segment
+
+    args, model = _random_model(torch.bfloat16)
+    lens, rows = [40, 257, 130], [3, 1, 6]
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(cpu_attention, "_FUSED", fused)
+        caches = []
+        for i, n in enumerate(lens):
+            c = KVCache(args, n + 16, dtype=torch.float32, device=torch.device("cpu"))
+            model(torch.arange(n) % args.vocab_size, torch.arange(n), c, logits_rows=slice(-1, None))
+            c.commit(list(range(n)))
+            caches.append(c)
+        toks = torch.arange(sum(rows)) + 7
+        pos = torch.cat([torch.arange(n, n + r) for n, r in zip(lens, rows)])
+        segs = [Segment(cache=c, rows=r, mask=torch.ones(r, n + r, dtype=torch.bool).tril(n))
+                for c, n, r in zip(caches, lens, rows)]
+        results[fused] = (model.forward_segments(toks, pos, segs), caches)
+    alone = []
+    monkeypatch.setattr(cpu_attention, "_FUSED", True)
+    off = 0
+    for n, r in zip(lens, rows):
+        c = KVCache(args, n + 16, dtype=torch.float32, device=torch.device("cpu"))
+        model(torch.arange(n) % args.vocab_size, torch.arange(n), c, logits_rows=slice(-1, None))
+        c.commit(list(range(n)))
+        mask = torch.ones(r, n + r, dtype=torch.bool).tril(n)
+        alone.append(model(torch.arange(off, off + r) + 7, torch.arange(n, n + r), c, mask))
+        off += r
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][0], torch.cat(alone))
+    for c1, c2 in zip(results[True][1], results[False][1]):
+        L = c1.length + 6
+        assert torch.equal(c1.k[:, :, :L], c2.k[:, :, :L]) and torch.equal(c1.kt[..., :L], c1.k[:, :, :L].transpose(2, 3))
