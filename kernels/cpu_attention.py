@@ -19,7 +19,8 @@ try:
 except ImportError:  # not built (e.g. a source checkout without the extension)
     _cpu = None
 
-__all__ = ["QKVAttention", "available", "decode_attention", "fused_supported", "segment_attention"]
+__all__ = ["QKVAttention", "available", "bf16_hardware", "decode_attention", "fused_supported", "packed_supported",
+           "segment_attention", "set_bf16_emulation", "sync_packed"]
 
 # AGENTSPEC_CPU_ATTENTION=0 turns the native kernel off (benchmarks compare both paths)
 _ENABLED = os.environ.get("AGENTSPEC_CPU_ATTENTION", "1") != "0"
@@ -106,21 +107,48 @@ def segment_attention(
     return out
 
 
-def fused_supported(cache, dtype: torch.dtype, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
-    """Whether ``QKVAttention`` serves a forward of model dtype ``dtype`` over ``cache``."""
+def packed_supported(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether a KV cache of ``dtype`` on ``device`` can keep the packed copies QKVAttention reads."""
+    return available() and dtype == torch.float32 and device.type == "cpu" and head_dim == 64
+
+
+def fused_supported(cache, dtype: torch.dtype, n_heads: int, n_kv_heads: int) -> bool:
+    """Whether ``QKVAttention`` serves a forward of a model of ``dtype`` over ``cache``."""
     return (
-        available() and _FUSED and getattr(cache, "kt", None) is not None
-        and dtype in (torch.float32, torch.bfloat16)
-        and head_dim == 64 and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= 8
+        available() and _FUSED and getattr(cache, "packed", False) and dtype == torch.bfloat16
+        and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= 8
     )
 
 
+def sync_packed(cache, slots) -> None:
+    """Re-derive a packed cache's bfloat16 copies of ``slots`` (every layer) from its float32 k / v."""
+    sl = torch.as_tensor(list(slots) if not isinstance(slots, torch.Tensor) else slots, dtype=torch.int64).cpu()
+    if sl.numel() == 0:
+        return
+    sl = sl.contiguous()
+    L, Hkv, cap, D = cache.k.shape
+    _cpu.sync_packed(cache.k.data_ptr(), cache.v.data_ptr(), cache.kt2.data_ptr(), cache.vp.data_ptr(), cap, L, Hkv,
+                     D, sl.data_ptr(), sl.numel())
+
+
+def bf16_hardware() -> bool:
+    """Whether this CPU runs QKVAttention's dot products as AVX512-BF16 instructions."""
+    return available() and bool(_cpu.bf16_hardware())
+
+
+def set_bf16_emulation(on: bool) -> None:
+    """Run QKVAttention's dot products in the portable emulation even where the CPU has
+    AVX512-BF16 (tests compare the two)."""
+    _cpu.set_bf16_impl(0 if on else -1)
+
+
 class QKVAttention:
-    """The attention of every decoder layer in one decode / verify forward, natively: from the
-    fused ``q|k|v`` projection ``[R, (H + 2 Hkv) D]`` to the output projection's input
-    ``[R, H D]``, both in the model's dtype. Per row: rotary embedding (rounded as torch rounds
-    it in that dtype), the new key / value written at the row's cache slot (float32, keys also
-    transposed in ``cache.kt``), then exact attention as ``decode_attention`` computes it.
+    """The attention of every decoder layer in one decode / verify forward of a bfloat16 model,
+    natively: from the fused ``q|k|v`` projection ``[R, (H + 2 Hkv) D]`` to the output
+    projection's input ``[R, H D]``, both bfloat16. Per row: rotary embedding (rounded as torch
+    rounds it in bfloat16), the new key / value written at the row's slot of the float32 cache
+    and of its packed bfloat16 copies, then exact attention with bfloat16 dot products (see
+    kernels/csrc/attention.cpp, "bfloat16 models").
 
     Built once per forward (``segments``: per request ``(cache, start, L, mask, T)``: its ``T``
     rows go to slots ``[start, start + T)`` and attend over ``[0, L)`` as ``mask`` [T, >= L]
@@ -128,15 +156,13 @@ class QKVAttention:
     overwritten by the next call."""
 
     def __init__(self, segments, cos: torch.Tensor, sin: torch.Tensor, *, n_heads: int, n_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, threads: int = 0):
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise TypeError(f"QKVAttention runs float32 or bfloat16 models, not {dtype}")
+                 head_dim: int, threads: int = 0):
         rows = []
         self._keep = []   # masks made contiguous here must outlive the calls
         R = 0
         for cache, start, L, mask, T in segments:
-            if cache.kt is None or cache.k.dtype != torch.float32:
-                raise ValueError("QKVAttention needs a float32 CPU cache with transposed keys (cache.kt)")
+            if not getattr(cache, "packed", False):
+                raise ValueError("QKVAttention needs a packed KV cache (KVCache(..., packed=True))")
             if mask is None:
                 mask_ptr, mask_st = 0, 0
             else:
@@ -146,26 +172,23 @@ class QKVAttention:
                     mask = mask.contiguous()
                 self._keep.append(mask)
                 mask_ptr, mask_st = mask.data_ptr(), mask.stride(0)
-            rows.append((cache.k.data_ptr(), cache.v.data_ptr(), cache.kt.data_ptr(), cache.capacity, L,
-                         mask_ptr, mask_st, R, T, start))
+            rows.append((cache.k.data_ptr(), cache.v.data_ptr(), cache.kt2.data_ptr(), cache.vp.data_ptr(),
+                         cache.capacity, L, mask_ptr, mask_st, R, T, start))
             R += T
         self.segs = torch.tensor(rows, dtype=torch.int64)
-        self.cos = cos.to(dtype).contiguous()
-        self.sin = sin.to(dtype).contiguous()
+        self.cos = cos.to(torch.bfloat16).contiguous()
+        self.sin = sin.to(torch.bfloat16).contiguous()
         if self.cos.shape != (R, head_dim) or self.sin.shape != (R, head_dim):
             raise ValueError(f"cos/sin must be [{R}, {head_dim}]: {tuple(cos.shape)}")
-        self.out = torch.empty(R, n_heads * head_dim, dtype=dtype)
+        self.out = torch.empty(R, n_heads * head_dim, dtype=torch.bfloat16)
         self.R, self.H, self.Hkv, self.D = R, n_heads, n_kv_heads, head_dim
-        self.bf16 = int(dtype == torch.bfloat16)
-        self.dtype = dtype
         self.threads = threads
-        self._args = (self.bf16, self.cos.data_ptr(), self.sin.data_ptr(), self.cos.stride(0),
-                      self.segs.data_ptr(), len(rows))
+        self._args = (self.cos.data_ptr(), self.sin.data_ptr(), self.cos.stride(0), self.segs.data_ptr(), len(rows))
 
     def __call__(self, qkv: torch.Tensor, layer: int) -> torch.Tensor:
-        if qkv.dtype != self.dtype or qkv.shape != (self.R, (self.H + 2 * self.Hkv) * self.D) or qkv.stride(1) != 1:
-            raise ValueError(f"qkv must be [{self.R}, {(self.H + 2 * self.Hkv) * self.D}] {self.dtype}, unit column stride")
-        bf16, cp, sp, cst, segp, S = self._args
-        _cpu.qkv_attention(qkv.data_ptr(), qkv.stride(0), bf16, cp, sp, cst, segp, S, layer,
+        if qkv.dtype != torch.bfloat16 or qkv.shape != (self.R, (self.H + 2 * self.Hkv) * self.D) or qkv.stride(1) != 1:
+            raise ValueError(f"qkv must be bfloat16 [{self.R}, {(self.H + 2 * self.Hkv) * self.D}], unit column stride")
+        cp, sp, cst, segp, S = self._args
+        _cpu.qkv_attention(qkv.data_ptr(), qkv.stride(0), cp, sp, cst, segp, S, layer,
                            self.out.data_ptr(), self.out.stride(0), self.H, self.Hkv, self.D, self.threads)
         return self.out

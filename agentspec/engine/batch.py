@@ -276,7 +276,7 @@ class BatchEngine:
         e = self.engine
         dev = e.device
         context = min(context, e.max_context - 64)
-        cache = KVCache(e.args, round_up(context + 64, 256), dtype=e.kv_dtype, device=dev)
+        cache = e.new_cache(round_up(context + 64, 256))
         ids = torch.arange(100, 100 + context, device=dev) % e.args.vocab_size
         costs = {}
         with torch.inference_mode():
@@ -378,7 +378,7 @@ class BatchEngine:
         req.budget_cap = req.spec.budget if on else 0
         req.stats = GenerationStats(prompt_tokens=len(req.ids), spec_enabled=on, spec_reason=reason)
         need = len(req.ids) + req.max_tokens + req.budget_cap + 2
-        req.cache = KVCache(e.args, round_up(need, 256), dtype=e.kv_dtype, device=e.device)
+        req.cache = e.new_cache(round_up(need, 256))
         if on:
             td = time.perf_counter()
             req.drafter.start(req.req_id, req.ids, tenant=req.tenant)

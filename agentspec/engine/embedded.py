@@ -22,6 +22,7 @@ from ..config import SpecConfig
 from ..drafting import EMPTY_DRAFT, Draft, Drafter, default_drafter
 from ..drafting.base import AcceptanceTracker, cut_for_cost, drop_unlikely
 from ..errors import ContextLengthError, InvalidRequestError
+from ..kernels import cpu_attention
 from ..kernels.tree import tree_depths, tree_mask, with_root
 from ..verify import greedy_verify, sampling_verify
 from .base import DEFAULT_SPEC, Engine, Generation, GenerationStats
@@ -123,6 +124,12 @@ class EmbeddedEngine(Engine):
                   f"on {self.device}, context {self.max_context}, row cost {self.row_cost:.3f} ({self.load_seconds:.1f}s)",
                   file=sys.stderr, flush=True)
 
+    def new_cache(self, capacity: int) -> KVCache:
+        """A KV cache for this engine's model (packed for the native attention where it runs)."""
+        packed = self.dtype == torch.bfloat16 and cpu_attention.packed_supported(self.kv_dtype, self.device,
+                                                                                   self.args.head_dim)
+        return KVCache(self.args, capacity, dtype=self.kv_dtype, device=self.device, packed=packed)
+
     def _profile_row_cost(self, context: int = 1024, rows: int = 33, repeat: int = 5) -> float:
         """Cost of one more verified token relative to a decode step, measured on this machine:
         (t(rows) - t(2)) / ((rows - 2) * t(2)) after a ``context``-token prefill, the fastest of
@@ -130,7 +137,7 @@ class EmbeddedEngine(Engine):
         machine; a median swung 0.024-0.055 between two starts here). Drafts are cut to the
         prefix worth verifying at this cost (``cut_for_cost``)."""
         context = min(context, self.max_context - rows)
-        cache = KVCache(self.args, round_up(context + rows, 256), dtype=self.kv_dtype, device=self.device)
+        cache = self.new_cache(round_up(context + rows, 256))
         dev = self.device
         ids = torch.arange(100, 100 + context, device=dev) % self.args.vocab_size
         times = {}
@@ -463,7 +470,7 @@ class EmbeddedEngine(Engine):
         if self._cache is None or self._cache.capacity < need:
             cap = min(round_up(max(need, 1024), 1024), round_up(self.max_context + 1024, 256))
             self._cache = None
-            self._cache = KVCache(self.args, max(cap, need), dtype=self.kv_dtype, device=self.device)
+            self._cache = self.new_cache(max(cap, need))
         return self._cache
 
 

@@ -52,31 +52,41 @@ class KVCache(nn.Module):
     without committing them; ``commit`` keeps a subset of those slots (the accepted path),
     moving them to ``[length, length + len(keep))``.
 
-    A float32 cache on CPU with the native kernels also keeps the keys transposed, ``kt``
-    ``[n_layers, n_kv_heads, head_dim, capacity]``, which the native decode attention reads
-    (``cpu_attention.QKVAttention``); ``write`` and ``commit`` keep both layouts equal.
+    ``packed`` (a bfloat16 model on CPU with the native kernels): the cache also keeps packed
+    bfloat16 copies of its keys and values, ``kt2`` ``[n_layers, n_kv_heads, head_dim/2,
+    capacity, 2]`` and ``vp`` ``[n_layers, n_kv_heads, capacity/2, head_dim, 2]``, which the
+    native decode attention reads (``cpu_attention.QKVAttention`` writes all three itself;
+    after torch writes or moves slots, ``sync`` re-derives the copies).
     """
 
-    def __init__(self, args: ModelArgs, capacity: int, *, dtype: torch.dtype, device: torch.device):
+    def __init__(self, args: ModelArgs, capacity: int, *, dtype: torch.dtype, device: torch.device,
+                 packed: bool = False):
         super().__init__()
         capacity = round_up(capacity, KEY_CHUNK)  # small_attention reads whole key chunks
         shape = (args.n_layers, args.n_kv_heads, capacity, args.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.kt = None
-        if (dtype == torch.float32 and torch.device(device).type == "cpu" and cpu_attention.available()
-                and args.head_dim == 64):
-            self.kt = torch.zeros(args.n_layers, args.n_kv_heads, args.head_dim, capacity, dtype=dtype)
+        self.packed = bool(packed)
+        if self.packed:
+            if not cpu_attention.packed_supported(dtype, torch.device(device), args.head_dim):
+                raise ValueError("a packed KV cache needs float32 on CPU, head_dim 64 and the native kernels")
+            L, Hkv, D = args.n_layers, args.n_kv_heads, args.head_dim
+            self.kt2 = torch.zeros(L, Hkv, D // 2, capacity, 2, dtype=torch.bfloat16)
+            self.vp = torch.zeros(L, Hkv, capacity // 2, D, 2, dtype=torch.bfloat16)
         self.capacity = capacity
         self.length = 0
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keys and values ``[n_kv_heads, T, head_dim]`` of T new tokens at slots ``[start, start+T)``."""
+        """Keys and values ``[n_kv_heads, T, head_dim]`` of T new tokens at slots ``[start, start+T)``
+        (a packed cache needs ``sync`` of those slots afterwards)."""
         end = start + k.shape[1]
         self.k[layer, :, start:end] = k
         self.v[layer, :, start:end] = v
-        if self.kt is not None:
-            self.kt[layer, :, :, start:end] = k.transpose(1, 2)
+
+    def sync(self, slots) -> None:
+        """Re-derive the packed copies of ``slots`` (every layer) from ``k`` / ``v``."""
+        if self.packed:
+            cpu_attention.sync_packed(self, slots)
 
     def reset(self) -> None:
         self.length = 0
@@ -89,8 +99,8 @@ class KVCache(nn.Module):
             dst = torch.arange(self.length, self.length + n, device=self.k.device)
             self.k[:, :, dst] = self.k[:, :, src]
             self.v[:, :, dst] = self.v[:, :, src]
-            if self.kt is not None:
-                self.kt[:, :, :, dst] = self.kt[:, :, :, src]
+            if self.packed:
+                self.sync(dst)
         self.length += n
 
 
@@ -384,15 +394,15 @@ class Transformer(nn.Module):
                 mask = causal_mask(start, T, tokens.device)
         key_len = start + T if key_len is None else key_len
         a = self.args
-        if not causal and T <= SMALL_T and cpu_attention.fused_supported(cache, dtype, a.n_heads, a.n_kv_heads,
-                                                                         a.head_dim):
+        if not causal and T <= SMALL_T and cpu_attention.fused_supported(cache, dtype, a.n_heads, a.n_kv_heads):
             attn = cpu_attention.QKVAttention([(cache, start, key_len, mask, T)], cos, sin, n_heads=a.n_heads,
-                                              n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, dtype=dtype)
+                                              n_kv_heads=a.n_kv_heads, head_dim=a.head_dim)
             for i, layer in enumerate(self.layers):
                 x = layer.forward_native(x, i, attn)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, i, cache, start, cos, sin, mask, causal, key_len)
+            cache.sync(range(start, start + T))
         if logits_rows is not None:
             x = x[logits_rows]
         x = self.norm(x)
@@ -422,10 +432,10 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].to(dtype)
         sin = self.rope_sin[positions].to(dtype)
         a = self.args
-        if all(cpu_attention.fused_supported(sg.cache, dtype, a.n_heads, a.n_kv_heads, a.head_dim) for sg in segs):
+        if all(cpu_attention.fused_supported(sg.cache, dtype, a.n_heads, a.n_kv_heads) for sg in segs):
             attn = cpu_attention.QKVAttention(
                 [(sg.cache, sg.cache.length, sg.cache.length + sg.rows, sg.mask, sg.rows) for sg in segs], cos, sin,
-                n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, dtype=dtype)
+                n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim)
             for i, layer in enumerate(self.layers):
                 x = layer.forward_native(x, i, attn)
             x = self.norm(x)
@@ -433,6 +443,8 @@ class Transformer(nn.Module):
             return F.linear(x, w).float()
         for i, layer in enumerate(self.layers):
             x = layer.forward_segments(x, i, segs, cos, sin)
+        for sg in segs:
+            sg.cache.sync(range(sg.cache.length, sg.cache.length + sg.rows))
         x = self.norm(x)
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, w).float()

@@ -23,6 +23,7 @@
 // its keys transposed as well ([Hkv, D, capacity]), so the score loop reads them directly.
 #include <nanobind/nanobind.h>
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -100,7 +101,9 @@ struct Args {
     int H, Hkv, T, L;
     float scale;
     const float* kt;                       // keys transposed: kt[hk][d][j] at kt + (hk*D + d)*kt_st + j
-    int64_t kt_st;                         // Lr (scratch) or the cache capacity (persistent)
+    int64_t kt_st;                         // Lr (scratch)
+    const uint16_t* kt2;                   // bfloat16 models: packed keys / values (see qkv_attention)
+    const uint16_t* vp;
     int Lr;
 };
 
@@ -128,7 +131,59 @@ void transpose_keys(const Args& a, int hk, int j0, int j1) {
 struct Scratch {
     std::vector<float> s;      // [G, Lr] scores, then compact probabilities
     std::vector<int32_t> idx;  // compact visible slots
+    std::vector<uint16_t> pb;  // [G, Lr + 2] probabilities in bfloat16 (bfloat16 models)
 };
+
+// Row t's visible slots (mask row mr; nullptr: all L), ascending, into idx; returns how many.
+static inline __attribute__((always_inline)) int visible_slots(const Args& a, const uint8_t* mr, int32_t* idx) {
+    int n = 0;
+    if (mr == nullptr) {
+        for (int j = 0; j < a.L; ++j) idx[j] = j;
+        n = a.L;
+    } else {
+        for (int j = 0; j < a.L; ++j)
+            if (mr[j]) idx[n++] = j;
+    }
+    return n;
+}
+
+// Softmax of one head's scores Sg[slot] over the visible slots idx[0..n) (compacted in place
+// first when `compact`): Sg[i] = p_i / sum for i < n, 0 up to the next multiple of 16.
+static inline __attribute__((always_inline)) void softmax_visible(float* Sg, int n, bool compact, const int32_t* idx) {
+    const int n16 = (n + 15) / 16 * 16;
+    // compact in place (idx[i] >= i, so reading ahead of writing is safe)
+    if (compact)
+        for (int i = 0; i < n; ++i) Sg[i] = Sg[idx[i]];
+    for (int i = n; i < n16; ++i) Sg[i] = Sg[0];  // pad to 16 (ignored below)
+    // max: exact in any order
+    v16 mx = load16(Sg);
+    for (int i = 16; i < n16; i += 16) {
+        v16 x = load16(Sg + i);
+        mx = x > mx ? x : mx;
+    }
+    float m = mx[0];
+    for (int l = 1; l < 16; ++l) m = mx[l] > m ? mx[l] : m;
+    // p = exp(s - m); sum: lane i % 16 in order of i, then a fixed pairwise tree
+    v16 part{};
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v16 p = exp16(load16(Sg + i), m);
+        store16(Sg + i, p);
+        part = part + p;
+    }
+    if (i < n) {
+        v16 p = exp16(load16(Sg + i), m);
+        for (int l = n - i; l < 16; ++l) p[l] = 0.0f;
+        store16(Sg + i, p);
+        part = part + p;
+    }
+    float pt[16];
+    store16(pt, part);
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; ++l) pt[l] = pt[l] + pt[l + w];
+    const v16 inv_sum = splat(1.0f / pt[0]);
+    for (int j = 0; j < n16; j += 16) store16(Sg + j, load16(Sg + j) * inv_sum);  // p / sum
+}
 
 // One (row t, kv head hk): the G query heads h = hk*G + g of row t.
 template <int G>
@@ -139,16 +194,8 @@ static inline __attribute__((always_inline)) void row_body(const Args& a, int hk
     float* S = sc.s.data();
     int32_t* idx = sc.idx.data();
 
-    // visible slots, ascending
-    int n = 0;
     const uint8_t* mr = a.mask == nullptr ? nullptr : a.mask + (int64_t)t * a.m_st;
-    if (mr == nullptr) {
-        for (int j = 0; j < a.L; ++j) idx[j] = j;
-        n = a.L;
-    } else {
-        for (int j = 0; j < a.L; ++j)
-            if (mr[j]) idx[n++] = j;
-    }
+    const int n = visible_slots(a, mr, idx);
     float* outp = a.out + ((int64_t)t * a.H + (int64_t)hk * G) * D;
     if (n == 0) {  // a row that sees nothing: zeros (never produced by the engine)
         std::memset(outp, 0, sizeof(float) * G * D);
@@ -202,42 +249,7 @@ static inline __attribute__((always_inline)) void row_body(const Args& a, int hk
         }
     }
 
-    const int n16 = (n + 15) / 16 * 16;
-    for (int g = 0; g < G; ++g) {
-        float* Sg = S + (int64_t)g * Lr;
-        // compact in place (idx[i] >= i, so reading ahead of writing is safe)
-        if (mr != nullptr)
-            for (int i = 0; i < n; ++i) Sg[i] = Sg[idx[i]];
-        for (int i = n; i < n16; ++i) Sg[i] = Sg[0];  // pad to 16 (ignored below)
-        // max: exact in any order
-        v16 mx = load16(Sg);
-        for (int i = 16; i < n16; i += 16) {
-            v16 x = load16(Sg + i);
-            mx = x > mx ? x : mx;
-        }
-        float m = mx[0];
-        for (int l = 1; l < 16; ++l) m = mx[l] > m ? mx[l] : m;
-        // p = exp(s - m); sum: lane i % 16 in order of i, then a fixed pairwise tree
-        v16 part{};
-        int i = 0;
-        for (; i + 16 <= n; i += 16) {
-            v16 p = exp16(load16(Sg + i), m);
-            store16(Sg + i, p);
-            part = part + p;
-        }
-        if (i < n) {
-            v16 p = exp16(load16(Sg + i), m);
-            for (int l = n - i; l < 16; ++l) p[l] = 0.0f;
-            store16(Sg + i, p);
-            part = part + p;
-        }
-        float pt[16];
-        store16(pt, part);
-        for (int w = 8; w >= 1; w /= 2)
-            for (int l = 0; l < w; ++l) pt[l] = pt[l] + pt[l + w];
-        const v16 inv_sum = splat(1.0f / pt[0]);
-        for (int j = 0; j < n16; j += 16) store16(Sg + j, load16(Sg + j) * inv_sum);  // p / sum
-    }
+    for (int g = 0; g < G; ++g) softmax_visible(S + (int64_t)g * Lr, n, mr != nullptr, idx);
 
     // o = p @ v, sequentially over the visible keys, one lane per d
     const float* v = a.v + (int64_t)hk * a.cap * D;
@@ -385,70 +397,135 @@ void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new
     }
 }
 
-// Rotary embedding of one head (HF rotate_half layout) as torch computes it in dtype X:
-//   y = x * cos + cat(-x[D/2:], x[:D/2]) * sin, each product and the sum rounded to X.
-template <bool BF16>
-static inline float round_x(float f) {
-    if constexpr (BF16) return bf16_to_float(float_to_bf16(f));
-    else return f;
+// ---------------------------------------------------------------------------------------------
+// bfloat16 models: qkv_attention
+//
+// The whole attention of a decoder layer for decode / verify rows, from the fused q|k|v
+// projection to the output projection's input, in one call: rotary embedding (rounded step by
+// step as torch computes it in bfloat16), the new keys / values written into the float32 cache
+// and into two packed bfloat16 copies of it, then attention with bfloat16 dot products:
+//   kt2: uint16 [n_layers, Hkv, D/2, cap, 2]: (k[s][2i], k[s][2i+1]) for slot s, pair i
+//   vp:  uint16 [n_layers, Hkv, cap/2, D, 2]: (v[2j][d], v[2j+1][d]) for slot pair j
+// Keys and values of a bfloat16 model are bfloat16 values, so the copies are exact. One 32-bit
+// pair is one lane of VDPBF16PS (AVX512-BF16), which adds a[2i+1]*b[2i+1], then a[2i]*b[2i], to a
+// float32 lane: products of bfloat16 values are exact in float32, one rounding per addition.
+//   score_n = dot over d pairs in order of (q_d / 8, bf16) and k_{n,d}   (one lane per key)
+//   softmax as in row_body (float32), p_n = exp(score_n - m) / sum rounded to bfloat16
+//   o_d     = dot over visible-key pairs (compact index 2j, 2j+1) in order of p and v_{.,d}
+// As in row_body, every reduction runs over the row's compact sequence of visible keys, so a
+// draft-tree node gets the same bits as the same token in plain decoding. Value pairs come from
+// vp where the pair's keys sit at slots equal to their compact indices (the committed prefix),
+// else they are packed on the fly from the float32 cache: the same bits either way. Rounding p
+// to bfloat16 before p @ v is what flash attention does for bfloat16 models.
+// Machines without AVX512-BF16 run an emulation (plain float32 adds in the same order; it
+// does not flush subnormals as the instruction does).
+
+static inline v16i load16i(const void* p) { v16i x; std::memcpy(&x, p, sizeof x); return x; }
+
+static inline v16 dp_emul(v16 acc, v16i a, uint32_t b) {
+    const float bhi = bf16_to_float((uint16_t)(b >> 16)), blo = bf16_to_float((uint16_t)(b & 0xffffu));
+    const v16 ahi = (v16)(a & (int32_t)0xffff0000u);
+    const v16 alo = (v16)(a << 16);
+    acc = acc + ahi * bhi;
+    acc = acc + alo * blo;
+    return acc;
 }
-template <bool BF16, typename X>
-static inline float load_x(const X* p, int i) {
-    if constexpr (BF16) return bf16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
-    else return reinterpret_cast<const float*>(p)[i];
+
+#define AS_NS bf16_emul
+#define AS_DP dp_emul
+#define AS_ATTR __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#include "attention_bf16.inc"
+#undef AS_NS
+#undef AS_DP
+#undef AS_ATTR
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+static inline v16 dp_hw(v16 acc, v16i a, uint32_t b) {
+    return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32((int)b));
 }
-template <bool BF16, typename X>
-static inline void rope_head(const X* x, const X* cs, const X* sn, float* y) {
+#define AS_NS bf16_hw
+#define AS_DP dp_hw
+#define AS_ATTR
+#include "attention_bf16.inc"
+#undef AS_NS
+#undef AS_DP
+#undef AS_ATTR
+#pragma GCC pop_options
+
+static int g_bf16_impl = -1;  // -1 auto, 0 emulation, 1 AVX512-BF16
+
+static bool use_hw() {
+    static const bool has = __builtin_cpu_supports("avx512bf16");
+    return g_bf16_impl < 0 ? has : (g_bf16_impl == 1 && has);
+}
+
+// Rotary embedding of one head (HF rotate_half layout) as torch computes it in bfloat16:
+//   y = x * cos + cat(-x[D/2:], x[:D/2]) * sin, each product and the sum rounded to bfloat16.
+static inline float rb(float f) { return bf16_to_float(float_to_bf16(f)); }
+static inline void rope_head(const uint16_t* x, const uint16_t* cs, const uint16_t* sn, float* y) {
     constexpr int half = D / 2;
     for (int d = 0; d < D; ++d) {
-        const float xd = load_x<BF16>(x, d);
-        const float rot = d < half ? -load_x<BF16>(x, d + half) : load_x<BF16>(x, d - half);
-        const float a = round_x<BF16>(xd * load_x<BF16>(cs, d));
-        const float b = round_x<BF16>(rot * load_x<BF16>(sn, d));
-        y[d] = round_x<BF16>(a + b);
+        const float xd = bf16_to_float(x[d]);
+        const float rot = d < half ? -bf16_to_float(x[d + half]) : bf16_to_float(x[d - half]);
+        y[d] = rb(rb(xd * bf16_to_float(cs[d])) + rb(rot * bf16_to_float(sn[d])));
     }
 }
 
-// qkv_attention: see the header. Rows [0, R) of qkv ([R, H*D + 2*Hkv*D], row stride qkv_st, dtype
-// X = float32 or bfloat16) belong to segments; cos / sin are [R, D] (row stride cs_st, dtype X).
-// segs: int64 [S, 10] = k, v, kt (layer 0 of the cache: [n_layers, Hkv, cap, D] and
-// [n_layers, Hkv, D, cap] float32), cap, L, mask, mask_stride, row_off, T, start: the segment's
-// T rows are written at cache slots [start, start + T) of `layer` and attend over slots [0, L) as
-// mask ([T, >= L] bool) says. out: [R, H*D] dtype X, row stride out_st.
-template <bool BF16>
-void qkv_attention_impl(const void* qkv, int64_t qkv_st, const void* cos, const void* sin, int64_t cs_st,
-                        const int64_t* sg, int S, int layer, void* out, int64_t out_st, int H, int Hkv,
-                        int threads) {
-    typedef typename std::conditional<BF16, uint16_t, float>::type X;
+static inline void put_packed(uint16_t* kt2, uint16_t* vp, int64_t cap, int hk, int64_t slot, const float* k,
+                              const float* v) {
+    uint16_t* kd = kt2 + ((int64_t)hk * (D / 2) * cap + slot) * 2;
+    uint16_t* vd = vp + (((int64_t)hk * (cap / 2) + slot / 2) * D) * 2 + (slot & 1);
+    for (int i = 0; i < D / 2; ++i) {
+        kd[(int64_t)i * cap * 2] = float_to_bf16(k[2 * i]);
+        kd[(int64_t)i * cap * 2 + 1] = float_to_bf16(k[2 * i + 1]);
+    }
+    for (int d = 0; d < D; ++d) vd[2 * d] = float_to_bf16(v[d]);
+}
+
+// segs: int64 [S, 11] = k, v (layer 0 of the float32 cache [n_layers, Hkv, cap, D]), kt2, vp
+// (layer 0 of the packed copies), cap, L, mask, mask_stride, row_off, T, start: the segment's T
+// rows are written at cache slots [start, start + T) of `layer` and attend over slots [0, L) as
+// mask ([T, >= L] bool; 0 = all) says. qkv: bfloat16 [R, H*D + 2*Hkv*D] (row stride qkv_st);
+// cos / sin: bfloat16 [R, D] (row stride cs_st); out: bfloat16 [R, H*D] (row stride out_st).
+void qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, int64_t cs_st, uintptr_t segs,
+                   int S, int layer, uintptr_t out, int64_t out_st, int H, int Hkv, int head_dim, int threads) {
+    if (head_dim != D) throw std::invalid_argument("head_dim must be 64");
+    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAXG) throw std::invalid_argument("bad head counts");
+    if (S <= 0) throw std::invalid_argument("no segments");
+    const int64_t* sg = reinterpret_cast<const int64_t*>(segs);
+    const int G = H / Hkv;
     std::vector<Args> args(S);
     std::vector<int> row_base(S + 1, 0), seg_of_row;
     std::vector<int64_t> start(S), off(S);
     const float scale = (float)(1.0 / std::sqrt((double)D));
     int R = 0;
     for (int s = 0; s < S; ++s) {
-        const int64_t* r = sg + (int64_t)s * 10;
+        const int64_t* r = sg + (int64_t)s * 11;
         Args& a = args[s];
-        a.cap = r[3];
+        a.cap = r[4];
+        if (a.cap <= 0 || a.cap % 16 != 0) throw std::invalid_argument("capacity must be a positive multiple of 16");
         const int64_t lay = (int64_t)layer * Hkv * a.cap * D;
         a.k = reinterpret_cast<const float*>(r[0]) + lay;
         a.v = reinterpret_cast<const float*>(r[1]) + lay;
-        a.kt = reinterpret_cast<const float*>(r[2]) + lay;
-        a.kt_st = a.cap;
-        a.L = (int)r[4];
-        a.mask = reinterpret_cast<const uint8_t*>(r[5]); a.m_st = r[6];
-        off[s] = r[7];
-        a.T = (int)r[8];
-        start[s] = r[9];
+        a.kt2 = reinterpret_cast<const uint16_t*>(r[2]) + lay;
+        a.vp = reinterpret_cast<const uint16_t*>(r[3]) + lay;
+        a.kt = nullptr; a.kt_st = 0;
+        a.L = (int)r[5];
+        a.mask = reinterpret_cast<const uint8_t*>(r[6]); a.m_st = r[7];
+        off[s] = r[8];
+        a.T = (int)r[9];
+        start[s] = r[10];
         if (a.T <= 0 || a.L <= 0 || a.L > a.cap || start[s] < 0 || start[s] + a.T > a.cap)
             throw std::invalid_argument("bad segment T / L / start / capacity");
         if (off[s] != R) throw std::invalid_argument("segments must cover rows in order");
         R += a.T;
         a.H = H; a.Hkv = Hkv; a.scale = scale;
         a.Lr = (a.L + 15) / 16 * 16;
-        if (a.Lr > a.cap) throw std::invalid_argument("capacity must be a multiple of 16");
         row_base[s + 1] = row_base[s] + Hkv * a.T;
         for (int t = 0; t < a.T; ++t) seg_of_row.push_back(s);
     }
+    const bool hw = use_hw();
     nb::gil_scoped_release nogil;
     static thread_local std::vector<float> qf, of;
     qf.resize((size_t)R * H * D);
@@ -458,10 +535,10 @@ void qkv_attention_impl(const void* qkv, int64_t qkv_st, const void* cos, const 
         args[s].q = qfp + off[s] * H * D; args[s].q_sh = D; args[s].q_st = (int64_t)H * D;
         args[s].out = of.data() + off[s] * H * D;
     }
-    const X* in = reinterpret_cast<const X*>(qkv);
-    const X* cs = reinterpret_cast<const X*>(cos);
-    const X* sn = reinterpret_cast<const X*>(sin);
-    X* o = reinterpret_cast<X*>(out);
+    const uint16_t* in = reinterpret_cast<const uint16_t*>(qkv);
+    const uint16_t* cs = reinterpret_cast<const uint16_t*>(cos);
+    const uint16_t* sn = reinterpret_cast<const uint16_t*>(sin);
+    uint16_t* o = reinterpret_cast<uint16_t*>(out);
     const int nrows = row_base[S];
     if (threads <= 0) threads = omp_get_max_threads();
     threads = std::max(1, std::min(threads, nrows));
@@ -473,22 +550,18 @@ void qkv_attention_impl(const void* qkv, int64_t qkv_st, const void* cos, const 
             const int s = seg_of_row[r];
             const Args& a = args[s];
             const int64_t slot = start[s] + (r - off[s]);
-            const X* x = in + (int64_t)r * qkv_st;
-            const X* c = cs + (int64_t)r * cs_st;
-            const X* sv = sn + (int64_t)r * cs_st;
-            for (int h = 0; h < H; ++h) rope_head<BF16>(x + h * D, c, sv, qfp + ((int64_t)r * H + h) * D);
+            const uint16_t* x = in + (int64_t)r * qkv_st;
+            const uint16_t* c = cs + (int64_t)r * cs_st;
+            const uint16_t* sv = sn + (int64_t)r * cs_st;
+            for (int h = 0; h < H; ++h) rope_head(x + h * D, c, sv, qfp + ((int64_t)r * H + h) * D);
             for (int hk = 0; hk < Hkv; ++hk) {
-                float kr[D];
-                rope_head<BF16>(x + (H + hk) * D, c, sv, kr);
-                float* kd = const_cast<float*>(a.k) + ((int64_t)hk * a.cap + slot) * D;
-                float* vd = const_cast<float*>(a.v) + ((int64_t)hk * a.cap + slot) * D;
-                float* ktd = const_cast<float*>(a.kt) + (int64_t)hk * D * a.cap + slot;
-                const X* vx = x + (H + Hkv + hk) * D;
-                for (int d = 0; d < D; ++d) {
-                    kd[d] = kr[d];
-                    ktd[(int64_t)d * a.cap] = kr[d];
-                    vd[d] = load_x<BF16>(vx, d);
-                }
+                float kr[D], vr[D];
+                rope_head(x + (H + hk) * D, c, sv, kr);
+                const uint16_t* vx = x + (H + Hkv + hk) * D;
+                for (int d = 0; d < D; ++d) vr[d] = bf16_to_float(vx[d]);
+                std::memcpy(const_cast<float*>(a.k) + ((int64_t)hk * a.cap + slot) * D, kr, sizeof kr);
+                std::memcpy(const_cast<float*>(a.v) + ((int64_t)hk * a.cap + slot) * D, vr, sizeof vr);
+                put_packed(const_cast<uint16_t*>(a.kt2), const_cast<uint16_t*>(a.vp), a.cap, hk, slot, kr, vr);
             }
         }
 #pragma omp for schedule(dynamic, 1)
@@ -496,39 +569,47 @@ void qkv_attention_impl(const void* qkv, int64_t qkv_st, const void* cos, const 
             const int s = int(std::upper_bound(row_base.begin(), row_base.end(), i) - row_base.begin()) - 1;
             const int j = i - row_base[s], hk = j % Hkv, t = j / Hkv;
             const Args& a = args[s];
-            row_task(a, hk, t, sc);
-            const float* src = a.out + ((int64_t)t * H + (int64_t)hk * (H / Hkv)) * D;
-            X* dst = o + (off[s] + t) * out_st + (int64_t)hk * (H / Hkv) * D;
-            for (int e = 0; e < (H / Hkv) * D; ++e) {
-                if constexpr (BF16) dst[e] = float_to_bf16(src[e]);
-                else dst[e] = src[e];
-            }
+            if (hw) bf16_hw::row_task(a, hk, t, sc);
+            else bf16_emul::row_task(a, hk, t, sc);
+            const float* src = a.out + ((int64_t)t * H + (int64_t)hk * G) * D;
+            uint16_t* dst = o + (off[s] + t) * out_st + (int64_t)hk * G * D;
+            for (int e = 0; e < G * D; ++e) dst[e] = float_to_bf16(src[e]);
         }
     }
 }
 
-void qkv_attention(uintptr_t qkv, int64_t qkv_st, int bf16, uintptr_t cos, uintptr_t sin, int64_t cs_st,
-                   uintptr_t segs, int S, int layer, uintptr_t out, int64_t out_st, int H, int Hkv, int head_dim,
-                   int threads) {
+// Re-derive the packed copies of `slots` (every layer) from the float32 cache, after torch wrote
+// or moved those slots (prefill, commit of a branch).
+void sync_packed(uintptr_t k, uintptr_t v, uintptr_t kt2, uintptr_t vp, int64_t cap, int n_layers, int Hkv,
+                 int head_dim, uintptr_t slots, int n) {
     if (head_dim != D) throw std::invalid_argument("head_dim must be 64");
-    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAXG) throw std::invalid_argument("bad head counts");
-    if (S <= 0) throw std::invalid_argument("no segments");
-    const int64_t* sg = reinterpret_cast<const int64_t*>(segs);
-    if (bf16)
-        qkv_attention_impl<true>(reinterpret_cast<const void*>(qkv), qkv_st, reinterpret_cast<const void*>(cos),
-                                 reinterpret_cast<const void*>(sin), cs_st, sg, S, layer,
-                                 reinterpret_cast<void*>(out), out_st, H, Hkv, threads);
-    else
-        qkv_attention_impl<false>(reinterpret_cast<const void*>(qkv), qkv_st, reinterpret_cast<const void*>(cos),
-                                  reinterpret_cast<const void*>(sin), cs_st, sg, S, layer,
-                                  reinterpret_cast<void*>(out), out_st, H, Hkv, threads);
+    if (cap <= 0 || cap % 16 != 0) throw std::invalid_argument("capacity must be a positive multiple of 16");
+    const int64_t* sl = reinterpret_cast<const int64_t*>(slots);
+    for (int i = 0; i < n; ++i)
+        if (sl[i] < 0 || sl[i] >= cap) throw std::invalid_argument("slot out of range");
+    nb::gil_scoped_release nogil;
+#pragma omp parallel for schedule(static)
+    for (int lh = 0; lh < n_layers * Hkv; ++lh) {
+        const int64_t lay = (int64_t)(lh / Hkv) * Hkv * cap * D;
+        const int hk = lh % Hkv;
+        const float* kl = reinterpret_cast<const float*>(k) + lay;
+        const float* vl = reinterpret_cast<const float*>(v) + lay;
+        for (int i = 0; i < n; ++i) {
+            const int64_t s = sl[i];
+            put_packed(reinterpret_cast<uint16_t*>(kt2) + lay, reinterpret_cast<uint16_t*>(vp) + lay, cap, hk, s,
+                       kl + ((int64_t)hk * cap + s) * D, vl + ((int64_t)hk * cap + s) * D);
+        }
+    }
 }
+
+void set_bf16_impl(int impl) { g_bf16_impl = impl; }
+bool bf16_hardware() { return __builtin_cpu_supports("avx512bf16"); }
 
 }  // namespace
 
 NB_MODULE(_cpu, m) {
     m.doc() = "agentspec CPU kernels: exact decode / tree-verification attention (float32 cache)";
-    m.def("abi_version", []() { return 3; });
+    m.def("abi_version", []() { return 4; });
     m.def("attention", &attention,
           nb::arg("q"), nb::arg("q_stride_h"), nb::arg("q_stride_t"), nb::arg("k"), nb::arg("v"),
           nb::arg("capacity"), nb::arg("mask"), nb::arg("mask_stride_t"), nb::arg("out"),
@@ -540,8 +621,14 @@ NB_MODULE(_cpu, m) {
           nb::arg("new_stride_h"), nb::arg("new_stride_t"), nb::arg("segments"), nb::arg("n_segments"),
           nb::arg("out"), nb::arg("n_heads"), nb::arg("n_kv_heads"), nb::arg("head_dim"), nb::arg("threads") = 0,
           "Raw-pointer entry point; call agentspec.kernels.cpu_attention.segment_attention instead.");
+    m.def("sync_packed", &sync_packed, nb::arg("k"), nb::arg("v"), nb::arg("kt2"), nb::arg("vp"), nb::arg("capacity"),
+          nb::arg("n_layers"), nb::arg("n_kv_heads"), nb::arg("head_dim"), nb::arg("slots"), nb::arg("n_slots"),
+          "Raw-pointer entry point; call KVCache.sync instead.");
+    m.def("set_bf16_impl", &set_bf16_impl, nb::arg("impl"),
+          "-1: AVX512-BF16 where the CPU has it (default); 0: always the emulation (tests)");
+    m.def("bf16_hardware", &bf16_hardware, "whether this CPU has AVX512-BF16");
     m.def("qkv_attention", &qkv_attention,
-          nb::arg("qkv"), nb::arg("qkv_stride"), nb::arg("bf16"), nb::arg("cos"), nb::arg("sin"),
+          nb::arg("qkv"), nb::arg("qkv_stride"), nb::arg("cos"), nb::arg("sin"),
           nb::arg("cos_stride"), nb::arg("segments"), nb::arg("n_segments"), nb::arg("layer"), nb::arg("out"),
           nb::arg("out_stride"), nb::arg("n_heads"), nb::arg("n_kv_heads"), nb::arg("head_dim"),
           nb::arg("threads") = 0,

@@ -115,29 +115,44 @@ def test_kv_compaction_equals_sequential_feeding(engine, rewrite_prompts):
     parents = with_root([-1, -1, 1, 2])
     tokens = [root, *draft_tokens]
 
-    cache = KVCache(args, 512, dtype=dt, device=engine.device)
-    model(torch.tensor(ids), torch.arange(len(ids)), cache)
-    cache.commit(list(range(len(ids))))
-    start = cache.length
-    mask = torch.ones(len(tokens), start + len(tokens), dtype=torch.bool)
-    mask[:, start:] = tree_mask(parents)
-    pos = torch.tensor([start + d for d in tree_depths(parents)])
-    logits = model(torch.tensor(tokens), pos, cache, mask)
-    path, bonus = greedy_verify(tokens, parents, logits.argmax(-1).tolist())
-    assert path == [0, 2, 3] and bonus == g[3]
-    cache.commit(path)
+    # a bfloat16 cache through torch's attention, and the engine's own cache (float32 with the
+    # packed copies the native attention reads, on CPU)
+    for make in (lambda: KVCache(args, 512, dtype=dt, device=engine.device), lambda: engine.new_cache(512)):
+        cache = make()
+        model(torch.tensor(ids), torch.arange(len(ids)), cache)
+        cache.commit(list(range(len(ids))))
+        start = cache.length
+        mask = torch.ones(len(tokens), start + len(tokens), dtype=torch.bool)
+        mask[:, start:] = tree_mask(parents)
+        pos = torch.tensor([start + d for d in tree_depths(parents)])
+        logits = model(torch.tensor(tokens), pos, cache, mask)
+        path, bonus = greedy_verify(tokens, parents, logits.argmax(-1).tolist())
+        assert path == [0, 2, 3] and bonus == g[3]
+        cache.commit(path)
 
-    ref = KVCache(args, 512, dtype=dt, device=engine.device)
-    model(torch.tensor(ids), torch.arange(len(ids)), ref)
-    ref.commit(list(range(len(ids))))
-    for t in (root, g[1], g[2]):
-        model(torch.tensor([t]), torch.tensor([ref.length]), ref)
-        ref.commit([0])
-    assert cache.length == ref.length == len(ids) + 3
-    n = cache.length
-    tol = dict(atol=1e-4, rtol=1e-4) if dt == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(cache.k[:, :, :n], ref.k[:, :, :n], **tol)
-    torch.testing.assert_close(cache.v[:, :, :n], ref.v[:, :, :n], **tol)
+        ref = make()
+        model(torch.tensor(ids), torch.arange(len(ids)), ref)
+        ref.commit(list(range(len(ids))))
+        for t in (root, g[1], g[2]):  # as plain decoding runs: the token and a padding row
+            s0 = ref.length
+            m2 = torch.zeros(2, s0 + 2, dtype=torch.bool)
+            m2[:, :s0] = True
+            m2[0, s0] = m2[1, s0 + 1] = True
+            model(torch.tensor([t, t]), torch.tensor([s0, s0]), ref, m2)
+            ref.commit([0])
+        assert cache.length == ref.length == len(ids) + 3
+        n = cache.length
+        tol = dict(atol=1e-4, rtol=1e-4) if cache.k.dtype == torch.float32 and dt == torch.float32 \
+            else dict(atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(cache.k[:, :, :n], ref.k[:, :, :n], **tol)
+        torch.testing.assert_close(cache.v[:, :, :n], ref.v[:, :, :n], **tol)
+        if cache.packed:  # the engine's path is exact: the same bits as plain decoding
+            assert torch.equal(cache.k[:, :, :n], ref.k[:, :, :n]) and torch.equal(cache.v[:, :, :n], ref.v[:, :, :n])  # the packed copies moved with the accepted branch
+            L, Hkv, _, D = cache.k.shape
+            kt = cache.kt2[:, :, :, :n].permute(0, 1, 3, 2, 4).reshape(L, Hkv, n, D)
+            assert torch.equal(kt.float(), cache.k[:, :, :n])
+            vv = cache.vp.permute(0, 1, 2, 4, 3).reshape(L, Hkv, -1, D)[:, :, :n]
+            assert torch.equal(vv.float(), cache.v[:, :, :n])
 
 
 def test_deterministic_mode_identity(rewrite_prompts, chat_prompts):

@@ -23,7 +23,7 @@ MAX_TOKENS = 2 + TOP_K  # the engine drafts at most max_tokens - generated - 1 t
 def _next_probs(engine, ids: list[int], then: int | None = None) -> torch.Tensor:
     """The target distribution after ``ids`` (+ ``then``), computed as the engine computes it:
     the prompt by prefill, ``then`` by a decode step (its own row plus a padding row)."""
-    cache = KVCache(engine.args, len(ids) + 256, dtype=engine.kv_dtype, device=engine.device)
+    cache = engine.new_cache(len(ids) + 256)
     logits = engine.model(torch.tensor(ids), torch.arange(len(ids)), cache, logits_rows=slice(-1, None))[0]
     if then is not None:
         n = len(ids)
