@@ -227,22 +227,24 @@ PREFILL_BLOCK = 128
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention over a whole prompt, blockwise: each block of PREFILL_BLOCK queries
     attends to the keys up to its end only. q: [H, T, D]; k, v: [Hkv, T, D]; GQA groups are
-    folded into the query rows; scores and softmax in float32."""
+    folded into the query rows. Scores come out of the matmul in q's dtype (as SDPA's math
+    path would round them); the softmax accumulates in float32 and writes q's dtype, one pass
+    (no float32 copy of the scores)."""
     H, T, D = q.shape
     Hkv = k.shape[0]
     G = H // Hkv
-    qg = q.view(Hkv, G, T, D)
-    out = torch.empty_like(qg)
-    scale = D ** -0.5
+    qg = (q * (D ** -0.5)).view(Hkv, G, T, D)
+    out = torch.empty(Hkv, G, T, D, dtype=q.dtype, device=q.device)
     B = PREFILL_BLOCK
+    future = torch.ones(B, B, dtype=torch.bool, device=q.device).triu_(1)
     for s in range(0, T, B):
         e = min(s + B, T)
         b = e - s
         qb = qg[:, :, s:e].reshape(Hkv, G * b, D)
-        scores = torch.matmul(qb, k[:, :e].transpose(1, 2)).float().mul_(scale).view(Hkv, G, b, e)
-        scores[..., s:e].masked_fill_(torch.ones(b, b, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
-        p = torch.softmax(scores, dim=-1).to(q.dtype).view(Hkv, G * b, e)
-        out[:, :, s:e] = torch.matmul(p, v[:, :e]).view(Hkv, G, b, D)
+        scores = torch.bmm(qb, k[:, :e].transpose(1, 2)).view(Hkv, G, b, e)
+        scores[..., s:e].masked_fill_(future[:b, :b], float("-inf"))
+        p = torch.softmax(scores, dim=-1).view(Hkv, G * b, e)
+        out[:, :, s:e] = torch.bmm(p, v[:, :e]).view(Hkv, G, b, D)
     return out.view(H, T, D)
 
 
