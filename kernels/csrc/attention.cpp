@@ -151,9 +151,13 @@ static inline __attribute__((always_inline)) int visible_slots(const Args& a, co
 // first when `compact`): Sg[i] = p_i / sum for i < n, 0 up to the next multiple of 16.
 static inline __attribute__((always_inline)) void softmax_visible(float* Sg, int n, bool compact, const int32_t* idx) {
     const int n16 = (n + 15) / 16 * 16;
-    // compact in place (idx[i] >= i, so reading ahead of writing is safe)
-    if (compact)
-        for (int i = 0; i < n; ++i) Sg[i] = Sg[idx[i]];
+    // compact in place (idx[i] >= i, so reading ahead of writing is safe); a leading run with
+    // idx[i] == i (the committed prefix) is already in place
+    if (compact) {
+        int i = 0;
+        while (i < n && idx[i] == i) ++i;
+        for (; i < n; ++i) Sg[i] = Sg[idx[i]];
+    }
     for (int i = n; i < n16; ++i) Sg[i] = Sg[0];  // pad to 16 (ignored below)
     // max: exact in any order
     v16 mx = load16(Sg);
@@ -421,6 +425,15 @@ void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new
 // does not flush subnormals as the instruction does).
 
 static inline v16i load16i(const void* p) { v16i x; std::memcpy(&x, p, sizeof x); return x; }
+
+// 16 floats to bfloat16, round to nearest even (float_to_bf16 lane by lane, for non-NaN values:
+// used for probabilities, which are never NaN)
+typedef uint32_t v16u __attribute__((vector_size(64)));
+static inline void store16_bf16(uint16_t* dst, v16 x) {
+    v16u u = (v16u)x;
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    for (int l = 0; l < 16; ++l) dst[l] = (uint16_t)u[l];
+}
 
 static inline v16 dp_emul(v16 acc, v16i a, uint32_t b) {
     const float bhi = bf16_to_float((uint16_t)(b >> 16)), blo = bf16_to_float((uint16_t)(b & 0xffffu));
