@@ -6,36 +6,5 @@ needing the optional ``triton``), and dispatchers (Triton for CUDA tensors, torc
 Layout and outputs: ``agentspec.kernels.tree``.
 """
 
-from .tree import (
-    check_layout,
-    greedy_verify_batch,
-    greedy_verify_batch_torch,
-    greedy_verify_batch_triton,
-    pack_trees,
-    sampling_verify_batch,
-    sampling_verify_batch_torch,
-    sampling_verify_batch_triton,
-    tree_attention,
-    tree_attention_torch,
-    tree_attention_triton,
-    tree_depths,
-    tree_mask,
-    with_root,
-)
-
-__all__ = [
-    "check_layout",
-    "greedy_verify_batch",
-    "greedy_verify_batch_torch",
-    "greedy_verify_batch_triton",
-    "pack_trees",
-    "sampling_verify_batch",
-    "sampling_verify_batch_torch",
-    "sampling_verify_batch_triton",
-    "tree_attention",
-    "tree_attention_torch",
-    "tree_attention_triton",
-    "tree_depths",
-    "tree_mask",
-    "with_root",
-]
+from .tree import *  # noqa: F401,F403  (the names tree.__all__ lists)
+from .tree import __all__  # noqa: F401

@@ -43,6 +43,18 @@ def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
     )
 
 
+def _mask_arg(mask: torch.Tensor | None, T: int, L: int):
+    """A mask ``[T, >= L]`` bool (None: every key visible) as the kernels take it:
+    ``(mask with unit column stride, data pointer or 0, row stride)``."""
+    if mask is None:
+        return None, 0, 0
+    if mask.dtype != torch.bool or mask.shape[0] != T or mask.shape[1] < L:
+        raise ValueError(f"mask must be bool [T, >= L]: {tuple(mask.shape)}, {mask.dtype}")
+    if mask.stride(1) != 1:
+        mask = mask.contiguous()
+    return mask, mask.data_ptr(), mask.stride(0)
+
+
 def decode_attention(
     q: torch.Tensor,            # [H, T, D] float32, unit stride in D
     k: torch.Tensor,            # [Hkv, capacity, D] float32 contiguous (one layer of the cache)
@@ -63,14 +75,7 @@ def decode_attention(
     if not (k.is_contiguous() and v.is_contiguous()):
         raise ValueError("k and v must be contiguous")
     out = torch.empty(T, H, D, dtype=torch.float32)
-    if mask is None:
-        mask_ptr, mask_st = 0, 0
-    else:
-        if mask.dtype != torch.bool or mask.shape[0] != T or mask.shape[1] < L:
-            raise ValueError(f"mask must be bool [T, >= L]: {tuple(mask.shape)}, {mask.dtype}")
-        if mask.stride(1) != 1:
-            mask = mask.contiguous()
-        mask_ptr, mask_st = mask.data_ptr(), mask.stride(0)
+    mask, mask_ptr, mask_st = _mask_arg(mask, T, L)
     _cpu.attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), cap,
                    mask_ptr, mask_st, out.data_ptr(), H, Hkv, T, L, D, threads)
     return out
@@ -163,15 +168,8 @@ class QKVAttention:
         for cache, start, L, mask, T in segments:
             if not getattr(cache, "packed", False):
                 raise ValueError("QKVAttention needs a packed KV cache (KVCache(..., packed=True))")
-            if mask is None:
-                mask_ptr, mask_st = 0, 0
-            else:
-                if mask.dtype != torch.bool or mask.shape[0] != T or mask.shape[1] < L:
-                    raise ValueError(f"mask must be bool [T, >= L]: {tuple(mask.shape)}, {mask.dtype}")
-                if mask.stride(1) != 1:
-                    mask = mask.contiguous()
-                self._keep.append(mask)
-                mask_ptr, mask_st = mask.data_ptr(), mask.stride(0)
+            mask, mask_ptr, mask_st = _mask_arg(mask, T, L)
+            self._keep.append(mask)
             rows.append((cache.k.data_ptr(), cache.v.data_ptr(), cache.kt2.data_ptr(), cache.vp.data_ptr(),
                          cache.capacity, L, mask_ptr, mask_st, R, T, start))
             R += T

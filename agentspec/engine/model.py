@@ -99,8 +99,7 @@ class KVCache(nn.Module):
             dst = torch.arange(self.length, self.length + n, device=self.k.device)
             self.k[:, :, dst] = self.k[:, :, src]
             self.v[:, :, dst] = self.v[:, :, src]
-            if self.packed:
-                self.sync(dst)
+            self.sync(dst)
         self.length += n
 
 
@@ -407,9 +406,12 @@ class Transformer(nn.Module):
             cache.sync(range(start, start + T))
         if logits_rows is not None:
             x = x[logits_rows]
-        x = self.norm(x)
+        return self._logits(x)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and output projection (tied embeddings unless lm_head), in float32."""
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, w).float()
+        return F.linear(self.norm(x), w).float()
 
     @torch.inference_mode()
     def forward_segments(
@@ -440,16 +442,12 @@ class Transformer(nn.Module):
                 n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim)
             for i, layer in enumerate(self.layers):
                 x = layer.forward_native(x, i, attn)
-            x = self.norm(x)
-            w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-            return F.linear(x, w).float()
-        for i, layer in enumerate(self.layers):
-            x = layer.forward_segments(x, i, segs, cos, sin)
-        for sg in segs:
-            sg.cache.sync(range(sg.cache.length, sg.cache.length + sg.rows))
-        x = self.norm(x)
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, w).float()
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer.forward_segments(x, i, segs, cos, sin)
+            for sg in segs:
+                sg.cache.sync(range(sg.cache.length, sg.cache.length + sg.rows))
+        return self._logits(x)
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.parameters())

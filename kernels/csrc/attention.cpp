@@ -100,8 +100,7 @@ struct Args {
     float* out;                            // [T, H, D] contiguous
     int H, Hkv, T, L;
     float scale;
-    const float* kt;                       // keys transposed: kt[hk][d][j] at kt + (hk*D + d)*kt_st + j
-    int64_t kt_st;                         // Lr (scratch)
+    const float* kt;                       // scratch: keys transposed, kt[hk][d][j] at kt + (hk*D + d)*Lr + j
     const uint16_t* kt2;                   // bfloat16 models: packed keys / values (see qkv_attention)
     const uint16_t* vp;
     int Lr;
@@ -111,7 +110,7 @@ struct Args {
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 void transpose_keys(const Args& a, int hk, int j0, int j1) {
     const float* k = a.k + (int64_t)hk * a.cap * D;
-    float* kt = const_cast<float*>(a.kt) + (int64_t)hk * D * a.kt_st;
+    float* kt = const_cast<float*>(a.kt) + (int64_t)hk * D * a.Lr;
     for (int jb = j0; jb < j1; jb += 16) {
         float blk[D][16];
         for (int l = 0; l < 16; ++l) {
@@ -124,7 +123,7 @@ void transpose_keys(const Args& a, int hk, int j0, int j1) {
             }
         }
         for (int d = 0; d < D; ++d)
-            std::memcpy(kt + (int64_t)d * a.kt_st + jb, blk[d], sizeof blk[d]);
+            std::memcpy(kt + (int64_t)d * a.Lr + jb, blk[d], sizeof blk[d]);
     }
 }
 
@@ -213,7 +212,7 @@ static inline __attribute__((always_inline)) void row_body(const Args& a, int hk
     }
 
     // scores of the 64-slot blocks holding a visible key: one lane per slot, summed over d in order
-    const float* kt = a.kt + (int64_t)hk * D * a.kt_st;
+    const float* kt = a.kt + (int64_t)hk * D * a.Lr;
     const int last = idx[n - 1];
     for (int jb = 0; jb <= last; jb += KB) {
         if (mr != nullptr) {  // skip blocks with no visible key (pad rows, masked prefixes)
@@ -228,7 +227,7 @@ static inline __attribute__((always_inline)) void row_body(const Args& a, int hk
             for (int g = 0; g < G; ++g)
                 for (int c = 0; c < 4; ++c) acc[g][c] = v16{};
             for (int d = 0; d < D; ++d) {
-                const float* kr = kt + (int64_t)d * a.kt_st + jb;
+                const float* kr = kt + (int64_t)d * a.Lr + jb;
                 v16 k0 = load16(kr), k1 = load16(kr + 16), k2 = load16(kr + 32), k3 = load16(kr + 48);
                 for (int g = 0; g < G; ++g) {
                     const float qd = qs[g][d];
@@ -245,7 +244,7 @@ static inline __attribute__((always_inline)) void row_body(const Args& a, int hk
                 v16 acc[G];
                 for (int g = 0; g < G; ++g) acc[g] = v16{};
                 for (int d = 0; d < D; ++d) {
-                    v16 k0 = load16(kt + (int64_t)d * a.kt_st + jb + 16 * c);
+                    v16 k0 = load16(kt + (int64_t)d * a.Lr + jb + 16 * c);
                     for (int g = 0; g < G; ++g) acc[g] = acc[g] + qs[g][d] * k0;
                 }
                 for (int g = 0; g < G; ++g) store16(S + (int64_t)g * Lr + jb + 16 * c, acc[g]);
@@ -308,7 +307,6 @@ void attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v
     static thread_local std::vector<float> kt;
     kt.resize((size_t)Hkv * D * a.Lr);
     a.kt = kt.data();
-    a.kt_st = a.Lr;
     const int nchunk = (a.Lr + 255) / 256;
     const int ntask = Hkv * T;
     if (threads <= 0) threads = omp_get_max_threads();
@@ -363,10 +361,7 @@ void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new
     nb::gil_scoped_release nogil;
     static thread_local std::vector<float> kt;
     kt.resize(kt_off[S]);
-    for (int s = 0; s < S; ++s) {
-        args[s].kt = kt.data() + kt_off[s];
-        args[s].kt_st = args[s].Lr;
-    }
+    for (int s = 0; s < S; ++s) args[s].kt = kt.data() + kt_off[s];
     const float* kn = reinterpret_cast<const float*>(k_new);
     const float* vn = reinterpret_cast<const float*>(v_new);
     const int nrows = row_base[S], ntr = tr_base[S];
@@ -523,7 +518,7 @@ void qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, 
         a.v = reinterpret_cast<const float*>(r[1]) + lay;
         a.kt2 = reinterpret_cast<const uint16_t*>(r[2]) + lay;
         a.vp = reinterpret_cast<const uint16_t*>(r[3]) + lay;
-        a.kt = nullptr; a.kt_st = 0;
+        a.kt = nullptr; a.Lr = 0;
         a.L = (int)r[5];
         a.mask = reinterpret_cast<const uint8_t*>(r[6]); a.m_st = r[7];
         off[s] = r[8];
