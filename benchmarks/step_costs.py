@@ -47,7 +47,8 @@ def main() -> None:
         cache.commit(list(range(args.context)))
         out = {}
         for n in rows_list:
-            rows = max(n, 2)   # the engine never runs a single row (see EmbeddedEngine._step)
+            # a plain step's rows (see EmbeddedEngine._step): 1 where the forward is row-invariant
+            rows = n if engine.model.row_invariant(cache) else max(n, 2)
             parents = list(range(-1, rows - 1))
             tok = torch.randint(100, 10000, (rows,))
             pos = torch.arange(args.context, args.context + rows)

@@ -479,7 +479,9 @@ class BatchEngine:
         # (the linear layers' single-row path differs). small_attention is not exact for a
         # lone row next to other requests' rows (measured: 2 of 4 chat prompts diverged), so
         # without the kernel every request runs at least 2 rows, as single-request decoding does.
-        pad_each = not self._native or sum(1 + len(d.token_ids) for d in drafts) < 2
+        # With the native linears too (Transformer.row_invariant) a lone row needs no padding at all.
+        pad_each = not self._native or (sum(1 + len(d.token_ids) for d in drafts) < 2
+                                        and not e.model.row_invariant(reqs[0].cache))
         for r, d in zip(reqs, drafts):
             start = r.cache.length
             tokens = [r.out[-1], *d.token_ids]

@@ -107,6 +107,8 @@ class EmbeddedEngine(Engine):
         self.model.rope_cos = self.model.rope_cos.float()
         self.model.rope_sin = self.model.rope_sin.float()
         self.model.eval()
+        if self.device.type == "cpu":
+            self.model.pack_linears()  # decode rows: native row-invariant bf16 linears where they run
         self.max_context = min(max_context or min(ckpt.args.max_seq_len, 8192), ckpt.args.max_seq_len)
         self.deterministic = deterministic
         self.deterministic_width = deterministic_width
@@ -132,8 +134,8 @@ class EmbeddedEngine(Engine):
 
     def _profile_row_cost(self, context: int = 1024, rows: int = 33, repeat: int = 5) -> float:
         """Cost of one more verified token relative to a decode step, measured on this machine:
-        (t(rows) - t(2)) / ((rows - 2) * t(2)) after a ``context``-token prefill, the fastest of
-        ``repeat`` runs each (the fastest is the least disturbed by other work on a shared
+        (t(rows) - t(b)) / ((rows - b) * t(b)), b the rows of a plain step (1 or 2), after a
+        ``context``-token prefill, the fastest of ``repeat`` runs each (the fastest is the least disturbed by other work on a shared
         machine; a median swung 0.024-0.055 between two starts here). Drafts are cut to the
         prefix worth verifying at this cost (``cut_for_cost``)."""
         context = min(context, self.max_context - rows)
@@ -141,10 +143,11 @@ class EmbeddedEngine(Engine):
         dev = self.device
         ids = torch.arange(100, 100 + context, device=dev) % self.args.vocab_size
         times = {}
+        base = 1 if self.model.row_invariant(cache) else 2  # the rows of a plain decoding step
         with torch.inference_mode():
             self.model(ids, torch.arange(context, device=dev), cache, logits_rows=slice(-1, None))
             cache.commit(list(range(context)))
-            for n in (2, rows):
+            for n in (base, rows):
                 tok = torch.full((n,), 100, device=dev)
                 pos = torch.arange(context, context + n, device=dev)
                 mask = torch.zeros(n, context + n, dtype=torch.bool, device=dev)
@@ -160,7 +163,7 @@ class EmbeddedEngine(Engine):
                         torch.cuda.synchronize()
                     ts.append(time.perf_counter() - t0)
                 times[n] = min(ts[1:])
-        return float(min(max((times[rows] - times[2]) / ((rows - 2) * times[2]), 0.0), 1.0))
+        return float(min(max((times[rows] - times[base]) / ((rows - base) * times[base]), 0.0), 1.0))
 
     # ------------------------------------------------------------------------------------------
     # prompts
@@ -415,9 +418,10 @@ class EmbeddedEngine(Engine):
             mask[idx, start + idx] = True
             logits = self.model(tok_t, pos_t, cache, mask, logits_rows=slice(0, T), key_len=key_len)
         else:
-            # At least 2 rows: some CPU matmul kernels take another path for a single row, and a
+            # At least 2 rows unless the forward is row-invariant by construction (native linears
+            # and attention): some CPU matmul kernels take another path for a single row, and a
             # token's logits must not depend on how many tokens share its forward.
-            rows = max(T, 2)
+            rows = T if self.model.row_invariant(cache) else max(T, 2)
             pad = rows - T
             tok_t = torch.tensor(tokens + [root] * pad, device=dev)
             pos_t = torch.tensor([start + d for d in depths] + [start] * pad, device=dev)

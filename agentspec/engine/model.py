@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu_attention
+from ..kernels import cpu_attention, cpu_linear
 
 __all__ = ["KVCache", "ModelArgs", "Segment", "Transformer"]
 
@@ -142,6 +142,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.w_gate_up = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)
         self.w_down = nn.Linear(args.hidden_dim, args.dim, bias=False)
+        # (wqkv, wo, w_gate_up, w_down) as cpu_linear.PackedLinear, set by Transformer.pack_linears
+        self.packed: tuple | None = None
 
     def _qkv(self, x, cos, sin):
         """x: [T, dim] -> q [H, T, D], k [Hkv, T, D] (rotated), v [Hkv, T, D]."""
@@ -188,6 +190,15 @@ class Block(nn.Module):
         a = self.attn_norm
         qkv = F.linear(F.rms_norm(x, (x.shape[-1],), a.weight, a.eps), self.wqkv.weight)
         return self._mlp(x + F.linear(attn(qkv, layer), self.wo.weight))
+
+    def forward_packed(self, x, layer: int, attn: "cpu_attention.QKVAttention"):
+        """``forward_native`` with the row-invariant native linears (``Transformer.pack_linears``):
+        a row's bits do not depend on the other rows of the forward."""
+        wqkv, wo, w_gate_up, w_down = self.packed
+        a, n = self.attn_norm, self.ffn_norm
+        x = x + wo(attn(wqkv(F.rms_norm(x, (x.shape[-1],), a.weight, a.eps)), layer))
+        gate, up = w_gate_up(F.rms_norm(x, (x.shape[-1],), n.weight, n.eps)).chunk(2, dim=-1)
+        return x + w_down(F.silu(gate) * up)
 
     def _mlp(self, x):
         n = self.ffn_norm
@@ -364,6 +375,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.head_packed: cpu_linear.PackedLinear | None = None
         cos, sin = rope_tables(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -398,6 +410,10 @@ class Transformer(nn.Module):
         if not causal and T <= SMALL_T and cpu_attention.fused_supported(cache, dtype, a.n_heads, a.n_kv_heads):
             attn = cpu_attention.QKVAttention([(cache, start, key_len, mask, T)], cos, sin, n_heads=a.n_heads,
                                               n_kv_heads=a.n_kv_heads, head_dim=a.head_dim)
+            if self.head_packed is not None:
+                for i, layer in enumerate(self.layers):
+                    x = layer.forward_packed(x, i, attn)
+                return self._logits(x[logits_rows] if logits_rows is not None else x, packed=True)
             for i, layer in enumerate(self.layers):
                 x = layer.forward_native(x, i, attn)
         else:
@@ -408,10 +424,33 @@ class Transformer(nn.Module):
             x = x[logits_rows]
         return self._logits(x)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
         """Final norm and output projection (tied embeddings unless lm_head), in float32."""
+        if packed:
+            return self.head_packed(self.norm(x)).float()
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(self.norm(x), w).float()
+
+    def pack_linears(self) -> bool:
+        """Give decode / verify forwards on the native attention path (a bfloat16 model on CPU
+        with a packed KV cache) the native row-invariant linears (``cpu_linear.PackedLinear``),
+        which keep a second, panel-packed copy of every projection. Prefill keeps torch's GEMM.
+        Returns whether they are on (False where the kernels do not run)."""
+        w = self.embed.weight
+        if not cpu_linear.linear_supported(w.dtype, w.device):
+            return False
+        for layer in self.layers:
+            layer.packed = tuple(cpu_linear.PackedLinear(m.weight) for m in
+                                 (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+        self.head_packed = cpu_linear.PackedLinear(w if self.lm_head is None else self.lm_head.weight)
+        return True
+
+    def row_invariant(self, cache: KVCache) -> bool:
+        """Whether a decode / verify row's logits over ``cache`` are the same bits however many
+        rows share its forward (so a plain decoding step needs no padding row)."""
+        a = self.args
+        return self.head_packed is not None and cpu_attention.fused_supported(
+            cache, self.embed.weight.dtype, a.n_heads, a.n_kv_heads)
 
     @torch.inference_mode()
     def forward_segments(
@@ -440,6 +479,10 @@ class Transformer(nn.Module):
             attn = cpu_attention.QKVAttention(
                 [(sg.cache, sg.cache.length, sg.cache.length + sg.rows, sg.mask, sg.rows) for sg in segs], cos, sin,
                 n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim)
+            if self.head_packed is not None:
+                for i, layer in enumerate(self.layers):
+                    x = layer.forward_packed(x, i, attn)
+                return self._logits(x, packed=True)
             for i, layer in enumerate(self.layers):
                 x = layer.forward_native(x, i, attn)
         else:

@@ -615,9 +615,12 @@ bool bf16_hardware() { return __builtin_cpu_supports("avx512bf16"); }
 
 }  // namespace
 
+void register_linear(nb::module_& m);  // linear.cpp
+
 NB_MODULE(_cpu, m) {
-    m.doc() = "agentspec CPU kernels: exact decode / tree-verification attention (float32 cache)";
-    m.def("abi_version", []() { return 4; });
+    m.doc() = "agentspec CPU kernels: exact decode / tree-verification attention, row-invariant bf16 linears";
+    m.def("abi_version", []() { return 5; });
+    register_linear(m);
     m.def("attention", &attention,
           nb::arg("q"), nb::arg("q_stride_h"), nb::arg("q_stride_t"), nb::arg("k"), nb::arg("v"),
           nb::arg("capacity"), nb::arg("mask"), nb::arg("mask_stride_t"), nb::arg("out"),

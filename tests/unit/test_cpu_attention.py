@@ -189,7 +189,9 @@ def test_engine_uses_the_native_kernel(monkeypatch):
         assert calls == {k: v * args.n_layers for k, v in want.items()}, (dtype, fused)
 
 
-def _random_model():
+def _random_model(packed_linears: bool = False):
+    """A small random bfloat16 model; ``packed_linears``: with the native row-invariant linears
+    (``Transformer.pack_linears``) on its decode rows, as the engine runs a bf16 model on CPU."""
     from agentspec.engine.model import ModelArgs, Transformer
 
     args = ModelArgs(dim=576, n_layers=3, n_heads=9, n_kv_heads=3, hidden_dim=256, vocab_size=300,
@@ -202,7 +204,10 @@ def _random_model():
         for layer in model.layers:  # norms near 1, as trained models have
             layer.attn_norm.weight.normal_(1, 0.1)
             layer.ffn_norm.weight.normal_(1, 0.1)
-    return args, model.to(torch.bfloat16)
+    model = model.to(torch.bfloat16)
+    if packed_linears:
+        assert model.pack_linears()
+    return args, model
 
 
 def _packed_cache(args, cap):
@@ -257,11 +262,14 @@ def test_fused_attention_matches_float_attention_and_keeps_packed_copies(monkeyp
     assert torch.equal(caches[True].k[0, :, :310], caches[False].k[0, :, :310])
 
 
-def test_fused_tree_node_equals_plain_decoding_row_bitwise():
-    """The exactness property on the fused path: a chain decoded one token per forward (two rows,
-    as the engine runs plain decoding) and the same chain inside a draft tree, among siblings at
-    other slots, give bit-identical logits; with an odd and an even prefix length."""
-    args, model = _random_model()
+@pytest.mark.parametrize("packed_linears", [False, True])
+def test_fused_tree_node_equals_plain_decoding_row_bitwise(packed_linears):
+    """The exactness property on the fused path: a chain decoded one token per forward (as the
+    engine runs plain decoding: two rows with torch's linears, one row with the native
+    row-invariant ones) and the same chain inside a draft tree, among siblings at other slots,
+    give bit-identical logits; with an odd and an even prefix length."""
+    args, model = _random_model(packed_linears)
+    n = 1 if packed_linears else 2
     for P in (257, 300):
         ids = torch.randint(0, args.vocab_size, (P,), generator=torch.Generator().manual_seed(P))
         chain = [5, 17, 42, 99, 7]
@@ -272,10 +280,12 @@ def test_fused_tree_node_equals_plain_decoding_row_bitwise():
         rows = []
         for tok in chain:
             s = plain.length
-            mask = torch.zeros(2, s + 2, dtype=torch.bool)
+            assert model.row_invariant(plain) == packed_linears
+            mask = torch.zeros(n, s + n, dtype=torch.bool)
             mask[:, :s] = True
-            mask[0, s] = mask[1, s + 1] = True
-            rows.append(model(torch.tensor([tok, tok]), torch.tensor([s, s]), plain, mask)[0])
+            mask[0, s] = True
+            mask[n - 1, s + n - 1] = True
+            rows.append(model(torch.tensor([tok] * n), torch.tensor([s] * n), plain, mask)[0])
             plain.commit([0])
         # the chain at tree slots 0, 2, 4, 5, 7 among distractors
         parents = [-1, 0, 0, 2, 2, 4, 5, 5, 7]
@@ -295,11 +305,15 @@ def test_fused_tree_node_equals_plain_decoding_row_bitwise():
 
 @pytest.mark.skipif(not cpu_attention.bf16_hardware(), reason="CPU without AVX512-BF16")
 def test_bf16_instruction_equals_its_emulation():
-    args, model = _random_model()
+    """Attention and linears: the AVX512-BF16 instruction and its portable emulation agree."""
+    from agentspec.kernels import cpu_linear
+
+    args, model = _random_model(packed_linears=True)
     ids = torch.randint(0, args.vocab_size, (200,), generator=torch.Generator().manual_seed(9))
     outs = []
     for emul in (False, True):
         cpu_attention.set_bf16_emulation(emul)
+        cpu_linear.set_emulation(emul)
         try:
             c = _packed_cache(args, 256)
             model(ids[:190], torch.arange(190), c, logits_rows=slice(-1, None))
@@ -307,15 +321,17 @@ def test_bf16_instruction_equals_its_emulation():
             outs.append(model(ids[190:], torch.arange(190, 200), c, None))
         finally:
             cpu_attention.set_bf16_emulation(False)
+            cpu_linear.set_emulation(False)
     assert torch.equal(outs[0], outs[1])
 
 
-def test_fused_segments_equal_each_request_alone():
+@pytest.mark.parametrize("packed_linears", [False, True])
+def test_fused_segments_equal_each_request_alone(packed_linears):
     """forward_segments with the fused attention: each request's logits and cache as when it
     runs alone through forward."""
     from agentspec.engine.model import Segment
 
-    args, model = _random_model()
+    args, model = _random_model(packed_linears)
     lens, rows = [40, 257, 130], [3, 1, 6]
 
     def prefilled(n):

@@ -1,0 +1,75 @@
+"""Row-invariant bfloat16 linear layers for decode / verify rows on CPU (native: ``_cpu.linear_bf16``).
+
+``PackedLinear(weight)`` keeps a ``[N, K]`` bfloat16 weight in 16-column panels of bfloat16
+pairs (``[ceil(N/16), K/2, 16, 2]``, the operand layout of AVX512-BF16's ``VDPBF16PS``) and
+computes ``x @ weight.T`` for a few rows at close to memory bandwidth. Each output element is
+one fixed-order float32 reduction over the column pairs, rounded once to bfloat16, so a row's
+result is the same bits whatever else shares the call (see kernels/csrc/linear.cpp): the
+engine's decode and verify forwards need no padding row, and a draft-tree node, the same token
+in plain decoding and the same row in a batch of requests agree by construction.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .cpu_attention import _cpu, available
+
+__all__ = ["PackedLinear", "linear_supported", "pack_weight", "set_emulation"]
+
+# AGENTSPEC_CPU_LINEAR=0 keeps torch's GEMM for decode rows (benchmarks compare both paths)
+_ENABLED = os.environ.get("AGENTSPEC_CPU_LINEAR", "1") != "0"
+_impl: int | None = None  # 1: AVX512-BF16, 0: the emulation; decided on first use (tests: set_emulation)
+
+
+def linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether decode rows of a ``dtype`` model on ``device`` use ``PackedLinear``."""
+    return (_ENABLED and available() and hasattr(_cpu, "linear_bf16") and dtype == torch.bfloat16
+            and torch.device(device).type == "cpu")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` bfloat16 (K even) -> ``[ceil(N/16), K/2, 16, 2]``: panel p, pair k, lane l holds
+    ``weight[16p + l, 2k : 2k + 2]`` (rows past N are zero)."""
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
+        raise ValueError(f"pack_weight needs a bfloat16 [N, K] weight with K even, got {tuple(weight.shape)} "
+                         f"{weight.dtype}")
+    N, K = weight.shape
+    Np = -(-N // 16) * 16
+    w = weight.detach()
+    if Np != N:
+        w = torch.cat([w, w.new_zeros(Np - N, K)])
+    return w.view(Np // 16, 16, K // 2, 2).transpose(1, 2).contiguous()
+
+
+class PackedLinear:
+    """``y = x @ weight.T`` (no bias) for bfloat16 rows ``x [M, K]`` -> ``[M, N]`` bfloat16."""
+
+    __slots__ = ("N", "K", "packed")
+
+    def __init__(self, weight: torch.Tensor):
+        self.N, self.K = weight.shape
+        self.packed = pack_weight(weight)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.K or x.dtype != torch.bfloat16:
+            raise ValueError(f"x must be bfloat16 [M, {self.K}], got {tuple(x.shape)} {x.dtype}")
+        if x.stride(1) != 1 or x.stride(0) % 2:
+            x = x.contiguous()
+        M = x.shape[0]
+        if out is None:
+            out = torch.empty(M, self.N, dtype=torch.bfloat16)
+        global _impl
+        if _impl is None:
+            _impl = int(_cpu.bf16_hardware())
+        _cpu.linear_bf16(x.data_ptr(), x.stride(0), M, self.packed.data_ptr(), self.N, self.K, out.data_ptr(),
+                         out.stride(0), _impl)
+        return out
+
+
+def set_emulation(on: bool) -> None:
+    """Tests: run the portable emulation of VDPBF16PS even where the CPU has the instruction."""
+    global _impl
+    _impl = 0 if on else None

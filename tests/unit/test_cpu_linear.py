@@ -1,0 +1,129 @@
+"""agentspec.kernels.cpu_linear: the native bfloat16 linear for decode / verify rows. Close to a
+float64 reference, and row-invariant bit for bit (a row's output does not depend on the other
+rows of the call), which is what lets plain decoding run one row and still equal a draft tree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentspec.kernels import cpu_attention, cpu_linear
+
+pytestmark = pytest.mark.skipif(not cpu_linear.linear_supported(torch.bfloat16, torch.device("cpu")),
+                                reason="agentspec.kernels._cpu not built")
+
+# the bundled model's projections (qkv, o, gate|up, down, tied head), and odd sizes
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (37, 10), (16, 2), (65, 130)]
+
+
+def _data(N, K, M, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(torch.bfloat16)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    return w, x
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_close_to_float64_reference(N, K):
+    w, x = _data(N, K, 23)
+    y = cpu_linear.PackedLinear(w)(x)
+    assert y.shape == (23, N) and y.dtype == torch.bfloat16
+    ref = x.double() @ w.double().T
+    # one float32 reduction rounded once to bfloat16: within bf16 rounding of the exact value
+    # plus the float32 accumulation error
+    tol = ref.abs() * 2 ** -8 + (x.double().abs() @ w.double().abs().T) * K * 2 ** -24
+    assert ((y.double() - ref).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("N,K", [(960, 576), (576, 1536), (37, 10), (300, 576)])
+def test_row_invariant_bitwise(N, K):
+    """Every row alone, every slice, a shuffled batch and another thread count: the same bits."""
+    w, x = _data(N, K, 40, seed=N)
+    lin = cpu_linear.PackedLinear(w)
+    full = lin(x)
+    for i in range(40):
+        assert torch.equal(lin(x[i:i + 1])[0], full[i])
+    for a, b in [(0, 7), (3, 17), (5, 6), (11, 40)]:
+        assert torch.equal(lin(x[a:b]), full[a:b])
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(lin(x[perm]), full[perm])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(lin(x), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_strided_rows_and_out_argument():
+    w, x = _data(96, 64, 9)
+    lin = cpu_linear.PackedLinear(w)
+    wide = torch.zeros(9, 200, dtype=torch.bfloat16)
+    wide[:, 10:74] = x
+    out = torch.full((9, 120), 7.0, dtype=torch.bfloat16)
+    lin(wide[:, 10:74], out=out[:, :96])
+    assert torch.equal(out[:, :96], lin(x))
+    assert (out[:, 96:] == 7.0).all()  # nothing written past N
+
+
+@pytest.mark.skipif(not cpu_attention.bf16_hardware(), reason="CPU without AVX512-BF16")
+def test_instruction_equals_emulation():
+    w, x = _data(300, 576, 13, seed=5)
+    lin = cpu_linear.PackedLinear(w)
+    hw = lin(x)
+    cpu_linear.set_emulation(True)
+    try:
+        assert torch.equal(lin(x), hw)
+    finally:
+        cpu_linear.set_emulation(False)
+
+
+def test_pack_layout():
+    w, _ = _data(20, 6, 1)
+    p = cpu_linear.pack_weight(w)
+    assert p.shape == (2, 3, 16, 2)
+    for n in range(20):
+        for k in range(6):
+            assert p[n // 16, k // 2, n % 16, k % 2] == w[n, k]
+    assert (p[1, :, 4:] == 0).all()  # rows past N are zero
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="K even"):
+        cpu_linear.pack_weight(torch.zeros(4, 5, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_linear.pack_weight(torch.zeros(4, 6))
+    lin = cpu_linear.PackedLinear(torch.zeros(4, 6, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"x must be bfloat16 \[M, 6\]"):
+        lin(torch.zeros(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x must be bfloat16"):
+        lin(torch.zeros(2, 6))
+
+
+def test_model_decode_rows_use_packed_linears(monkeypatch):
+    """Dispatch: after pack_linears a bfloat16 model's decode / verify forwards (and segments)
+    run every projection and the head natively, and need no padding row; prefill keeps torch's
+    GEMM. A float32 model is not packed."""
+    from agentspec.engine.model import KVCache, ModelArgs, Segment, Transformer
+
+    args = ModelArgs(dim=576, n_layers=2, n_heads=9, n_kv_heads=3, hidden_dim=64, vocab_size=50, max_seq_len=256)
+    assert not Transformer(args).eval().pack_linears()  # float32
+    model = Transformer(args).eval().to(torch.bfloat16)
+    cache = KVCache(args, 64, dtype=torch.float32, device=torch.device("cpu"), packed=True)
+    assert not model.row_invariant(cache)
+    assert model.pack_linears() and model.row_invariant(cache)
+    calls = []
+    real = cpu_linear.PackedLinear.__call__
+    monkeypatch.setattr(cpu_linear.PackedLinear, "__call__", lambda self, x, out=None: calls.append(x.shape[0])
+                        or real(self, x, out))
+    model(torch.arange(5), torch.arange(5), cache)
+    cache.commit(list(range(5)))
+    assert calls == []  # prefill: torch
+    model(torch.tensor([1]), torch.tensor([5]), cache, torch.ones(1, 6, dtype=torch.bool))
+    assert calls == [1] * (4 * args.n_layers + 1)
+    calls.clear()
+    model.forward_segments(torch.tensor([1, 2]), torch.tensor([5, 6]),
+                           [Segment(cache=cache, rows=2, mask=torch.ones(2, 7, dtype=torch.bool))])
+    assert calls == [2] * (4 * args.n_layers + 1)
+    unpacked = KVCache(args, 64, dtype=torch.float32, device=torch.device("cpu"))
+    assert not model.row_invariant(unpacked)  # torch attention path: rows are padded
