@@ -54,13 +54,17 @@ class PackedLinear:
         self.packed = pack_weight(weight)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[1] != self.K or x.dtype != torch.bfloat16:
+        if x.dim() != 2 or x.shape[1] != self.K or x.dtype != torch.bfloat16 or x.device.type != "cpu":
             raise ValueError(f"x must be bfloat16 [M, {self.K}], got {tuple(x.shape)} {x.dtype}")
         if x.stride(1) != 1 or x.stride(0) % 2:
             x = x.contiguous()
         M = x.shape[0]
         if out is None:
             out = torch.empty(M, self.N, dtype=torch.bfloat16)
+        elif (out.dim() != 2 or out.shape != (M, self.N) or out.dtype != torch.bfloat16 or out.stride(1) != 1
+              or out.device.type != "cpu"):
+            raise ValueError(f"out must be bfloat16 [{M}, {self.N}] with unit column stride, got "
+                             f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
         global _impl
         if _impl is None:
             _impl = int(_cpu.bf16_hardware())

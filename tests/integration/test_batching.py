@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from agentspec.engine.batch import BatchEngine, select_slots
+from agentspec.engine.batch import BatchEngine, lower_convex_hull, select_slots
 
 pytestmark = pytest.mark.slow
 
@@ -118,6 +118,21 @@ def test_select_slots_keeps_global_top_b():
     assert select_slots(surv, 4, 4.0, lambda rows: 1.0) == [3, 2, 0, 4]
     # a prefix even when a later slot is better than an earlier one
     assert select_slots([[0.1, 0.9]], 2, 1.0, lambda rows: 1.0 + 0.01 * rows) == [2]
+
+
+def test_step_cost_profile_loses_its_noise_spikes():
+    # the profile that made the load-aware budget over-draft at 16 requests (2026-11-30)
+    seen = {2: 13.6, 8: 18.2, 16: 39.5, 33: 51.3, 66: 89.4, 132: 172.3, 264: 324.6}
+    hull = lower_convex_hull(seen)
+    # past 8 rows the hull is the 8-264 chord (~1.2 ms a row): every point between lies above it
+    assert hull[16] == pytest.approx(18.2 + (324.6 - 18.2) * 8 / 256)
+    assert all(hull[n] == seen[n] for n in (2, 8, 264))               # hull points stay
+    assert all(hull[n] <= seen[n] for n in seen)
+    xs = sorted(hull)
+    slopes = [(hull[b] - hull[a]) / (b - a) for a, b in zip(xs, xs[1:])]
+    assert all(b >= a - 1e-9 for a, b in zip(slopes, slopes[1:]))     # convex
+    assert lower_convex_hull({2: 1.0}) == {2: 1.0}
+    assert lower_convex_hull({2: 1.0, 8: 2.0}) == {2: 1.0, 8: 2.0}
 
 
 def test_batched_kernel_verification_equals_reference(engine, prompts, reference, step_costs):

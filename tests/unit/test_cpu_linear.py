@@ -98,6 +98,10 @@ def test_bad_input():
         lin(torch.zeros(2, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="x must be bfloat16"):
         lin(torch.zeros(2, 6))
+    with pytest.raises(ValueError, match=r"out must be bfloat16 \[2, 4\]"):
+        lin(torch.zeros(2, 6, dtype=torch.bfloat16), out=torch.zeros(2, 3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out must be"):
+        lin(torch.zeros(2, 6, dtype=torch.bfloat16), out=torch.zeros(4, 2, dtype=torch.bfloat16).t())
 
 
 def test_model_decode_rows_use_packed_linears(monkeypatch):
