@@ -34,6 +34,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16.h"
+
 namespace nb = nanobind;
 
 namespace {
@@ -42,27 +44,10 @@ constexpr int D = 64;        // head_dim (SmolLM2-135M)
 constexpr int KB = 64;       // keys per score block (4 x 16 floats)
 constexpr int MAXG = 8;      // query heads per kv head supported
 
-// GCC vector extensions: 16 floats, lowered to one zmm, two ymm or four xmm per dispatch variant;
-// every operation is elementwise IEEE, so each lane computes the same bits in every variant.
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 
 static inline v16 load16(const float* p) { v16 x; std::memcpy(&x, p, sizeof x); return x; }
 static inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
 static inline v16 splat(float x) { return v16{} + x; }
-// bfloat16 <-> float as torch converts them (round to nearest even; NaN -> 0x7FC0)
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7FC0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 // exp(x - m) for x <= m (Cephes expf: range reduction by ln 2, degree-5 polynomial, 2^n from the
 // exponent bits), plain float arithmetic. Arguments below CUT give exactly 0: those terms are
@@ -419,24 +404,12 @@ void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new
 // Machines without AVX512-BF16 run an emulation (plain float32 adds in the same order; it
 // does not flush subnormals as the instruction does).
 
-static inline v16i load16i(const void* p) { v16i x; std::memcpy(&x, p, sizeof x); return x; }
-
 // 16 floats to bfloat16, round to nearest even (float_to_bf16 lane by lane, for non-NaN values:
 // used for probabilities, which are never NaN)
-typedef uint32_t v16u __attribute__((vector_size(64)));
 static inline void store16_bf16(uint16_t* dst, v16 x) {
     v16u u = (v16u)x;
     u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     for (int l = 0; l < 16; ++l) dst[l] = (uint16_t)u[l];
-}
-
-static inline v16 dp_emul(v16 acc, v16i a, uint32_t b) {
-    const float bhi = bf16_to_float((uint16_t)(b >> 16)), blo = bf16_to_float((uint16_t)(b & 0xffffu));
-    const v16 ahi = (v16)(a & (int32_t)0xffff0000u);
-    const v16 alo = (v16)(a << 16);
-    acc = acc + ahi * bhi;
-    acc = acc + alo * blo;
-    return acc;
 }
 
 #define AS_NS bf16_emul
@@ -449,9 +422,6 @@ static inline v16 dp_emul(v16 acc, v16i a, uint32_t b) {
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
-static inline v16 dp_hw(v16 acc, v16i a, uint32_t b) {
-    return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32((int)b));
-}
 #define AS_NS bf16_hw
 #define AS_DP dp_hw
 #define AS_ATTR

@@ -24,18 +24,14 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "bf16.h"
+
 namespace nb = nanobind;
 
 namespace {
 
 constexpr int MR_MAX = 6;   // rows per tile (6 x 4 accumulators + 4 weight vectors fit 32 zmm)
 constexpr int PANELS = 4;   // 16-column panels per tile
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
-static inline v16i load16i(const void* p) { v16i x; std::memcpy(&x, p, sizeof x); return x; }
 
 // 16 floats to bfloat16 as torch rounds them (nearest even; NaN -> 0x7FC0); the first n lanes
 static inline void store_bf16(uint16_t* dst, v16 x, int n) {
@@ -45,22 +41,6 @@ static inline void store_bf16(uint16_t* dst, v16 x, int n) {
     uint16_t tmp[16];
     for (int l = 0; l < 16; ++l) tmp[l] = (uint16_t)r[l];
     std::memcpy(dst, tmp, sizeof(uint16_t) * n);
-}
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline v16 dp_emul(v16 acc, v16i a, uint32_t b) {
-    const float bhi = bf16_to_float((uint16_t)(b >> 16)), blo = bf16_to_float((uint16_t)(b & 0xffffu));
-    const v16 ahi = (v16)(a & (int32_t)0xffff0000u);
-    const v16 alo = (v16)(a << 16);
-    acc = acc + ahi * bhi;
-    acc = acc + alo * blo;
-    return acc;
 }
 
 #define LN_NS lin_emul
@@ -73,9 +53,6 @@ static inline v16 dp_emul(v16 acc, v16i a, uint32_t b) {
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
-static inline v16 dp_hw(v16 acc, v16i a, uint32_t b) {
-    return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32((int)b));
-}
 #define LN_NS lin_hw
 #define LN_DP dp_hw
 #define LN_ATTR
