@@ -135,9 +135,9 @@ class EmbeddedEngine(Engine):
     def _profile_row_cost(self, context: int = 1024, rows: int = 33, repeat: int = 5) -> float:
         """Cost of one more verified token relative to a decode step, measured on this machine:
         (t(rows) - t(b)) / ((rows - b) * t(b)), b the rows of a plain step (1 or 2), after a
-        ``context``-token prefill, the fastest of ``repeat`` runs each (the fastest is the least disturbed by other work on a shared
-        machine; a median swung 0.024-0.055 between two starts here). Drafts are cut to the
-        prefix worth verifying at this cost (``cut_for_cost``)."""
+        ``context``-token prefill, the fastest of ``repeat`` runs each (the fastest is the least
+        disturbed by other work on a shared machine; a median swung 0.024-0.055 between two
+        starts here). Drafts are cut to the prefix worth verifying at this cost (``cut_for_cost``)."""
         context = min(context, self.max_context - rows)
         cache = self.new_cache(round_up(context + rows, 256))
         dev = self.device

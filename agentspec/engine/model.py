@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -186,15 +187,11 @@ class Block(nn.Module):
 
     def forward_native(self, x, layer: int, attn: "cpu_attention.QKVAttention"):
         """Decode / verify rows with the native attention (rotary, cache writes and attention in
-        one call per layer): the same bits as ``forward``, with a few torch calls per layer."""
-        a = self.attn_norm
-        qkv = F.linear(F.rms_norm(x, (x.shape[-1],), a.weight, a.eps), self.wqkv.weight)
-        return self._mlp(x + F.linear(attn(qkv, layer), self.wo.weight))
-
-    def forward_packed(self, x, layer: int, attn: "cpu_attention.QKVAttention"):
-        """``forward_native`` with the row-invariant native linears (``Transformer.pack_linears``):
-        a row's bits do not depend on the other rows of the forward."""
-        wqkv, wo, w_gate_up, w_down = self.packed
+        one call per layer): the same bits as ``forward``, with a few torch calls per layer. The
+        projections are the native row-invariant linears once ``Transformer.pack_linears`` set
+        them (a row's bits then do not depend on the other rows), else torch's."""
+        wqkv, wo, w_gate_up, w_down = self.packed or tuple(
+            partial(F.linear, weight=m.weight) for m in (self.wqkv, self.wo, self.w_gate_up, self.w_down))
         a, n = self.attn_norm, self.ffn_norm
         x = x + wo(attn(wqkv(F.rms_norm(x, (x.shape[-1],), a.weight, a.eps)), layer))
         gate, up = w_gate_up(F.rms_norm(x, (x.shape[-1],), n.weight, n.eps)).chunk(2, dim=-1)
@@ -407,13 +404,11 @@ class Transformer(nn.Module):
                 mask = causal_mask(start, T, tokens.device)
         key_len = start + T if key_len is None else key_len
         a = self.args
-        if not causal and T <= SMALL_T and cpu_attention.fused_supported(cache, dtype, a.n_heads, a.n_kv_heads):
+        fused = (not causal and T <= SMALL_T
+                 and cpu_attention.fused_supported(cache, dtype, a.n_heads, a.n_kv_heads))
+        if fused:
             attn = cpu_attention.QKVAttention([(cache, start, key_len, mask, T)], cos, sin, n_heads=a.n_heads,
                                               n_kv_heads=a.n_kv_heads, head_dim=a.head_dim)
-            if self.head_packed is not None:
-                for i, layer in enumerate(self.layers):
-                    x = layer.forward_packed(x, i, attn)
-                return self._logits(x[logits_rows] if logits_rows is not None else x, packed=True)
             for i, layer in enumerate(self.layers):
                 x = layer.forward_native(x, i, attn)
         else:
@@ -422,11 +417,12 @@ class Transformer(nn.Module):
             cache.sync(range(start, start + T))
         if logits_rows is not None:
             x = x[logits_rows]
-        return self._logits(x)
+        return self._logits(x, native=fused)
 
-    def _logits(self, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
-        """Final norm and output projection (tied embeddings unless lm_head), in float32."""
-        if packed:
+    def _logits(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+        """Final norm and output projection (tied embeddings unless lm_head), in float32;
+        ``native``: rows of the fused decode path, which use the packed head where there is one."""
+        if native and self.head_packed is not None:
             return self.head_packed(self.norm(x)).float()
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(self.norm(x), w).float()
@@ -475,14 +471,11 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].to(dtype)
         sin = self.rope_sin[positions].to(dtype)
         a = self.args
-        if all(cpu_attention.fused_supported(sg.cache, dtype, a.n_heads, a.n_kv_heads) for sg in segs):
+        fused = all(cpu_attention.fused_supported(sg.cache, dtype, a.n_heads, a.n_kv_heads) for sg in segs)
+        if fused:
             attn = cpu_attention.QKVAttention(
                 [(sg.cache, sg.cache.length, sg.cache.length + sg.rows, sg.mask, sg.rows) for sg in segs], cos, sin,
                 n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim)
-            if self.head_packed is not None:
-                for i, layer in enumerate(self.layers):
-                    x = layer.forward_packed(x, i, attn)
-                return self._logits(x, packed=True)
             for i, layer in enumerate(self.layers):
                 x = layer.forward_native(x, i, attn)
         else:
@@ -490,7 +483,7 @@ class Transformer(nn.Module):
                 x = layer.forward_segments(x, i, segs, cos, sin)
             for sg in segs:
                 sg.cache.sync(range(sg.cache.length, sg.cache.length + sg.rows))
-        return self._logits(x)
+        return self._logits(x, native=fused)
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.parameters())

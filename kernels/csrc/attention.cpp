@@ -44,7 +44,6 @@ constexpr int D = 64;        // head_dim (SmolLM2-135M)
 constexpr int KB = 64;       // keys per score block (4 x 16 floats)
 constexpr int MAXG = 8;      // query heads per kv head supported
 
-
 static inline v16 load16(const float* p) { v16 x; std::memcpy(&x, p, sizeof x); return x; }
 static inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
 static inline v16 splat(float x) { return v16{} + x; }
@@ -403,14 +402,6 @@ void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new
 // to bfloat16 before p @ v is what flash attention does for bfloat16 models.
 // Machines without AVX512-BF16 run an emulation (plain float32 adds in the same order; it
 // does not flush subnormals as the instruction does).
-
-// 16 floats to bfloat16, round to nearest even (float_to_bf16 lane by lane, for non-NaN values:
-// used for probabilities, which are never NaN)
-static inline void store16_bf16(uint16_t* dst, v16 x) {
-    v16u u = (v16u)x;
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    for (int l = 0; l < 16; ++l) dst[l] = (uint16_t)u[l];
-}
 
 #define AS_NS bf16_emul
 #define AS_DP dp_emul

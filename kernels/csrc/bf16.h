@@ -33,6 +33,16 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// 16 floats to bfloat16 as float_to_bf16 rounds them, the first n lanes stored
+static inline void store_bf16(uint16_t* dst, v16 x, int n = 16) {
+    const v16u u = (v16u)x;
+    v16u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    r = ((u & 0x7fffffffu) > 0x7f800000u) ? v16u{} + 0x7FC0u : r;
+    uint16_t tmp[16];
+    for (int l = 0; l < 16; ++l) tmp[l] = (uint16_t)r[l];
+    std::memcpy(dst, tmp, sizeof(uint16_t) * n);
+}
+
 // acc[l] += a.hi[l] * b.hi + a.lo[l] * b.lo, as VDPBF16PS computes it: the products of two
 // bfloat16 values are exact in float32, then two float32 adds, high pair first.
 static inline v16 dp_emul(v16 acc, v16i a, uint32_t b) {

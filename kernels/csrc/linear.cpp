@@ -16,12 +16,10 @@
 // bf16 x bf16 products; it does not flush subnormals as the instruction does).
 #include <nanobind/nanobind.h>
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <stdexcept>
 
 #include "bf16.h"
@@ -32,16 +30,6 @@ namespace {
 
 constexpr int MR_MAX = 6;   // rows per tile (6 x 4 accumulators + 4 weight vectors fit 32 zmm)
 constexpr int PANELS = 4;   // 16-column panels per tile
-
-// 16 floats to bfloat16 as torch rounds them (nearest even; NaN -> 0x7FC0); the first n lanes
-static inline void store_bf16(uint16_t* dst, v16 x, int n) {
-    const v16u u = (v16u)x;
-    v16u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    r = ((u & 0x7fffffffu) > 0x7f800000u) ? v16u{} + 0x7FC0u : r;
-    uint16_t tmp[16];
-    for (int l = 0; l < 16; ++l) tmp[l] = (uint16_t)r[l];
-    std::memcpy(dst, tmp, sizeof(uint16_t) * n);
-}
 
 #define LN_NS lin_emul
 #define LN_DP dp_emul
