@@ -1,5 +1,10 @@
 """agentspec: model-free speculative decoding for coding agents."""
 
+from . import _cpu_env
+
+_cpu_env.apply()  # before anything imports torch
+
+
 from .config import SpecConfig
 from .drafting import Draft, Drafter, PromptLookupDrafter, SuffixDrafter, default_drafter
 from .engine import EmbeddedEngine, Engine, Generation, GenerationStats

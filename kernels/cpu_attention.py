@@ -20,7 +20,7 @@ except ImportError:  # not built (e.g. a source checkout without the extension)
     _cpu = None
 
 __all__ = ["QKVAttention", "available", "bf16_hardware", "decode_attention", "fused_supported", "packed_supported",
-           "segment_attention", "set_bf16_emulation", "sync_packed"]
+           "segment_attention", "sync_packed"]
 
 # AGENTSPEC_CPU_ATTENTION=0 turns the native kernel off (benchmarks compare both paths)
 _ENABLED = os.environ.get("AGENTSPEC_CPU_ATTENTION", "1") != "0"
@@ -137,14 +137,9 @@ def sync_packed(cache, slots) -> None:
 
 
 def bf16_hardware() -> bool:
-    """Whether this CPU runs QKVAttention's dot products as AVX512-BF16 instructions."""
-    return available() and bool(_cpu.bf16_hardware())
-
-
-def set_bf16_emulation(on: bool) -> None:
-    """Run QKVAttention's dot products in the portable emulation even where the CPU has
-    AVX512-BF16 (tests compare the two)."""
-    _cpu.set_bf16_impl(0 if on else -1)
+    """Whether this CPU has AVX512-BF16 (QKVAttention and the linears then use the instruction,
+    unless ``cpu_isa.set_isa`` caps them lower)."""
+    return available() and _cpu.isa_runs(4)
 
 
 class QKVAttention:

@@ -2,7 +2,8 @@
 
 ``PackedLinear(weight)`` keeps a ``[N, K]`` bfloat16 weight in 16-column panels of bfloat16
 pairs (``[ceil(N/16), K/2, 16, 2]``, the operand layout of AVX512-BF16's ``VDPBF16PS``) and
-computes ``x @ weight.T`` for a few rows at close to memory bandwidth. Each output element is
+computes ``x @ weight.T`` for a few rows at close to memory bandwidth, with the instruction or an
+emulation of it (AVX-512, AVX2 + FMA, NEON or scalar: the same bits; ``cpu_isa``). Each output element is
 one fixed-order float32 reduction over the column pairs, rounded once to bfloat16, so a row's
 result is the same bits whatever else shares the call (see kernels/csrc/linear.cpp): the
 engine's decode and verify forwards need no padding row, and a draft-tree node, the same token
@@ -17,11 +18,10 @@ import torch
 
 from .cpu_attention import _cpu, available
 
-__all__ = ["PackedLinear", "linear_supported", "pack_weight", "set_emulation"]
+__all__ = ["PackedLinear", "linear_supported", "pack_weight"]
 
 # AGENTSPEC_CPU_LINEAR=0 keeps torch's GEMM for decode rows (benchmarks compare both paths)
 _ENABLED = os.environ.get("AGENTSPEC_CPU_LINEAR", "1") != "0"
-_impl: int | None = None  # 1: AVX512-BF16, 0: the emulation; decided on first use (tests: set_emulation)
 
 
 def linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -65,15 +65,6 @@ class PackedLinear:
               or out.device.type != "cpu"):
             raise ValueError(f"out must be bfloat16 [{M}, {self.N}] with unit column stride, got "
                              f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
-        global _impl
-        if _impl is None:
-            _impl = int(_cpu.bf16_hardware())
         _cpu.linear_bf16(x.data_ptr(), x.stride(0), M, self.packed.data_ptr(), self.N, self.K, out.data_ptr(),
-                         out.stride(0), _impl)
+                         out.stride(0))
         return out
-
-
-def set_emulation(on: bool) -> None:
-    """Tests: run the portable emulation of VDPBF16PS even where the CPU has the instruction."""
-    global _impl
-    _impl = 0 if on else None

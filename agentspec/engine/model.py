@@ -145,12 +145,23 @@ class Block(nn.Module):
         self.w_down = nn.Linear(args.hidden_dim, args.dim, bias=False)
         # (wqkv, wo, w_gate_up, w_down) as cpu_linear.PackedLinear, set by Transformer.pack_linears
         self.packed: tuple | None = None
+        # torch-path linears of a bfloat16 model multiply in float32 (Transformer.set_gemm_float32)
+        self.gemm_f32 = False
+
+    def _lin(self, x, m: nn.Linear):
+        """``x @ m.weight.T`` on the torch path (prefill, long chunks). On CPUs without bfloat16
+        dot products torch's bfloat16 GEMM runs ~3.5x slower than its float32 one (27 vs 92
+        GFLOP/s measured with ATen and oneDNN capped at AVX2): there a bfloat16 model widens
+        weights and rows to float32 (exact) and rounds the result to bfloat16 once."""
+        if self.gemm_f32 and x.dtype == torch.bfloat16:
+            return F.linear(x.float(), m.weight.float()).to(torch.bfloat16)
+        return F.linear(x, m.weight)
 
     def _qkv(self, x, cos, sin):
         """x: [T, dim] -> q [H, T, D], k [Hkv, T, D] (rotated), v [Hkv, T, D]."""
         a = self.args
         T = x.shape[0]
-        q, k, v = self.wqkv(self.attn_norm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self._lin(self.attn_norm(x), self.wqkv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(T, a.n_heads, a.head_dim).transpose(0, 1), cos, sin)
         k = apply_rope(k.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1), cos, sin)
         return q, k, v.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1)
@@ -160,7 +171,7 @@ class Block(nn.Module):
         T = x.shape[0]
         q, k, v = self._qkv(x, cos, sin)
         cache.write(layer, start, k, v)
-        if causal and q.dtype == torch.bfloat16:
+        if causal and q.dtype == torch.bfloat16 and not self.gemm_f32:
             # prefill from an empty cache in bf16: blockwise causal attention skips the masked
             # half and runs ~2x faster than SDPA's CPU flash kernel. Plain and speculative
             # decoding share the prefill, so this cannot break their identity.
@@ -183,7 +194,7 @@ class Block(nn.Module):
             o = small_attention(qa, cache.k[layer], cache.v[layer], mask, key_len)
         if o.dim() == 3:
             o = o.to(x.dtype).transpose(0, 1).reshape(T, self.q_size)
-        return self._mlp(x + self.wo(o))
+        return self._mlp(x + self._lin(o, self.wo))
 
     def forward_native(self, x, layer: int, attn: "cpu_attention.QKVAttention"):
         """Decode / verify rows with the native attention (rotary, cache writes and attention in
@@ -199,8 +210,8 @@ class Block(nn.Module):
 
     def _mlp(self, x):
         n = self.ffn_norm
-        gate, up = F.linear(F.rms_norm(x, (x.shape[-1],), n.weight, n.eps), self.w_gate_up.weight).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.w_down.weight)
+        gate, up = self._lin(F.rms_norm(x, (x.shape[-1],), n.weight, n.eps), self.w_gate_up).chunk(2, dim=-1)
+        return x + self._lin(F.silu(gate) * up, self.w_down)
 
 
     def forward_segments(self, x, layer: int, segs: list["Segment"], cos, sin):
@@ -225,7 +236,7 @@ class Block(nn.Module):
                 qa = q[:, off:off + T].to(cache.k.dtype)
                 outs.append(small_attention(qa, cache.k[layer], cache.v[layer], sg.mask, start + T))
             o = torch.cat(outs, dim=1).to(x.dtype).transpose(0, 1).reshape(R, self.q_size)
-        return self._mlp(x + self.wo(o))
+        return self._mlp(x + self._lin(o, self.wo))
 
 
 PREFILL_BLOCK = 128
@@ -422,10 +433,18 @@ class Transformer(nn.Module):
     def _logits(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
         """Final norm and output projection (tied embeddings unless lm_head), in float32;
         ``native``: rows of the fused decode path, which use the packed head where there is one."""
-        if native and self.head_packed is not None:
+        if self.head_packed is not None and (native or x.shape[0] <= SMALL_T):
             return self.head_packed(self.norm(x)).float()
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        if self.layers[0].gemm_f32 and x.dtype == torch.bfloat16:
+            return F.linear(self.norm(x).float(), w.float())
         return F.linear(self.norm(x), w).float()
+
+    def set_gemm_float32(self, on: bool) -> None:
+        """Torch-path linears (prefill) of a bfloat16 model multiply in float32 (``Block._lin``):
+        for CPUs without bfloat16 dot products. Decode rows use the native linears either way."""
+        for layer in self.layers:
+            layer.gemm_f32 = bool(on)
 
     def pack_linears(self) -> bool:
         """Give decode / verify forwards on the native attention path (a bfloat16 model on CPU

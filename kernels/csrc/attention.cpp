@@ -23,7 +23,6 @@
 // its keys transposed as well ([Hkv, D, capacity]), so the score loop reads them directly.
 #include <nanobind/nanobind.h>
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -31,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -403,16 +403,52 @@ void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new
 // Machines without AVX512-BF16 run an emulation (plain float32 adds in the same order; it
 // does not flush subnormals as the instruction does).
 
-#define AS_NS bf16_emul
+// One body per ISA level (bf16.h): the same bits in each.
+#define AS_NS bf16_scalar
 #define AS_DP dp_emul
-#define AS_ATTR __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define AS_ATTR
 #include "attention_bf16.inc"
 #undef AS_NS
 #undef AS_DP
 #undef AS_ATTR
 
+#if defined(AGENTSPEC_NEON)
+#define AS_NS bf16_neon
+#define AS_DP dp_neon
+#define AS_ATTR
+#include "attention_bf16.inc"
+#undef AS_NS
+#undef AS_DP
+#undef AS_ATTR
+#endif
+
+#if defined(AGENTSPEC_X86)
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#pragma GCC target("avx2,fma,f16c,bmi,bmi2,lzcnt,movbe,popcnt")
+#define AS_NS bf16_avx2
+#define AS_DP dp_fma256
+#define AS_ATTR
+#define AS_AVX2 1
+#include "attention_bf16.inc"
+#undef AS_NS
+#undef AS_DP
+#undef AS_ATTR
+#undef AS_AVX2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi,bmi2,lzcnt,movbe,popcnt,avx512f,avx512bw,avx512vl,avx512dq,avx512cd")
+#define AS_NS bf16_avx512
+#define AS_DP dp_fma512
+#define AS_ATTR
+#include "attention_bf16.inc"
+#undef AS_NS
+#undef AS_DP
+#undef AS_ATTR
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi,bmi2,lzcnt,movbe,popcnt,avx512f,avx512bw,avx512vl,avx512dq,avx512cd,avx512bf16")
 #define AS_NS bf16_hw
 #define AS_DP dp_hw
 #define AS_ATTR
@@ -421,12 +457,22 @@ void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new
 #undef AS_DP
 #undef AS_ATTR
 #pragma GCC pop_options
+#endif
 
-static int g_bf16_impl = -1;  // -1 auto, 0 emulation, 1 AVX512-BF16
+using row_fn = void (*)(const Args&, int, int, Scratch&);
 
-static bool use_hw() {
-    static const bool has = __builtin_cpu_supports("avx512bf16");
-    return g_bf16_impl < 0 ? has : (g_bf16_impl == 1 && has);
+static row_fn bf16_row_for(int isa) {
+    switch (isa) {
+#if defined(AGENTSPEC_X86)
+        case 4: return bf16_hw::row_task;
+        case 3: return bf16_avx512::row_task;
+        case 2: return bf16_avx2::row_task;
+#endif
+#if defined(AGENTSPEC_NEON)
+        case 1: return bf16_neon::row_task;
+#endif
+        default: return bf16_scalar::row_task;
+    }
 }
 
 // Rotary embedding of one head (HF rotate_half layout) as torch computes it in bfloat16:
@@ -494,7 +540,7 @@ void qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, 
         row_base[s + 1] = row_base[s] + Hkv * a.T;
         for (int t = 0; t < a.T; ++t) seg_of_row.push_back(s);
     }
-    const bool hw = use_hw();
+    const row_fn row_task = bf16_row_for(agentspec_isa());
     nb::gil_scoped_release nogil;
     static thread_local std::vector<float> qf, of;
     qf.resize((size_t)R * H * D);
@@ -538,8 +584,7 @@ void qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, 
             const int s = int(std::upper_bound(row_base.begin(), row_base.end(), i) - row_base.begin()) - 1;
             const int j = i - row_base[s], hk = j % Hkv, t = j / Hkv;
             const Args& a = args[s];
-            if (hw) bf16_hw::row_task(a, hk, t, sc);
-            else bf16_emul::row_task(a, hk, t, sc);
+            row_task(a, hk, t, sc);
             const float* src = a.out + ((int64_t)t * H + (int64_t)hk * G) * D;
             uint16_t* dst = o + (off[s] + t) * out_st + (int64_t)hk * G * D;
             for (int e = 0; e < G * D; ++e) dst[e] = float_to_bf16(src[e]);
@@ -571,16 +616,55 @@ void sync_packed(uintptr_t k, uintptr_t v, uintptr_t kt2, uintptr_t vp, int64_t 
     }
 }
 
-void set_bf16_impl(int impl) { g_bf16_impl = impl; }
-bool bf16_hardware() { return __builtin_cpu_supports("avx512bf16"); }
+// The best ISA level this CPU runs (bf16.h)
+int isa_max() {
+#if defined(AGENTSPEC_X86)
+    __builtin_cpu_init();
+    const bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+    const bool v4 = v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (v4 && __builtin_cpu_supports("avx512bf16")) return 4;
+    if (v4) return 3;
+    if (v3) return 2;
+    return 0;
+#elif defined(AGENTSPEC_NEON)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+bool isa_runs(int level) {
+    const int top = isa_max();
+    if (level == 0 || level == top) return true;
+#if defined(AGENTSPEC_X86)
+    return level >= 2 && level <= top;
+#else
+    return false;
+#endif
+}
+
+int g_isa = -1;  // -1: not chosen yet (isa_max on first use)
+
+void set_isa(int level) {
+    if (level < 0) { g_isa = isa_max(); return; }
+    if (!isa_runs(level)) throw std::invalid_argument("this CPU cannot run ISA level " + std::to_string(level));
+    g_isa = level;
+}
 
 }  // namespace
+
+int agentspec_isa() {
+    if (g_isa < 0) g_isa = isa_max();
+    return g_isa;
+}
 
 void register_linear(nb::module_& m);  // linear.cpp
 
 NB_MODULE(_cpu, m) {
     m.doc() = "agentspec CPU kernels: exact decode / tree-verification attention, row-invariant bf16 linears";
-    m.def("abi_version", []() { return 5; });
+    m.def("abi_version", []() { return 6; });
     register_linear(m);
     m.def("attention", &attention,
           nb::arg("q"), nb::arg("q_stride_h"), nb::arg("q_stride_t"), nb::arg("k"), nb::arg("v"),
@@ -596,9 +680,10 @@ NB_MODULE(_cpu, m) {
     m.def("sync_packed", &sync_packed, nb::arg("k"), nb::arg("v"), nb::arg("kt2"), nb::arg("vp"), nb::arg("capacity"),
           nb::arg("n_layers"), nb::arg("n_kv_heads"), nb::arg("head_dim"), nb::arg("slots"), nb::arg("n_slots"),
           "Raw-pointer entry point; call KVCache.sync instead.");
-    m.def("set_bf16_impl", &set_bf16_impl, nb::arg("impl"),
-          "-1: AVX512-BF16 where the CPU has it (default); 0: always the emulation (tests)");
-    m.def("bf16_hardware", &bf16_hardware, "whether this CPU has AVX512-BF16");
+    m.def("isa_max", &isa_max, "the best ISA level this CPU runs (0 scalar, 1 neon, 2 avx2, 3 avx512, 4 avx512bf16)");
+    m.def("isa_runs", &isa_runs, nb::arg("level"), "whether this CPU runs ISA level `level`");
+    m.def("set_isa", &set_isa, nb::arg("level"), "run the bfloat16 kernels at ISA level `level` (-1: the best)");
+    m.def("isa", &agentspec_isa, "the ISA level the bfloat16 kernels run now");
     m.def("qkv_attention", &qkv_attention,
           nb::arg("qkv"), nb::arg("qkv_stride"), nb::arg("cos"), nb::arg("sin"),
           nb::arg("cos_stride"), nb::arg("segments"), nb::arg("n_segments"), nb::arg("layer"), nb::arg("out"),

@@ -1,10 +1,27 @@
 // bfloat16 helpers shared by attention.cpp and linear.cpp: 16-lane vector types, torch's
-// float <-> bfloat16 conversions, and the bf16-pair dot-product step of AVX512-BF16's VDPBF16PS
-// (the instruction, and its portable emulation with the same bits but for subnormals, which the
-// instruction flushes).
+// float <-> bfloat16 conversions, the bf16-pair dot-product step of AVX512-BF16's VDPBF16PS (the
+// instruction, and emulations with the same bits but for subnormals, which the instruction
+// flushes), and the ISA levels the kernels are compiled for.
+//
+// ISA levels (agentspec.kernels.cpu_isa.ISA_LEVELS has the same order):
+//   0 scalar      portable C++ (the compiler's baseline vectors), mul + add
+//   1 neon        Arm (aarch64 baseline), FMA
+//   2 avx2        x86-64-v3: AVX2 + FMA, 256-bit vectors
+//   3 avx512      x86-64-v4: AVX-512 F/BW/DQ/VL + FMA, 512-bit vectors, VDPBF16PS emulated
+//   4 avx512bf16  x86-64-v4 + AVX512-BF16: the VDPBF16PS instruction
+// Every level computes the same bits: a bf16 x bf16 product is exact in float32 (8-bit by 8-bit
+// significands), so fma(a, b, acc) == acc + a * b rounded once, exactly what the instruction and
+// the scalar emulation compute; only products below float32's normal range (|a * b| < 2^-126),
+// which the instruction flushes to zero and the scalar path rounds, could differ.
 #pragma once
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#define AGENTSPEC_X86 1
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#define AGENTSPEC_NEON 1
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -54,9 +71,66 @@ static inline v16 dp_emul(v16 acc, v16i a, uint32_t b) {
     return acc;
 }
 
+#if defined(AGENTSPEC_X86)
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 static inline v16 dp_hw(v16 acc, v16i a, uint32_t b) {
     return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32((int)b));
 }
 
+// The emulation with fused multiply-adds (same bits: the products are exact), 512-bit vectors
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+static inline v16 dp_fma512(v16 acc, v16i a, uint32_t b) {
+    const __m512 bhi = _mm512_set1_ps(bf16_to_float((uint16_t)(b >> 16)));
+    const __m512 blo = _mm512_set1_ps(bf16_to_float((uint16_t)(b & 0xffffu)));
+    const __m512i ai = (__m512i)a;
+    const __m512 ahi = _mm512_castsi512_ps(_mm512_and_si512(ai, _mm512_set1_epi32((int)0xffff0000u)));
+    const __m512 alo = _mm512_castsi512_ps(_mm512_slli_epi32(ai, 16));
+    __m512 r = _mm512_fmadd_ps(ahi, bhi, (__m512)acc);
+    return (v16)_mm512_fmadd_ps(alo, blo, r);
+}
+
+// ... and with 256-bit vectors (AVX2 + FMA): the 16 lanes as two halves
+__attribute__((target("avx2,fma")))
+static inline v16 dp_fma256(v16 acc, v16i a, uint32_t b) {
+    const __m256 bhi = _mm256_set1_ps(bf16_to_float((uint16_t)(b >> 16)));
+    const __m256 blo = _mm256_set1_ps(bf16_to_float((uint16_t)(b & 0xffffu)));
+    const __m256i mask = _mm256_set1_epi32((int)0xffff0000u);
+    __m256i a2[2];
+    __m256 c2[2];
+    std::memcpy(a2, &a, sizeof a2);
+    std::memcpy(c2, &acc, sizeof c2);
+    for (int h = 0; h < 2; ++h) {
+        const __m256 ahi = _mm256_castsi256_ps(_mm256_and_si256(a2[h], mask));
+        const __m256 alo = _mm256_castsi256_ps(_mm256_slli_epi32(a2[h], 16));
+        c2[h] = _mm256_fmadd_ps(alo, blo, _mm256_fmadd_ps(ahi, bhi, c2[h]));
+    }
+    v16 r;
+    std::memcpy(&r, c2, sizeof r);
+    return r;
+}
+#endif
+
+#if defined(AGENTSPEC_NEON)
+// Arm: the emulation with NEON fused multiply-adds, the 16 lanes as four quarters
+static inline v16 dp_neon(v16 acc, v16i a, uint32_t b) {
+    const float32x4_t bhi = vdupq_n_f32(bf16_to_float((uint16_t)(b >> 16)));
+    const float32x4_t blo = vdupq_n_f32(bf16_to_float((uint16_t)(b & 0xffffu)));
+    uint32x4_t a4[4];
+    float32x4_t c4[4];
+    std::memcpy(a4, &a, sizeof a4);
+    std::memcpy(c4, &acc, sizeof c4);
+    for (int h = 0; h < 4; ++h) {
+        const float32x4_t ahi = vreinterpretq_f32_u32(vandq_u32(a4[h], vdupq_n_u32(0xffff0000u)));
+        const float32x4_t alo = vreinterpretq_f32_u32(vshlq_n_u32(a4[h], 16));
+        c4[h] = vfmaq_f32(vfmaq_f32(c4[h], ahi, bhi), alo, blo);
+    }
+    v16 r;
+    std::memcpy(&r, c4, sizeof r);
+    return r;
+}
+#endif
+
 }  // namespace
+
+// The ISA level the kernels run now (attention.cpp keeps it; see the list above).
+int agentspec_isa();

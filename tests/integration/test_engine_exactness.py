@@ -167,10 +167,32 @@ def test_deterministic_mode_identity(rewrite_prompts, chat_prompts):
         assert "deterministic" in spec.stats.spec_reason
 
 
-def test_verification_logits_equal_plain_logits_bitwise(engine, rewrite_prompts):
+def _isa_levels():
+    from agentspec.kernels import cpu_isa
+
+    # scalar is checked bit for bit against the others on a small model (tests/unit/test_cpu_*);
+    # on the real model it runs ~25x slower than AVX2
+    return [isa for isa in cpu_isa.supported() if isa != "scalar"] or ["scalar"]
+
+
+@pytest.fixture(params=_isa_levels())
+def isa(request):
+    """Each native-kernel ISA level this CPU runs (``AGENTSPEC_CPU_ISA`` caps them lower)."""
+    from agentspec.kernels import cpu_isa
+
+    before = cpu_isa.active()
+    if cpu_isa.ISA_LEVELS.index(request.param) > cpu_isa.ISA_LEVELS.index(before):
+        pytest.skip(f"kernels capped at {before}")
+    cpu_isa.set_isa(request.param)
+    yield request.param
+    cpu_isa.set_isa(before)
+
+
+def test_verification_logits_equal_plain_logits_bitwise(engine, rewrite_prompts, isa):
     """Stronger than token identity: every accepted-path row of every verification forward
     (suffix-drafter trees, whole budget, and noisy trees) has the very logits plain decoding
-    computes for that position. Token identity alone would only catch near-ties."""
+    computes for that position, on every kernel ISA level. Token identity alone would only
+    catch near-ties."""
     from agentspec.drafting import default_drafter
 
     recorded = []

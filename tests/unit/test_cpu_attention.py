@@ -303,26 +303,42 @@ def test_fused_tree_node_equals_plain_decoding_row_bitwise(packed_linears):
             assert torch.equal(r, out[slot])
 
 
-@pytest.mark.skipif(not cpu_attention.bf16_hardware(), reason="CPU without AVX512-BF16")
-def test_bf16_instruction_equals_its_emulation():
-    """Attention and linears: the AVX512-BF16 instruction and its portable emulation agree."""
-    from agentspec.kernels import cpu_linear
+def test_every_isa_level_gives_the_same_bits():
+    """Attention and linears: every ISA level this CPU runs (the AVX512-BF16 instruction, its
+    AVX-512 / AVX2 / NEON / scalar emulations) computes the same logits and cache, bit for bit."""
+    from agentspec.kernels import cpu_isa
 
+    levels = cpu_isa.supported()
     args, model = _random_model(packed_linears=True)
     ids = torch.randint(0, args.vocab_size, (200,), generator=torch.Generator().manual_seed(9))
-    outs = []
-    for emul in (False, True):
-        cpu_attention.set_bf16_emulation(emul)
-        cpu_linear.set_emulation(emul)
-        try:
+    outs = {}
+    try:
+        for isa in levels:
+            assert cpu_isa.set_isa(isa) == isa
             c = _packed_cache(args, 256)
             model(ids[:190], torch.arange(190), c, logits_rows=slice(-1, None))
             c.commit(list(range(190)))
-            outs.append(model(ids[190:], torch.arange(190, 200), c, None))
-        finally:
-            cpu_attention.set_bf16_emulation(False)
-            cpu_linear.set_emulation(False)
-    assert torch.equal(outs[0], outs[1])
+            outs[isa] = (model(ids[190:], torch.arange(190, 200), c, None), c.k.clone(), c.kt2.clone())
+    finally:
+        cpu_isa.set_isa(None)
+    best = outs[levels[-1]]
+    for isa, out in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(out, best)), f"{isa} differs from {levels[-1]}"
+
+
+def test_isa_cap_and_bad_names():
+    from agentspec.kernels import cpu_isa
+
+    try:
+        assert cpu_isa.set_isa("scalar") == "scalar"
+        assert cpu_isa.active() == "scalar"
+        # a cap above what the CPU runs gives the best level at or below it
+        assert cpu_isa.set_isa("avx512bf16") == cpu_isa.best()
+        with pytest.raises(ValueError, match="unknown CPU ISA 'sse9'"):
+            cpu_isa.set_isa("sse9")
+    finally:
+        cpu_isa.set_isa(None)
+    assert cpu_isa.active() == cpu_isa.best()
 
 
 @pytest.mark.parametrize("packed_linears", [False, True])

@@ -66,16 +66,23 @@ def test_strided_rows_and_out_argument():
     assert (out[:, 96:] == 7.0).all()  # nothing written past N
 
 
-@pytest.mark.skipif(not cpu_attention.bf16_hardware(), reason="CPU without AVX512-BF16")
-def test_instruction_equals_emulation():
-    w, x = _data(300, 576, 13, seed=5)
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 7, 13, 33])
+def test_every_isa_level_equals_the_best(M):
+    """Each ISA level's kernel (its own tile shapes) gives the best level's bits, for every row
+    count (tile remainders) and a column count that is no multiple of the panel groups."""
+    from agentspec.kernels import cpu_isa
+
+    w, x = _data(300, 576, M, seed=5)
     lin = cpu_linear.PackedLinear(w)
-    hw = lin(x)
-    cpu_linear.set_emulation(True)
+    ref = lin(x)
     try:
-        assert torch.equal(lin(x), hw)
+        for isa in cpu_isa.supported():
+            cpu_isa.set_isa(isa)
+            assert torch.equal(lin(x), ref), isa
+            for m in range(M):  # and each row alone
+                assert torch.equal(lin(x[m:m + 1]), ref[m:m + 1]), (isa, m)
     finally:
-        cpu_linear.set_emulation(False)
+        cpu_isa.set_isa(None)
 
 
 def test_pack_layout():
@@ -107,7 +114,7 @@ def test_bad_input():
 def test_model_decode_rows_use_packed_linears(monkeypatch):
     """Dispatch: after pack_linears a bfloat16 model's decode / verify forwards (and segments)
     run every projection and the head natively, and need no padding row; prefill keeps torch's
-    GEMM. A float32 model is not packed."""
+    GEMM for the projections. A float32 model is not packed."""
     from agentspec.engine.model import KVCache, ModelArgs, Segment, Transformer
 
     args = ModelArgs(dim=576, n_layers=2, n_heads=9, n_kv_heads=3, hidden_dim=64, vocab_size=50, max_seq_len=256)
@@ -122,7 +129,8 @@ def test_model_decode_rows_use_packed_linears(monkeypatch):
                         or real(self, x, out))
     model(torch.arange(5), torch.arange(5), cache)
     cache.commit(list(range(5)))
-    assert calls == []  # prefill: torch
+    assert calls == [5]  # prefill: torch's GEMM for the projections, the packed head for its few logits rows
+    calls.clear()
     model(torch.tensor([1]), torch.tensor([5]), cache, torch.ones(1, 6, dtype=torch.bool))
     assert calls == [1] * (4 * args.n_layers + 1)
     calls.clear()
