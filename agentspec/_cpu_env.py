@@ -27,7 +27,10 @@ _TORCH_CAPS = {
 
 
 def apply() -> None:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if os.environ.get("OMP_WAIT_POLICY") == "":
+        del os.environ["OMP_WAIT_POLICY"]  # set but empty: libgomp's own default (benchmarks compare)
+    else:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     isa = os.environ.get("AGENTSPEC_CPU_ISA", "").strip().lower()
     if isa in _TORCH_CAPS:
         aten, onednn = _TORCH_CAPS[isa]

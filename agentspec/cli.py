@@ -55,6 +55,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype")
     p.add_argument("--deterministic", action="store_true",
                    help="fixed-shape decode steps: greedy identity with plain decoding by construction")
+    p.add_argument("--threads", type=_positive_int("--threads"),
+                   help="CPU threads (default: the cores this process may use: affinity and cgroup quota)")
+    p.add_argument("--cpu-isa", choices=["avx512bf16", "avx512", "avx2", "neon", "scalar"],
+                   help="cap the native CPU kernels at this ISA (default: $AGENTSPEC_CPU_ISA or the best the CPU runs)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,8 +125,11 @@ def _port(text: str) -> int:
 
 
 def cmd_serve(args) -> int:
+    import time
+
+    started = time.perf_counter()
     from .config import load_server_config
-    from .server import build_state, is_loopback, serve
+    from .server import bind_socket, build_state, is_loopback, serve
 
     config = load_server_config(args.config)
     if not config.tenants and not is_loopback(args.host) and not args.insecure_no_auth:
@@ -130,10 +137,17 @@ def cmd_serve(args) -> int:
                          "with api_keys in --config, bind 127.0.0.1, or pass --insecure-no-auth")
     if args.repo is not None and not Path(args.repo).is_dir():
         raise SystemExit(f"agentspec serve: --repo is not a directory: {args.repo!r}")
-    state = build_state(config, repo=args.repo,
-                        engine_options={"model": args.model, "device": args.device, "dtype": args.dtype,
-                                        "deterministic": args.deterministic})
-    serve(state, host=args.host, port=args.port, log_level=args.log_level)
+    # bind before loading the model: a port in use ends the start at once (exit 1, naming it),
+    # and the bound socket goes to uvicorn, so nothing can take the port in between
+    sock = bind_socket(args.host, args.port)
+    try:
+        state = build_state(config, repo=args.repo,
+                            engine_options={"model": args.model, "device": args.device, "dtype": args.dtype,
+                                            "deterministic": args.deterministic, "threads": args.threads,
+                                            "cpu_isa": args.cpu_isa})
+        serve(state, host=args.host, port=args.port, log_level=args.log_level, sock=sock, started=started)
+    finally:
+        sock.close()
     return 0
 
 
@@ -222,7 +236,8 @@ def _read_prompt(path: str) -> str:
 def _make_engine(args):
     from . import Engine
 
-    return Engine.embedded(model=args.model, device=args.device, dtype=args.dtype, deterministic=args.deterministic)
+    return Engine.embedded(model=args.model, device=args.device, dtype=args.dtype, deterministic=args.deterministic,
+                           threads=args.threads, cpu_isa=args.cpu_isa)
 
 
 def cmd_generate(args) -> int:

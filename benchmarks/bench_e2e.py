@@ -193,6 +193,7 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=32, help="our draft budget")
     ap.add_argument("--dtype", default=None, help="our engine's dtype (default: the engine's default)")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--hf-dtype", help="transformers' dtype (default: ours where torch's GEMM runs it natively, else float32)")
     ap.add_argument("--no-deterministic", action="store_true")
     ap.add_argument("--hf-lookup", type=int, default=10, help="transformers prompt_lookup_num_tokens")
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
@@ -215,6 +216,13 @@ def main() -> int:
     opts = {"quiet": True} | ({"dtype": args.dtype} if args.dtype else {})
     engine = agentspec.Engine.embedded(**opts)
     dtype = str(engine.dtype).removeprefix("torch.")
+    machine = {"cpus": os.cpu_count(), **engine.kernel_info(), "torch_caps": {
+        k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_WAIT_POLICY")}}
+    # transformers runs at its fastest dtype here: bfloat16 where the CPU has bf16 dot products
+    # (the engine's dtype), float32 elsewhere (torch's bf16 GEMM is ~3.5x slower there)
+    hf_dtype = args.hf_dtype or (dtype if engine.prefill_gemm == dtype else "float32")
+    machine["hf_dtype"] = hf_dtype
+    log(f"machine: {machine}")
     prompts = select_prompts(engine, args.data, args.prompts, args.max_prompt, args.start)
     log(f"{len(prompts)} prompts, {[len(p) for _, p in prompts]} tokens, {args.max_tokens} new tokens, {dtype}")
     engine.generate(prompts[0][1][:64], max_tokens=8, spec=None)  # warm up
@@ -247,8 +255,8 @@ def main() -> int:
 
     if not args.no_hf:
         log("transformers greedy / prompt lookup")
-        results["hf_greedy"] = run_hf(prompts, args.max_tokens, dtype, None)
-        results["hf_prompt_lookup"] = run_hf(prompts, args.max_tokens, dtype, args.hf_lookup)
+        results["hf_greedy"] = run_hf(prompts, args.max_tokens, hf_dtype, None)
+        results["hf_prompt_lookup"] = run_hf(prompts, args.max_tokens, hf_dtype, args.hf_lookup)
 
     peers = ROOT / "benchmarks" / "peers"
     token_prompts = [ids for _, ids in prompts]
@@ -293,7 +301,7 @@ def main() -> int:
         r.pop("outputs", None)
     report = {
         "benchmark": "e2e_rewrites",
-        "machine": {"cpus": os.cpu_count()},
+        "machine": machine,
         "config": {"prompts": [pid for pid, _ in prompts], "prompt_tokens": [len(p) for _, p in prompts],
                    "max_tokens": args.max_tokens, "budget": args.budget, "dtype": dtype,
                    "repeats": args.repeats, "one_request_at_a_time": True, "prefill_included": True},

@@ -159,6 +159,14 @@ def summarize(runs: list[dict]) -> dict:
             if any(r["mat"] is not None for r in runs) else None}
 
 
+def machine_info() -> dict:
+    """CPU, flags, kernel ISA (the server's engine runs the same ones: same machine, same environment)."""
+    from agentspec.kernels import cpu_isa
+
+    cpu_isa.apply_env()
+    return cpu_isa.machine_info()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
@@ -256,7 +264,7 @@ def main() -> int:
     for ep in ("apply", "chat"):
         summary[f"{ep}_speedup"] = round(summary[f"{ep}_spec"]["tokens_per_s"] / summary[f"{ep}_plain"]["tokens_per_s"], 3)
         summary[f"{ep}_identical"] = f"{min(r[1][ep] for r in rounds)}/{len(items)}"
-    report = {"benchmark": "bench_server", "machine": {"cpus": os.cpu_count()},
+    report = {"benchmark": "bench_server", "machine": {"cpus": os.cpu_count(), **machine_info()},
               "config": {"prompts": [it["id"] for it in items], "max_tokens": args.max_tokens, "repeats": args.repeats,
                          "streamed": True, "greedy": True, "one_request_at_a_time": True},
               "summary": summary, "concurrent": {"concurrency": args.concurrency, **concurrent},

@@ -186,7 +186,7 @@ def main() -> int:
         if seq.get(wl):
             for c in rows:
                 summary[wl][c]["plain_batched_vs_sequential"] = round(rows[c]["ours_plain"]["tokens_per_s"] / seq[wl], 3)
-    report = {"benchmark": "bench_throughput", "machine": {"cpus": os.cpu_count()},
+    report = {"benchmark": "bench_throughput", "machine": {"cpus": os.cpu_count(), **engine.kernel_info()},
               "config": {"concurrency": cs, "requests": args.requests, "max_tokens": args.max_tokens,
                          "max_prompt": args.max_prompt, "greedy": True, "vllm": have_vllm,
                          "step_costs_ms": {k: round(v * 1e3, 2) for k, v in step_costs.items()}},

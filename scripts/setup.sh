@@ -38,6 +38,14 @@ if [ -z "${CXX:-}" ] && ! command -v c++ >/dev/null && ! command -v g++ >/dev/nu
         exit 1
     fi
 fi
+# Tests of the Arm (NEON) kernel bodies cross-compile them and run them under qemu-user
+# (tests/unit/test_cross_isa.py); best effort: without them those tests skip with the reason
+if [ "$(uname -m)" = x86_64 ] && { ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; } \
+   && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[setup] installing g++-aarch64-linux-gnu and qemu-user (Arm kernel tests)" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu qemu-user >/dev/null; } \
+        || echo "[setup] warning: could not install them; the Arm kernel tests will skip" >&2
+fi
 # The editable install builds without isolation, against the build backend and nanobind installed
 # in .venv: the CMake build dir (build/editable/) then stays valid between runs, so a C++ edit
 # recompiles only what changed. Requirements come from pyproject.toml's [build-system]; cmake and

@@ -76,6 +76,17 @@ def select_slots(survivals: Sequence[Sequence[float]], base_rows: int, base_toke
     return taken
 
 
+def stand_in_step_costs(row_cost: float, grid: Sequence[int]) -> dict[int, float]:
+    """A step-cost curve from the engine's row cost, in units of a one-row step, until the
+    profile is measured (a cache miss): ``1 + row_cost * (n - 1)`` up to 33 rows (the row cost
+    is measured at 33 rows), then proportional to the rows (compute-bound: every row costs a
+    33-row step's average), which lies at or above the measured CPU curves past 33 rows, so the
+    load-aware budget drafts less rather than more. ``select_slots`` only compares ratios."""
+    rc = min(max(float(row_cost), 0.0), 1.0)
+    c33 = 1.0 + 32.0 * rc
+    return {n: (1.0 + rc * (n - 1)) if n <= 33 else c33 * n / 33.0 for n in grid}
+
+
 def lower_convex_hull(costs: dict[int, float]) -> dict[int, float]:
     """A step-cost profile with each point lowered onto the profile's lower convex hull.
 
@@ -154,7 +165,7 @@ class BatchEngine:
       max_batch: running requests per step (more wait in arrival order).
       budget: "load_aware" (global top-B slots, default), "fixed" (each request's own
         ``cut_for_cost`` as in single-request decoding) or "off" (plain batched decoding).
-      step_costs: {rows: seconds} to use instead of profiling at start-up.
+      step_costs: {rows: seconds} to use instead of the profile (see ``step_costs``).
       verify: "auto" (batched verification, greedy and sampled, with ``agentspec.kernels`` on
         CUDA; the per-request reference on CPU), "batched" or "reference".
       background: run the scheduler on its own thread (default). False: steps run in the
@@ -183,8 +194,13 @@ class BatchEngine:
         self.engine = engine
         self.max_batch = max_batch
         self.budget = budget
-        self.step_costs = dict(step_costs) if step_costs else lower_convex_hull(self.profile_step_costs())
-        self._grid = sorted(self.step_costs)
+        self._profile_lock = threading.Lock()
+        self._profile: Any = None  # a cache miss: the profile's measurement, run one forward at a time
+        self._profile_key: dict | None = None
+        if step_costs:
+            self._set_step_costs(dict(step_costs), "given")
+        else:
+            self._start_profile()
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
         self._cv = threading.Condition()
@@ -286,7 +302,7 @@ class BatchEngine:
 
     def step_cost(self, rows: int) -> float:
         """Seconds for one forward of ``rows`` rows (linear interpolation of the profile)."""
-        g, c = self._grid, self.step_costs
+        g, c = self._grid, self._step_costs
         if rows <= g[0]:
             return c[g[0]]
         for a, b in zip(g, g[1:]):
@@ -295,22 +311,113 @@ class BatchEngine:
         a, b = g[-2], g[-1]  # extrapolate linearly past the grid
         return c[b] + (c[b] - c[a]) * (rows - b) / (b - a)
 
-    def profile_step_costs(self, grid: Sequence[int] = (2, 8, 16, 33, 66, 132, 264), context: int = 1024,
+    # ---- the step-cost profile ---------------------------------------------------------------
+
+    PROFILE_GRID = (2, 8, 16, 33, 66, 132, 264)
+    PROFILE_AFTER_IDLE_S = 1.0  # a pending profile runs once nothing ran for this long
+
+    @property
+    def step_costs(self) -> dict[int, float]:
+        """The step-cost profile {rows: seconds}, lowered onto its convex hull: given, cached on
+        disk for this machine, build and model (``profile_cache``), or measured.
+
+        On a cache miss the engine starts with a stand-in (``stand_in_step_costs``) and measures
+        in idle time: a serving scheduler (``serve_forever``, ``background=True``) runs the
+        measurement one forward at a time once nothing waited or ran for
+        ``PROFILE_AFTER_IDLE_S``, so the server answers at once and a request waits at most one
+        forward (~1.5 s at 264 rows on 2 cores); ``run_until_idle``,
+        ``generate_many(background=False)`` and a read of this property while no scheduler runs
+        finish it first (as the start-up profiling did). Stored once complete.
+        Not a second thread: it would time its forwards against requests on the same cores (and
+        cache the disturbed numbers for later starts), and a second thread running OpenMP teams
+        throttles libgomp for the scheduler's. ``step_costs_source`` says which it is."""
+        if self._profile is not None and not self._serving and self._thread is None:
+            self._finish_profile()
+        return self._step_costs
+
+    def _set_step_costs(self, costs: dict[int, float], source: str) -> None:
+        hull = lower_convex_hull(costs) if source != "given" else costs
+        self._grid = sorted(hull)
+        self._step_costs = hull
+        self.step_costs_source = source  # "given" | "cached" | "measured" | "stand-in"
+
+    def _start_profile(self) -> None:
+        """The cached profile, or a stand-in and a pending measurement (a miss)."""
+        from . import profile_cache
+
+        e = self.engine
+        key = profile_cache.engine_key("step_costs", e, grid=list(self.PROFILE_GRID),
+                                       context=min(1024, e.max_context - 64), repeat=2)
+        cached = profile_cache.load(key, profile_cache.valid_step_costs)
+        if cached is not None:
+            self._set_step_costs(cached, "cached")
+            return
+        self._set_step_costs(stand_in_step_costs(e.row_cost, self.PROFILE_GRID), "stand-in")
+        self._profile_key = key
+        self._profile = self._profile_runs(self.PROFILE_GRID, 1024, 2)
+
+    def _profile_piece(self) -> bool:
+        """Run one forward of the pending measurement (False when another thread runs it or
+        nothing is pending); at its end, take the profile and store it on disk."""
+        from . import profile_cache
+
+        if not self._profile_lock.acquire(blocking=False):
+            return False
+        try:
+            gen = self._profile
+            if gen is None:
+                return False
+            try:
+                next(gen)
+                return True
+            except StopIteration as done:
+                self._profile = None
+                self._set_step_costs(done.value, "measured")
+                if self._profile_key is not None:
+                    profile_cache.store(self._profile_key, [[n, c] for n, c in sorted(done.value.items())])
+                return True
+            except BaseException:
+                self._profile = None  # keep the stand-in; the next start measures again
+                raise
+        finally:
+            self._profile_lock.release()
+
+    def _finish_profile(self) -> None:
+        while self._profile is not None:
+            if not self._profile_piece():
+                with self._profile_lock:  # another thread runs a piece: wait for it
+                    pass
+
+    def profile_step_costs(self, grid: Sequence[int] = PROFILE_GRID, context: int = 1024,
                            repeat: int = 2) -> dict[int, float]:
         """Time one forward of n rows (segments of up to 33 rows, each over ``context`` cached
         tokens), the fastest of ``repeat`` runs each (~2.5 s on 2 CPU cores). Past the grid,
         ``step_cost`` extrapolates linearly: beyond ~33 rows a CPU step grows ~linearly."""
+        gen = self._profile_runs(grid, context, repeat)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as done:
+                return done.value
+
+    def _profile_runs(self, grid: Sequence[int], context: int, repeat: int):
+        """``profile_step_costs`` as a generator that yields after each forward (and after each
+        256-token piece of the untimed prefill) and returns the costs."""
         e = self.engine
         dev = e.device
         context = min(context, e.max_context - 64)
         cache = e.new_cache(round_up(context + 64, 256))
         ids = torch.arange(100, 100 + context, device=dev) % e.args.vocab_size
+        for a in range(0, context, 256):
+            b = min(a + 256, context)
+            with torch.inference_mode():  # never across a yield: the scheduler runs in between
+                e.model(ids[a:b], torch.arange(a, b, device=dev), cache, logits_rows=slice(-1, None))
+                cache.commit(list(range(b - a)))
+            yield
         costs = {}
-        with torch.inference_mode():
-            e.model(ids, torch.arange(context, device=dev), cache, logits_rows=slice(-1, None))
-            cache.commit(list(range(context)))
-            for n in grid:
-                sizes = [33] * (n // 33) + ([n % 33] if n % 33 else [])
+        for n in grid:
+            sizes = [33] * (n // 33) + ([n % 33] if n % 33 else [])
+            with torch.inference_mode():
                 segs = []
                 for T in sizes:
                     m = torch.zeros(T, context + T, dtype=torch.bool, device=dev)
@@ -319,8 +426,9 @@ class BatchEngine:
                     segs.append(Segment(cache=cache, rows=T, mask=m))
                 tok = torch.full((n,), 100, device=dev)
                 pos = torch.cat([torch.arange(context, context + T, device=dev) for T in sizes])
-                ts = []
-                for _ in range(repeat + 1):
+            ts = []
+            for _ in range(repeat + 1):
+                with torch.inference_mode():
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     t0 = time.perf_counter()
@@ -328,7 +436,8 @@ class BatchEngine:
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     ts.append(time.perf_counter() - t0)
-                costs[n] = min(ts[1:])
+                yield
+            costs[n] = min(ts[1:])
         return costs
 
     # ---- the scheduler ------------------------------------------------------------------------
@@ -338,18 +447,25 @@ class BatchEngine:
         torch.set_num_threads(self._threads)
         self._serving = True
         try:
+            if until_idle:  # run_until_idle / generate_many: a pending profile first, as at start-up
+                self._finish_profile()
             self._run_loop(until_idle)
         finally:
             self._serving = False
 
     def _run_loop(self, until_idle: bool) -> None:
         pending: list[_Request] = []
+        busy = time.monotonic()  # last time there was work (or the loop started)
         while True:
             with self._cv:
                 if until_idle and not self._waiting and not self._running:
                     return
                 while not self._waiting and not self._running and not self._closed:
-                    self._cv.wait(0.5)  # a timeout keeps the main thread responsive to signals
+                    quiet = time.monotonic() - busy
+                    if self._profile is not None and not until_idle and quiet >= self.PROFILE_AFTER_IDLE_S:
+                        break  # idle a while: measure the step-cost profile, one forward (below)
+                    # a timeout keeps the main thread responsive to signals
+                    self._cv.wait(0.5 if self._profile is None else max(self.PROFILE_AFTER_IDLE_S - quiet, 0.01))
                 if self._closed:
                     pending = self._waiting + self._running
                     self._waiting, self._running = [], []
@@ -360,6 +476,16 @@ class BatchEngine:
             for req in joining:
                 self._guard(req, self._admit)
             self._running = [r for r in self._running if r.cache is not None]
+            if joining or self._running:
+                busy = time.monotonic()
+            elif self._profile is not None:
+                try:
+                    self._profile_piece()
+                except Exception as err:  # noqa: BLE001 - keep serving on the stand-in
+                    import sys
+
+                    print(f"[agentspec] step-cost profiling failed: {err!r}", file=sys.stderr, flush=True)
+                continue
             if self._running:
                 try:
                     self._step()
@@ -367,6 +493,7 @@ class BatchEngine:
                     for r in self._running:
                         self._fail(r, err)
                     self._running = []
+                busy = time.monotonic()
         for r in pending:
             self._fail(r, RuntimeError("engine shut down"))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import os
 import sys
 import threading
 import time
@@ -22,7 +23,8 @@ from ..config import SpecConfig
 from ..drafting import EMPTY_DRAFT, Draft, Drafter, default_drafter
 from ..drafting.base import AcceptanceTracker, cut_for_cost, drop_unlikely
 from ..errors import ContextLengthError, InvalidRequestError
-from ..kernels import cpu_attention
+from ..kernels import cpu_attention, cpu_linear
+from ..kernels import cpu_isa as _cpu_isa
 from ..kernels.tree import tree_depths, tree_mask, with_root
 from ..verify import greedy_verify, sampling_verify
 from .base import DEFAULT_SPEC, Engine, Generation, GenerationStats
@@ -41,8 +43,13 @@ class EmbeddedEngine(Engine):
     Options (keyword-only):
       model: a ``.gguf`` file or Hugging Face folder; None = the bundled SmolLM2-135M-Instruct.
       device: "cpu" (default) or "cuda".
-      dtype: torch dtype or its name; default bfloat16 on CUDA and on CPUs with bf16 dot products
-        (AVX512-BF16, AMX, Arm BF16), float32 on other CPUs.
+      dtype: torch dtype or its name; default bfloat16 (on CPU wherever the native kernels are
+        built: their decode / verify linears and attention run as the AVX512-BF16 instruction or an
+        emulation of it with the same bits: AVX-512, AVX2 + FMA, NEON, scalar; see
+        ``agentspec.kernels.cpu_isa``), float32 on a CPU without them.
+      cpu_isa: cap the native kernels' ISA ("avx512bf16", "avx512", "avx2", "neon", "scalar");
+        default ``$AGENTSPEC_CPU_ISA`` or the best this CPU runs. Below AVX512-BF16, prefill
+        multiplies in float32 (torch's bfloat16 GEMM is slow without bf16 instructions).
       kv_dtype: KV cache and decode-attention matmul dtype; default float32. bfloat16 makes a
         33-row verification step ~1.5x cheaper on CPU but is NOT exact: on the rewrite benchmark
         2 of 6 outputs diverged from plain decoding (bf16 GEMMs re-block by shape); see README.
@@ -53,7 +60,8 @@ class EmbeddedEngine(Engine):
         decoding by construction. Costs time per plain step; see README "Exactness".
       drafter: the Drafter to use; default ``agentspec.drafting.default_drafter()``.
       workspace: an ``agentspec.Workspace``: requests of its tenant also draft from its files.
-      threads: torch CPU threads (default: torch's choice).
+      threads: torch CPU threads (default: ``$OMP_NUM_THREADS``, else the cores this process may use:
+        affinity and cgroup quota, ``agentspec.kernels.cpu_isa.usable_cpus``).
       row_cost: cost of one more verified token relative to a decode step; drafts are cut to
         the prefix that maximises expected tokens per step cost (``cut_for_cost``). Default:
         profiled at start-up on this machine (~0.07 on 2 CPU cores; near 0 on a GPU).
@@ -75,16 +83,24 @@ class EmbeddedEngine(Engine):
         threads: int | None = None,
         row_cost: float | None = None,
         quiet: bool = False,
+        cpu_isa: str | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise InvalidRequestError(f"device {device!r} requested but CUDA is not available", param="device")
+        try:
+            isa = _cpu_isa.set_isa(cpu_isa) if cpu_isa is not None else _cpu_isa.apply_env()
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="cpu_isa") from None
         if dtype is None:
-            dtype = torch.bfloat16 if self.device.type == "cuda" or cpu_has_fast_bf16() else torch.float32
+            native = self.device.type == "cpu" and cpu_linear.linear_supported(torch.bfloat16, self.device)
+            dtype = torch.bfloat16 if self.device.type == "cuda" or native or cpu_has_fast_bf16() else torch.float32
         else:
             dtype = _dtype(dtype, "dtype")
         if threads is not None:
             torch.set_num_threads(int(threads))
+        elif self.device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+            torch.set_num_threads(_cpu_isa.usable_cpus())  # affinity and cgroup quota, not all cores
         if row_cost is not None and (isinstance(row_cost, bool) or not isinstance(row_cost, (int, float))
                                      or not 0.0 <= row_cost <= 10.0):
             raise InvalidRequestError(f"row_cost must be a number in [0, 10], got {row_cost!r}", param="row_cost")
@@ -107,8 +123,14 @@ class EmbeddedEngine(Engine):
         self.model.rope_cos = self.model.rope_cos.float()
         self.model.rope_sin = self.model.rope_sin.float()
         self.model.eval()
+        self.kernels = "torch"
         if self.device.type == "cpu":
-            self.model.pack_linears()  # decode rows: native row-invariant bf16 linears where they run
+            # decode rows: native row-invariant bf16 linears where they run
+            if self.model.pack_linears():
+                self.kernels = f"native {isa}"
+            # prefill: torch's GEMM, in float32 where the CPU has no bf16 dot products
+            self.model.set_gemm_float32(dtype == torch.bfloat16 and not _cpu_isa.bf16_native())
+        self.prefill_gemm = ("float32" if self.model.layers[0].gemm_f32 else str(dtype).removeprefix("torch."))
         self.max_context = min(max_context or min(ckpt.args.max_seq_len, 8192), ckpt.args.max_seq_len)
         self.deterministic = deterministic
         self.deterministic_width = deterministic_width
@@ -118,19 +140,61 @@ class EmbeddedEngine(Engine):
         self.drafter: Drafter = drafter if drafter is not None else default_drafter(workspace=workspace)
         self._cache: KVCache | None = None
         self._lock = threading.Lock()
-        self.row_cost = float(row_cost) if row_cost is not None else self._profile_row_cost()
+        self._row_cost_note = ""  # " (cached)" when the profile came from disk
+        self.row_cost = float(row_cost) if row_cost is not None else self._cached_row_cost()
         self.load_seconds = time.perf_counter() - t0
         if not quiet:
             n = self.model.param_count()
             print(f"[agentspec] model ready: {n / 1e6:.0f}M parameters, {str(dtype).removeprefix('torch.')} "
-                  f"on {self.device}, context {self.max_context}, row cost {self.row_cost:.3f} ({self.load_seconds:.1f}s)",
+                  f"on {self.device} ({self.hardware_summary()}), context {self.max_context}, row cost {self.row_cost:.3f}{self._row_cost_note} ({self.load_seconds:.1f}s)",
                   file=sys.stderr, flush=True)
+
+    def hardware_summary(self) -> str:
+        """One line: CPU, threads, decode kernels and prefill GEMM dtype (the "model ready" line)."""
+        if self.device.type != "cpu":
+            return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else str(self.device)
+        info = _cpu_isa.machine_info()
+        return (f"{info['cpu']}, {torch.get_num_threads()} threads, decode kernels {self.kernels}, "
+                f"prefill GEMM {self.prefill_gemm}")
+
+    def kernel_info(self) -> dict:
+        """What ran, for benchmark JSON: CPU model and flags, usable cores, threads, dtype, kernels."""
+        info = _cpu_isa.machine_info() if self.device.type == "cpu" else {"device": str(self.device)}
+        return {**info, "threads": torch.get_num_threads(), "dtype": str(self.dtype).removeprefix("torch."),
+                "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "decode_kernels": self.kernels,
+                "prefill_gemm": self.prefill_gemm, "row_invariant_linears": self.model.head_packed is not None}
 
     def new_cache(self, capacity: int) -> KVCache:
         """A KV cache for this engine's model (packed for the native attention where it runs)."""
         packed = self.dtype == torch.bfloat16 and cpu_attention.packed_supported(self.kv_dtype, self.device,
                                                                                    self.args.head_dim)
         return KVCache(self.args, capacity, dtype=self.kv_dtype, device=self.device, packed=packed)
+
+    def _cached_row_cost(self, context: int = 1024, rows: int = 33, repeat: int = 5) -> float:
+        """``_profile_row_cost``, cached on disk per machine, build and model (``profile_cache``).
+
+        On a miss it is measured here, at start-up, as before, and stored: a one-time cost per
+        machine, build and model (a few seconds; mostly the ``context``-token prefill). Not
+        deferred to a background thread: single-request decoding needs it from the first
+        request, a second thread would time its forwards against those requests on the same
+        cores (and the disturbed number would then be kept for every later start), and a second
+        thread running OpenMP teams throttles libgomp for the serving one (see ``BatchEngine``)."""
+        from . import profile_cache
+
+        key = profile_cache.engine_key("row_cost", self, context=min(context, self.max_context - rows), rows=rows,
+                                       repeat=repeat)
+        cached = profile_cache.load(key, profile_cache.valid_row_cost)
+        if cached is not None:
+            self._row_cost_note = " (cached)"
+            # warm-up, which the measurement used to do: the profile's forwards over a short
+            # context, result dropped (~0.1 s warm). The first forwards of a process pay one-time
+            # set-up (OpenMP threads, GEMM primitives, first touch of the packed weights; measured
+            # 1-3 s on 2 loaded cores), which would otherwise land on the first request.
+            self._profile_row_cost(context=64, rows=rows, repeat=1)
+            return cached
+        cost = self._profile_row_cost(context, rows, repeat)
+        profile_cache.store(key, cost)
+        return cost
 
     def _profile_row_cost(self, context: int = 1024, rows: int = 33, repeat: int = 5) -> float:
         """Cost of one more verified token relative to a decode step, measured on this machine:

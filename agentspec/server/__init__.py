@@ -8,7 +8,10 @@ that into a Starlette app; ``serve`` runs it under uvicorn.
 from __future__ import annotations
 
 import ipaddress
+import os
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,7 @@ from ..config import ServerConfig, load_server_config
 from ..errors import ConfigError
 from .app import ServerState, Tenant, create_app
 
-__all__ = ["ServerState", "build_state", "create_app", "serve"]
+__all__ = ["ServerState", "bind_socket", "build_state", "create_app", "serve"]
 
 
 def _drafter(names: tuple[str, ...], index: Any):
@@ -99,10 +102,73 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def serve(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
+def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """The server's listening socket, bound and listening now (as uvicorn binds it: SO_REUSEADDR,
+    IPv6 when the host has a colon), so that ``agentspec serve`` finds a port in use before it
+    loads the model; ``serve`` hands it to uvicorn (no window in which another process can take
+    the port). It listens at once because Linux lets two SO_REUSEADDR sockets bind one port while
+    neither listens: two servers started together would both bind, and one fail only at uvicorn's
+    listen, after loading the model. Connections made while the model loads wait in the backlog
+    and are answered once the server is up. Raises SystemExit naming host:port on failure."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError as e:
+        sock.close()
+        why = e.strerror or str(e)
+        hint = " (another server running there? choose another --port)" if e.errno in (98, 48, 10048) else ""
+        raise SystemExit(f"agentspec serve: cannot listen on {where}: {why}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux ``/proc``), or None where unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _health_answers(host: str, port: int, deadline: float) -> bool:
+    """One real ``GET /health`` on the address just bound (loopback for a wildcard), retried
+    until it answers 200 or ``deadline`` (monotonic) passes."""
+    import http.client
+
+    target = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    while True:
+        conn = http.client.HTTPConnection(target, port, timeout=5)
+        try:
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return True
+        except OSError:
+            pass
+        finally:
+            conn.close()
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+def serve(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+          sock: socket.socket | None = None, started: float | None = None) -> None:
     """Run the server until SIGINT/SIGTERM. The batch scheduler runs on this (the main) thread and
     uvicorn's event loop on another: on CPU, torch's OpenMP kernels are ~1.5x faster when the
-    process's main thread issues them (see ``BatchEngine``)."""
+    process's main thread issues them (see ``BatchEngine``).
+
+    ``sock``: the listening socket from ``bind_socket`` (default: bound here). ``started``: the
+    ``time.perf_counter()`` the start-up began at, for the start-up time in the "serving" line,
+    which is printed once ``GET /health`` answers. Raises SystemExit (non-zero) when the HTTP
+    server fails to start or stops without being asked to."""
     import signal
     import threading
 
@@ -110,36 +176,62 @@ def serve(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_
 
     from .worker import Worker
 
+    if sock is None:
+        sock = bind_socket(host, port)
     cfg = state.config.server
     state.worker = Worker(state.engine, max_queue=cfg.max_queue, max_batch=cfg.max_batch, budget=cfg.budget_policy,
                           background=False)
     app = create_app(state)
-    base = f"http://{host}:{port}"
-    print(f"[agentspec] serving {state.model_id!r} on {base}  (tenants: {', '.join(state.tenants)}; "
-          f"logs: {Path(state.config.server.log_dir).resolve()})", file=sys.stderr, flush=True)
+    base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     key = "$AGENTSPEC_API_KEY" if state.require_key else "none"
-    print(f"""[agentspec] try:
+
+    def announce():  # once the HTTP server is up and /health answers
+        while not server.started:
+            if not http.is_alive() or stopping.is_set():
+                return
+            time.sleep(0.05)
+        if not _health_answers(host, port, time.monotonic() + 30):
+            if not stopping.is_set():
+                print(f"[agentspec] warning: {base}/health does not answer", file=sys.stderr, flush=True)
+            return
+        ready = "" if started is None else f"; ready in {time.perf_counter() - started:.1f}s"
+        age = process_age()
+        ready += "" if age is None else f", {age:.1f}s after process start"
+        tenants = ", ".join(state.tenants)
+        costs = getattr(state.worker.batch, "step_costs_source", None)
+        costs = "" if costs is None else f"; step costs: {costs}" + (
+            ", measuring between requests" if costs == "stand-in" else "")
+        print(f"[agentspec] serving {state.model_id!r} on {base}  (tenants: {tenants}; "
+              f"logs: {Path(state.config.server.log_dir).resolve()}{costs}{ready})", file=sys.stderr, flush=True)
+        print(f"""[agentspec] try:
   curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -H 'Authorization: Bearer {key}' \\
     -d '{{"model": "{state.model_id}", "temperature": 0, "messages": [{{"role": "user", "content": "Write hello world in Python."}}]}}'
   python -c "import openai; c = openai.OpenAI(base_url='{base}/v1', api_key='{key}'); print(c.chat.completions.create(model='{state.model_id}', temperature=0, messages=[{{'role': 'user', 'content': 'Hi'}}]).choices[0].message.content)"
   agentspec stats --log-dir {state.config.server.log_dir}""", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=5))
+    failure: list[BaseException] = []
+    stopping = threading.Event()
 
     def run_http():
         try:
-            server.run()
-        finally:  # uvicorn stopped (or failed to bind): stop the scheduler too
+            server.run(sockets=[sock])
+        except BaseException as e:  # noqa: BLE001 - uvicorn ends a failed start with sys.exit(3)
+            failure.append(e)
+        finally:  # uvicorn stopped (or failed to start): stop the scheduler too
             state.worker.close()
 
     http = threading.Thread(target=run_http, name="agentspec-http", daemon=True)
+    herald = threading.Thread(target=announce, name="agentspec-announce", daemon=True)
 
     def stop(signum, frame):
+        stopping.set()
         server.should_exit = True
         state.worker.close()
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     http.start()
+    herald.start()
     try:
         state.worker.batch.serve_forever()   # returns once the worker is closed
     finally:
@@ -150,3 +242,8 @@ def serve(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_
         for t in state.tenants.values():
             if t.workspace is not None:
                 t.workspace.close()
+        sock.close()
+    if not stopping.is_set():  # the HTTP server ended on its own: a failed start or a crash
+        what = "failed to start" if not server.started else "stopped unexpectedly"
+        why = f": {failure[0]!r}" if failure and not isinstance(failure[0], SystemExit) else ""
+        raise SystemExit(f"agentspec serve: the HTTP server on {base} {what}{why} (see the log above)")

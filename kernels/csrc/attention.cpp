@@ -91,7 +91,7 @@ struct Args {
 };
 
 // Keys of kv head hk, slots [j0, j1) (multiple of 16), transposed to kt[hk][d][j].
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+AGENTSPEC_CLONES
 void transpose_keys(const Args& a, int hk, int j0, int j1) {
     const float* k = a.k + (int64_t)hk * a.cap * D;
     float* kt = const_cast<float*>(a.kt) + (int64_t)hk * D * a.Lr;
@@ -258,7 +258,7 @@ static inline __attribute__((always_inline)) void row_body(const Args& a, int hk
         for (int c = 0; c < 4; ++c) store16(outp + g * D + 16 * c, acc[g][c]);
 }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+AGENTSPEC_CLONES
 void row_task(const Args& a, int hk, int t, Scratch& sc) {
     switch (a.H / a.Hkv) {
         case 1: return row_body<1>(a, hk, t, sc);

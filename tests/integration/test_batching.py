@@ -15,6 +15,16 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 64
 
 
+def _wait_until(cond, timeout: float) -> bool:
+    """Poll ``cond`` until it holds (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
 @pytest.fixture(scope="module")
 def step_costs(engine):
     # profiled once for the module (each BatchEngine would otherwise profile at start-up)
@@ -30,8 +40,8 @@ def prompts(rewrite_prompts, chat_prompts):
 
 
 @pytest.fixture(scope="module")
-def reference(engine, prompts):
-    return [engine.generate(p, max_tokens=MAX_TOKENS, spec=None) for p in prompts]
+def reference(plain_greedy, prompts):
+    return [plain_greedy(p, MAX_TOKENS) for p in prompts]
 
 
 @pytest.mark.parametrize("policy", ["off", "fixed", "load_aware"])
@@ -69,13 +79,11 @@ def test_requests_join_and_leave_mid_run(engine, prompts, reference, step_costs)
 
         for i in range(3):
             submit(i)
-        deadline = time.monotonic() + 60
-        while be.steps < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert be.steps >= 3
-        for i in range(3, len(prompts)):
+        assert _wait_until(lambda: be.steps >= 3, 60)
+        for i in range(3, len(prompts)):  # each joins at a later step than the one before
+            at = be.steps
             submit(i)
-            time.sleep(0.05)
+            assert _wait_until(lambda: be.steps > at or done.is_set(), 60)
         assert done.wait(300)
     for i, ref in enumerate(reference):
         g = results[i]
@@ -87,13 +95,17 @@ def test_requests_join_and_leave_mid_run(engine, prompts, reference, step_costs)
 
 def test_cancel_and_bad_input(engine, prompts, step_costs):
     stop = threading.Event()
+    finished = threading.Event()
     got = {}
+
+    def on_done(g, e):
+        got["g"] = g
+        finished.set()
+
     with BatchEngine(engine, step_costs=step_costs) as be:
         be.submit(prompts[0], max_tokens=500, should_stop=stop.is_set,
-                  on_tokens=lambda t: stop.set(), on_done=lambda g, e: got.setdefault("g", g))
-        deadline = time.monotonic() + 60
-        while "g" not in got and time.monotonic() < deadline:
-            time.sleep(0.01)
+                  on_tokens=lambda t: stop.set(), on_done=on_done)
+        assert finished.wait(60)
         with pytest.raises(ValueError, match="max_tokens"):
             be.submit(prompts[0], max_tokens=0)
         with pytest.raises(ValueError, match="budget"):

@@ -28,7 +28,7 @@ def test_public_defaults():
     assert 0.0 <= eng.row_cost <= 1.0   # profiled at start-up
 
 
-def test_bad_engine_options():
+def test_bad_row_cost():  # was a second test_bad_engine_options, shadowed by the one below: never ran
     for bad in (-0.5, "cheap", 11):
         with pytest.raises(InvalidRequestError, match="row_cost must be a number in"):
             agentspec.Engine.embedded(row_cost=bad)
@@ -154,27 +154,52 @@ def test_weight_cache_makes_starts_fast():
     assert ckpt.args.n_layers == 30 and ckpt.args.vocab_size == 49152
 
 
+def _run_all(runs: dict[str, tuple[list[str], str | None]], timeout: float) -> dict[str, subprocess.CompletedProcess]:
+    """``subprocess.run`` for several commands at once (each start imports torch: seconds);
+    every process is waited for (killed on a timeout) before this returns."""
+    procs = {k: subprocess.Popen(args, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k, (args, stdin) in runs.items()}
+    out = {}
+    try:
+        for k, p in procs.items():
+            stdout, stderr = p.communicate(runs[k][1], timeout=timeout)
+            out[k] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    finally:
+        for k, p in procs.items():
+            if k not in out:  # a timeout or an error above: end it and close its pipes
+                p.kill()
+                p.communicate()
+    return out
+
+
 def test_cli_generate_json_and_errors(tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text("Name three colors.")
-    r = subprocess.run([sys.executable, "-m", "agentspec", "generate", str(prompt), "--max-tokens", "16", "--json"],
-                       capture_output=True, text=True, timeout=300)
+    gen = [sys.executable, "-m", "agentspec", "generate"]
+    # the error cases alongside one model run; the two model runs one after the other (two
+    # OpenMP teams on two cores would slow each other down more than they save)
+    res = _run_all({
+        "json": ([*gen, str(prompt), "--max-tokens", "16", "--json"], None),
+        "bad": ([*gen, "--max-tokens", "0", str(prompt)], None),
+        "missing": ([*gen, str(tmp_path / "nope.txt")], None),
+        "badmodel": ([*gen, str(prompt), "--model", "/no/such.gguf"], None),
+    }, timeout=300)
+    res |= _run_all({"stdin": ([*gen, "--max-tokens", "16", "--json", "--no-spec"], "Name three colors.")},
+                    timeout=300)
+    r = res["json"]
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["text"] and len(out["token_ids"]) <= 16 and out["stats"]["spec_enabled"] is True
-    r2 = subprocess.run([sys.executable, "-m", "agentspec", "generate", "--max-tokens", "16", "--json", "--no-spec"],
-                        input="Name three colors.", capture_output=True, text=True, timeout=300)
+    r2 = res["stdin"]
     assert r2.returncode == 0, r2.stderr
     out2 = json.loads(r2.stdout.strip().splitlines()[-1])
     assert out2["token_ids"] == out["token_ids"] and out2["stats"]["spec_enabled"] is False
-    bad = subprocess.run([sys.executable, "-m", "agentspec", "generate", "--max-tokens", "0", str(prompt)],
-                         capture_output=True, text=True, timeout=60)
+    bad = res["bad"]
     assert bad.returncode == 2 and "--max-tokens must be > 0, got 0" in bad.stderr
-    missing = subprocess.run([sys.executable, "-m", "agentspec", "generate", str(tmp_path / "nope.txt")],
-                             capture_output=True, text=True, timeout=60)
+    missing = res["missing"]
     assert missing.returncode != 0 and "prompt file not found" in missing.stderr
-    badmodel = subprocess.run([sys.executable, "-m", "agentspec", "generate", str(prompt), "--model", "/no/such.gguf"],
-                              capture_output=True, text=True, timeout=60)
+    badmodel = res["badmodel"]
     assert badmodel.returncode == 2 and "model path does not exist: '/no/such.gguf'" in badmodel.stderr
 
 

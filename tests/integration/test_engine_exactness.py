@@ -89,11 +89,11 @@ class NoisyTreeDrafter:
         return Draft(tokens, parents, [0.5] * len(tokens), source="noisy-tree")
 
 
-def test_greedy_identity_with_tree_drafts(engine, rewrite_prompts, chat_prompts):
+def test_greedy_identity_with_tree_drafts(engine, plain_greedy, rewrite_prompts, chat_prompts):
     drafter = NoisyTreeDrafter(seed=1234, vocab=engine.vocab_size)
     branch_accepts = 0
     for ids in rewrite_prompts[:5] + chat_prompts[:2]:
-        plain = engine.generate(ids, max_tokens=64, spec=None)
+        plain = plain_greedy(ids, 64)
         tree = engine.generate(ids, max_tokens=64, spec=SpecConfig(budget=16, row_cost=0.0), drafter=drafter)
         assert tree.token_ids == plain.token_ids
         branch_accepts += tree.stats.accepted_tokens

@@ -59,27 +59,42 @@ class Server:
             cmd += ["--config", str(cfg)]
         if repo is not None:
             cmd += ["--repo", str(repo)]
+        self._clients: dict[str, openai.OpenAI] = {}
         self.stderr = open(tmp / f"{name}.stderr", "w+")
         self.proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.DEVNULL, stderr=self.stderr,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stderr.seek(0)
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.stderr.read()[-3000:]}")
-            try:
-                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("server did not become healthy in 120 s")
+        try:
+            self._wait_healthy(120)
+        except BaseException:
+            self.stop()  # no process or log file left behind by a failed start
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=1) as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    self.stderr.seek(0)
+                    raise RuntimeError(f"server exited with {self.proc.returncode}: {self.stderr.read()[-3000:]}")
+                try:
+                    if http.get(self.base + "/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+        raise RuntimeError(f"server did not become healthy in {timeout:.0f} s")
 
     def client(self, key: str = "unused") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=120)
+        """One OpenAI client per key for the server's life (thread-safe; closed by ``stop``:
+        a client dropped unclosed leaves its pooled sockets to the garbage collector)."""
+        if key not in self._clients:
+            self._clients[key] = openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=120)
+        return self._clients[key]
 
     def stop(self, sig=signal.SIGTERM) -> None:
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -300,14 +315,20 @@ def test_log_records_and_metrics(server):
 
 def test_stats_cli_table_json_and_plot(server, tmp_path):
     png = tmp_path / "acc.png"
-    r = subprocess.run([sys.executable, "-m", "agentspec", "stats", "--log-dir", str(server.cwd / "logs"),
-                        "--plot", str(png)], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert "acme" in r.stdout and "creative" in r.stdout and "default" in r.stdout
+    stats = [sys.executable, "-m", "agentspec", "stats", "--log-dir", str(server.cwd / "logs")]
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # both at once
+             for args in ([*stats, "--plot", str(png)], [*stats, "--tenant", "beta", "--json"])]
+    try:
+        (r_out, r_err), (j_out, _) = (p.communicate(timeout=60) for p in procs)
+    finally:
+        for p in procs:
+            if p.returncode is None:  # not waited for (a timeout above): end it, close its pipes
+                p.kill()
+                p.communicate()
+    assert procs[0].returncode == 0, r_err
+    assert "acme" in r_out and "creative" in r_out and "default" in r_out
     assert png.stat().st_size > 1000
-    j = subprocess.run([sys.executable, "-m", "agentspec", "stats", "--log-dir", str(server.cwd / "logs"),
-                        "--tenant", "beta", "--json"], capture_output=True, text=True, timeout=60)
-    data = json.loads(j.stdout)
+    data = json.loads(j_out)
     assert data["records"] >= 1 and {t["tenant"] for t in data["tenants"]} == {"beta"}
 
 

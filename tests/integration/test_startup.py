@@ -1,0 +1,377 @@
+"""Start-up: a port in use fails fast (before the model loads), and the step-cost profiles are
+cached on disk per machine, build and model (``agentspec.engine.profile_cache``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentspec.engine import profile_cache
+from agentspec.engine.batch import BatchEngine, lower_convex_hull, stand_in_step_costs
+from agentspec.engine.embedded import EmbeddedEngine
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def cache_env(tmp_path, monkeypatch):
+    """A private, enabled profile cache under tmp_path."""
+    monkeypatch.setenv("AGENTSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("AGENTSPEC_NO_PROFILE_CACHE", raising=False)
+    return tmp_path / "cache" / "profiles"
+
+
+@pytest.fixture
+def fake_engine(tmp_path):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF" + bytes(100))
+    return types.SimpleNamespace(
+        model_path=str(model), dtype=torch.bfloat16, kv_dtype=torch.float32, device=torch.device("cpu"),
+        deterministic=False, row_cost=0.05, max_context=8192,
+        args=types.SimpleNamespace(head_dim=64, n_heads=9, n_kv_heads=3, vocab_size=1000))
+
+
+# ---- port in use --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_port_in_use_fails_fast_before_loading_the_model(tmp_path):
+    assert (REPO / "agentspec" / "__main__.py").is_file()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "agentspec", "serve", "--port", str(port)], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1", "AGENTSPEC_NO_PROFILE_CACHE": "1"})
+        elapsed = time.monotonic() - t0
+    assert r.returncode != 0, r.stderr
+    assert elapsed < 20, f"took {elapsed:.1f}s: {r.stderr[-2000:]}"
+    assert f"127.0.0.1:{port}" in r.stderr
+    assert "in use" in r.stderr.lower()
+    assert "model ready" not in r.stderr and "serving" not in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bind_socket_names_the_address():
+    from agentspec.server import bind_socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit) as exc:
+            bind_socket("127.0.0.1", port)
+    assert f"127.0.0.1:{port}" in str(exc.value.code)
+    sock = bind_socket("127.0.0.1", 0)  # a free port binds, and stays held until closed
+    try:
+        port = sock.getsockname()[1]
+        assert port > 0
+        # a second server started at the same time (SO_REUSEADDR too) fails at once, not later
+        with pytest.raises(SystemExit) as exc:
+            bind_socket("127.0.0.1", port)
+        assert f"127.0.0.1:{port}" in str(exc.value.code)
+    finally:
+        sock.close()
+
+
+# ---- the cache itself ---------------------------------------------------------------------------
+
+
+def test_store_and_load_back(cache_env, fake_engine):
+    key = profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=5)
+    assert profile_cache.load(key, profile_cache.valid_row_cost) is None
+    path = profile_cache.store(key, 0.0425)
+    assert path is not None and path.parent == cache_env and path.is_file()
+    assert profile_cache.load(key, profile_cache.valid_row_cost) == 0.0425
+    assert [p.name for p in cache_env.iterdir()] == [path.name]  # no temporary file left behind
+    stored = json.loads(path.read_text())
+    for field in ("machine", "threads", "native", "model", "dtype", "kv_dtype", "device", "params"):
+        assert field in stored["key"], field
+    assert stored["key"]["model"]["path"] == str(Path(fake_engine.model_path).resolve())
+    assert stored["key"]["dtype"] == "bfloat16" and stored["key"]["threads"] == torch.get_num_threads()
+
+
+def test_key_changes_are_misses(cache_env, fake_engine, monkeypatch):
+    key = profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=5)
+    profile_cache.store(key, 0.05)
+
+    def miss(**changes):
+        eng = types.SimpleNamespace(**{**vars(fake_engine), **changes})
+        k = profile_cache.engine_key("row_cost", eng, context=1024, rows=33, repeat=5)
+        assert k != key
+        return profile_cache.load(k, profile_cache.valid_row_cost) is None
+
+    assert miss(dtype=torch.float32)
+    assert miss(kv_dtype=torch.bfloat16)
+    assert miss(device=torch.device("meta"))
+    assert profile_cache.load(profile_cache.engine_key("row_cost", fake_engine, context=512, rows=33, repeat=5)) is None
+    assert profile_cache.load(profile_cache.engine_key("step_costs", fake_engine, context=1024, rows=33,
+                                                       repeat=5)) is None
+    # the model file changes (size and mtime)
+    Path(fake_engine.model_path).write_bytes(b"GGUF" + bytes(200))
+    assert profile_cache.load(profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33,
+                                                       repeat=5)) is None
+    Path(fake_engine.model_path).write_bytes(b"GGUF" + bytes(100))
+    # another machine / thread count / kernel ISA
+    from agentspec.kernels import cpu_isa
+
+    info = cpu_isa.machine_info()
+    monkeypatch.setattr(cpu_isa, "machine_info", lambda: {**info, "cpus_usable": 64})
+    assert profile_cache.load(profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33,
+                                                       repeat=5)) is None
+    monkeypatch.setattr(cpu_isa, "machine_info", lambda: info)
+    active = cpu_isa.active
+    monkeypatch.setattr(cpu_isa, "active", lambda: "some-other-isa")
+    assert profile_cache.load(profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33,
+                                                       repeat=5)) is None
+    monkeypatch.setattr(cpu_isa, "active", active)
+    assert profile_cache.load(key, profile_cache.valid_row_cost) == 0.05  # all back: a hit again
+    monkeypatch.setenv("AGENTSPEC_CPU_LINEAR", "0")  # a kernel switch
+    assert profile_cache.load(profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33,
+                                                       repeat=5)) is None
+
+
+def test_same_file_name_other_key_is_a_miss(cache_env, fake_engine):
+    key = profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=5)
+    path = profile_cache.store(key, 0.05)
+    data = json.loads(path.read_text())
+    data["key"]["threads"] += 1  # as if another key hashed to this name
+    path.write_text(json.dumps(data))
+    assert profile_cache.load(key, profile_cache.valid_row_cost) is None
+
+
+@pytest.mark.parametrize("content", ["", "{", "not json", "[]", "null", '{"format": 1}',
+                                     '{"format": 1, "key": {}, "value": 0.1}'])
+def test_corrupt_file_is_a_miss_and_is_replaced(cache_env, fake_engine, content):
+    key = profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=5)
+    path = profile_cache.path_for(key)
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    assert profile_cache.load(key, profile_cache.valid_row_cost) is None
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    assert profile_cache.load(key, profile_cache.valid_row_cost) is None
+    assert profile_cache.store(key, 0.07) == path
+    assert profile_cache.load(key, profile_cache.valid_row_cost) == 0.07
+
+
+def test_bad_values_are_misses(cache_env, fake_engine):
+    key = profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=5)
+    for bad in (5.0, -0.1, "0.05", None, True, [0.05]):
+        profile_cache.store(key, bad)
+        assert profile_cache.load(key, profile_cache.valid_row_cost) is None, bad
+    skey = profile_cache.engine_key("step_costs", fake_engine, grid=[2, 8], context=1024, repeat=2)
+    for bad in ([[2, 0.01]], [[2, 0.01], [2, 0.02]], [[2, -1.0], [8, 0.02]], [[0, 0.01], [8, 0.02]],
+                {"2": 0.01, "8": 0.02}, [[2, 0.01], [8, "x"]], [[2.5, 0.01], [8, 0.02]]):
+        profile_cache.store(skey, bad)
+        assert profile_cache.load(skey, profile_cache.valid_step_costs) is None, bad
+    profile_cache.store(skey, [[2, 0.01], [8, 0.02]])
+    assert profile_cache.load(skey, profile_cache.valid_step_costs) == {2: 0.01, 8: 0.02}
+
+
+def test_disabled_by_env(cache_env, fake_engine, monkeypatch):
+    key = profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=5)
+    profile_cache.store(key, 0.05)
+    monkeypatch.setenv("AGENTSPEC_NO_PROFILE_CACHE", "1")
+    assert not profile_cache.enabled()
+    assert profile_cache.load(key, profile_cache.valid_row_cost) is None
+    assert profile_cache.store(key, 0.06) is None
+    monkeypatch.setenv("AGENTSPEC_NO_PROFILE_CACHE", "0")
+    assert profile_cache.load(key, profile_cache.valid_row_cost) == 0.05
+
+
+def test_unwritable_cache_dir_does_not_fail(tmp_path, fake_engine, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv("AGENTSPEC_CACHE_DIR", str(blocker))  # profiles/ cannot be created under a file
+    monkeypatch.delenv("AGENTSPEC_NO_PROFILE_CACHE", raising=False)
+    key = profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=5)
+    assert profile_cache.store(key, 0.05) is None
+    assert profile_cache.load(key, profile_cache.valid_row_cost) is None
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("AGENTSPEC_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert profile_cache.cache_dir() == tmp_path / "xdg" / "agentspec" / "profiles"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert profile_cache.cache_dir() == tmp_path / "home" / ".cache" / "agentspec" / "profiles"
+
+
+# ---- the engines use it ---------------------------------------------------------------------------
+
+
+def test_row_cost_measured_once_then_cached(cache_env, fake_engine, monkeypatch):
+    calls = []
+    values = iter([0.0375, 0.9, 0.5])
+    fake = types.SimpleNamespace(**vars(fake_engine), _row_cost_note="")
+    fake._profile_row_cost = lambda context, rows, repeat: calls.append((context, rows, repeat)) or next(values)
+    assert EmbeddedEngine._cached_row_cost(fake) == 0.0375
+    assert calls == [(1024, 33, 5)] and fake._row_cost_note == ""
+    # a hit: the stored number, and only a short warm-up run of the same forwards (result dropped)
+    assert EmbeddedEngine._cached_row_cost(fake) == 0.0375
+    assert calls == [(1024, 33, 5), (64, 33, 1)] and fake._row_cost_note == " (cached)"
+    monkeypatch.setenv("AGENTSPEC_NO_PROFILE_CACHE", "1")
+    fake._row_cost_note = ""
+    assert EmbeddedEngine._cached_row_cost(fake) == 0.5
+    assert calls[-1] == (1024, 33, 5) and fake._row_cost_note == ""
+
+
+MEASURED = {2: 0.020, 8: 0.025, 16: 0.040, 33: 0.050, 66: 0.090, 132: 0.180, 264: 0.400}
+
+
+@pytest.fixture
+def fake_profile(monkeypatch):
+    """BatchEngine._profile_runs without a model: yields per 'forward', returns MEASURED."""
+    runs = []
+
+    def profile_runs(self, grid, context, repeat):
+        runs.append((tuple(grid), context, repeat))
+        for _ in range(5):
+            yield
+        return {n: MEASURED[n] for n in grid}
+
+    monkeypatch.setattr(BatchEngine, "_profile_runs", profile_runs)
+    return runs
+
+
+def test_step_costs_miss_then_cached(cache_env, fake_engine, fake_profile):
+    be = BatchEngine(fake_engine, background=False)
+    assert be.step_costs_source == "stand-in" and fake_profile == []  # not measured yet
+    assert be.step_cost(2) > 0
+    assert be.step_costs == lower_convex_hull(MEASURED)  # read with no scheduler: measured now
+    assert be.step_costs_source == "measured" and fake_profile == [(BatchEngine.PROFILE_GRID, 1024, 2)]
+    be.close()
+    be2 = BatchEngine(fake_engine, background=False)
+    assert be2.step_costs_source == "cached" and len(fake_profile) == 1
+    assert be2.step_costs == lower_convex_hull(MEASURED)
+    be2.close()
+    given = BatchEngine(fake_engine, background=False, step_costs={2: 1.0, 264: 2.0})
+    assert given.step_costs_source == "given" and given.step_costs == {2: 1.0, 264: 2.0}
+    given.close()
+
+
+def test_step_costs_measured_by_the_idle_scheduler(cache_env, fake_engine, fake_profile):
+    with BatchEngine(fake_engine) as be:  # background scheduler: measures while idle
+        deadline = time.monotonic() + 30
+        while be.step_costs_source != "measured" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert be.step_costs_source == "measured" and fake_profile == [(BatchEngine.PROFILE_GRID, 1024, 2)]
+        assert be.step_costs == lower_convex_hull(MEASURED)
+    assert profile_cache.load(be._profile_key, profile_cache.valid_step_costs) == MEASURED
+
+
+def test_stand_in_costs_are_increasing_and_conservative():
+    for rc in (0.0, 0.04, 0.3, 1.0, 7.0):
+        c = stand_in_step_costs(rc, BatchEngine.PROFILE_GRID)
+        ns = sorted(c)
+        assert all(c[a] <= c[b] for a, b in zip(ns, ns[1:]))
+        assert lower_convex_hull(c) == pytest.approx(c)  # already convex
+        # past 33 rows no cheaper per row than a 33-row step
+        assert all(c[n] / n >= c[33] / 33 - 1e-12 for n in ns if n > 33)
+
+
+@pytest.mark.slow
+def test_real_profile_runs_one_forward_at_a_time(engine, cache_env, monkeypatch):
+    """The generator behind the profile on the real model: the numbers, and that a pending
+    profile lets requests through (the background scheduler measures only while idle)."""
+    with BatchEngine(engine, background=False, step_costs={2: 1.0, 264: 2.0}) as be:
+        costs = be.profile_step_costs(grid=(2, 8), context=300, repeat=1)
+    assert sorted(costs) == [2, 8] and all(0 < v < 60 for v in costs.values())
+    monkeypatch.setattr(BatchEngine, "PROFILE_GRID", (2, 8))
+    with BatchEngine(engine) as be:
+        assert be.step_costs_source == "stand-in"
+        [g] = be.generate_many(["Say hi."], max_tokens=4)
+        assert len(g.token_ids) >= 1
+        deadline = time.monotonic() + 300
+        while be.step_costs_source != "measured" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert be.step_costs_source == "measured" and sorted(be.step_costs) == [2, 8]
+    with BatchEngine(engine, background=False) as be:
+        assert be.step_costs_source == "cached"
+
+
+# ---- serve(): "serving" once /health answers; a failed HTTP start exits non-zero -------------------
+
+
+def _fake_state(fake_engine):
+    from agentspec.server import build_state
+
+    eng = types.SimpleNamespace(**vars(fake_engine), vocab_size=1000, drafter=None)
+    return build_state(None, engine=eng, quiet=True)
+
+
+def test_serving_line_only_once_health_answers(cache_env, fake_engine, fake_profile, tmp_path, monkeypatch, capfd):
+    import signal
+    import threading
+    import urllib.request
+
+    from agentspec.server import bind_socket, serve
+
+    monkeypatch.chdir(tmp_path)
+    state = _fake_state(fake_engine)
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    seen = {}
+
+    def probe_then_stop():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    seen["health"] = r.status
+                    break
+            except OSError:
+                time.sleep(0.05)
+        time.sleep(1.0)  # let the announcement print
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    t = threading.Thread(target=probe_then_stop, daemon=True)
+    t.start()
+    serve(state, host="127.0.0.1", port=port, sock=sock, started=time.perf_counter() - 1.0)
+    t.join(5)
+    err = capfd.readouterr().err
+    assert seen.get("health") == 200
+    lines = [ln for ln in err.splitlines() if ln.startswith("[agentspec] serving")]
+    assert len(lines) == 1, err
+    assert f"http://127.0.0.1:{port}" in lines[0] and "ready in " in lines[0], lines[0]
+    assert "[agentspec] try:" in err
+
+
+def test_http_server_failing_to_start_exits_nonzero(cache_env, fake_engine, fake_profile, tmp_path, monkeypatch):
+    from agentspec.server import bind_socket, serve
+
+    monkeypatch.chdir(tmp_path)
+    state = _fake_state(fake_engine)
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()  # uvicorn cannot serve on a closed socket
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as exc:
+        serve(state, host="127.0.0.1", port=port, sock=sock)
+    assert time.monotonic() - t0 < 20
+    assert exc.value.code not in (0, None)
+    assert f"127.0.0.1:{port}" in str(exc.value.code) and "failed to start" in str(exc.value.code)
+
+
+def test_old_profiles_are_pruned(cache_env, fake_engine, monkeypatch):
+    monkeypatch.setattr(profile_cache, "KEEP", 3)
+    paths = []
+    for i in range(5):
+        key = profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=i)
+        paths.append(profile_cache.store(key, 0.01 * (i + 1)))
+        os.utime(paths[-1], ns=(i * 10**9, i * 10**9))  # distinct ages
+    profile_cache.store(profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=9), 0.5)
+    left = sorted(p.name for p in cache_env.iterdir())
+    assert len(left) == 3 and paths[0].name not in left and paths[4].name in left

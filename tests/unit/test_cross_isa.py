@@ -1,0 +1,45 @@
+"""The Arm (NEON) bf16 linear body, bit for bit against the scalar one, under qemu-user.
+
+This machine cannot run aarch64 code natively: the test cross-compiles a standalone harness
+(tests/native/linear_isa_check.cpp: the kernel bodies of kernels/csrc, no Python) and runs it with
+qemu-aarch64. Skipped, with the reason, where the cross compiler or qemu is missing
+(``apt-get install g++-aarch64-linux-gnu qemu-user``)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CXX = shutil.which("aarch64-linux-gnu-g++")
+QEMU = shutil.which("qemu-aarch64")
+
+
+@pytest.mark.skipif(CXX is None or QEMU is None, reason="needs aarch64-linux-gnu-g++ and qemu-aarch64")
+def test_neon_linear_equals_scalar_bitwise(tmp_path):
+    exe = tmp_path / "linear_isa_check"
+    subprocess.run([CXX, "-std=c++17", "-O3", "-ffp-contract=off", "-static", "-Wall", "-Wno-psabi",
+                    str(ROOT / "tests" / "native" / "linear_isa_check.cpp"), "-o", str(exe)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([QEMU, str(exe)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("ok "), r.stdout + r.stderr
+    assert int(r.stdout.split()[1]) > 6000
+
+
+@pytest.mark.skipif(CXX is None, reason="needs aarch64-linux-gnu-g++")
+def test_kernels_compile_for_aarch64(tmp_path):
+    """Both native kernel sources build for Arm (no x86-only attributes outside x86 guards)."""
+    import sysconfig
+
+    import nanobind
+
+    nb = Path(nanobind.__file__).parent
+    for src in ("linear.cpp", "attention.cpp"):
+        r = subprocess.run([CXX, "-std=c++17", "-O2", "-fopenmp", "-Wall", "-Wno-psabi", "-c",
+                            str(ROOT / "kernels" / "csrc" / src), "-o", str(tmp_path / (src + ".o")),
+                            f"-I{nb / 'include'}", f"-I{nb / 'ext' / 'robin_map' / 'include'}",
+                            f"-I{sysconfig.get_paths()['include']}"], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
