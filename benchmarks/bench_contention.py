@@ -3,11 +3,13 @@
 
 A laptop running the server next to an editor, a build and an agent has cores taken away at any
 moment. This runs our engine on recorded rewrite prompts in a child process, once on a quiet
-machine and once while a busy-loop process spins (one core's worth of work), for each OpenMP wait
-policy: ``passive`` (the engine's default, agentspec/_cpu_env.py) and libgomp's own ``default``
-(spin, then sleep; the child gets ``OMP_WAIT_POLICY=""``, which agentspec/_cpu_env.py takes to
-mean "libgomp's default" and removes). Times are decode-only (prefill excluded) and prefill-included. Greedy outputs
-are checked identical across all runs. Prints one JSON object (last line of stdout).
+machine and once while a busy-loop process spins (one core's worth of work), per thread policy:
+- ``governor``: the engine's default (agentspec/engine/threads.py: libgomp's spin-waiting, the
+  team sized to the cores other work leaves free, re-sampled every 0.25 s);
+- ``fixed``: a team as wide as the machine, libgomp's default waiting (the engine before issue 13);
+- ``passive``: a fixed team with ``OMP_WAIT_POLICY=PASSIVE`` (threads sleep while they wait).
+Times are decode-only (prefill excluded) and prefill-included. Greedy outputs are checked
+identical across all runs. Prints one JSON object (last line of stdout).
 
     python benchmarks/bench_contention.py [--prompts 3] [--max-tokens 128] [--busy 1]
         [--policies passive,default] [--out FILE] [--plot PNG]
@@ -122,8 +124,7 @@ def main() -> int:
     ap.add_argument("--max-prompt", type=int, default=1500)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--busy", type=int, default=1, help="busy-loop processes during the busy runs")
-    ap.add_argument("--policies", default="passive,default",
-                    help="OpenMP wait policies: passive (ours), default (libgomp's spin-then-sleep), active")
+    ap.add_argument("--policies", default="governor,fixed,passive", help="thread policies (see above)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
@@ -134,8 +135,11 @@ def main() -> int:
     machine = None
     for policy in args.policies.split(","):
         env = dict(os.environ)
-        # "": agentspec removes the variable instead of setting PASSIVE (libgomp's default)
-        env["OMP_WAIT_POLICY"] = {"passive": "PASSIVE", "active": "ACTIVE", "default": ""}[policy]
+        env.pop("OMP_WAIT_POLICY", None)
+        if policy != "governor":
+            env["AGENTSPEC_THREAD_GOVERNOR"] = "0"
+        if policy == "passive":
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
         for busy in (0, args.busy):
             log(f"policy {policy}, {'busy' if busy else 'quiet'}")
             r = run_child(env, spec, busy)

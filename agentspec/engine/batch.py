@@ -443,8 +443,8 @@ class BatchEngine:
     # ---- the scheduler ------------------------------------------------------------------------
 
     def _loop(self, until_idle: bool = False) -> None:
-        # OpenMP's thread count is per calling thread: keep the engine's setting
-        torch.set_num_threads(self._threads)
+        # OpenMP's thread count is per calling thread: keep the engine's (its governor's) setting
+        self.engine.governor.apply()
         self._serving = True
         try:
             if until_idle:  # run_until_idle / generate_many: a pending profile first, as at start-up
@@ -617,6 +617,7 @@ class BatchEngine:
 
     def _step(self) -> None:
         e = self.engine
+        e.governor.update()
         dev = e.device
         reqs = self._running
         drafts = [self._draft(r) for r in reqs]

@@ -29,6 +29,7 @@ from ..kernels.tree import tree_depths, tree_mask, with_root
 from ..verify import greedy_verify, sampling_verify
 from .base import DEFAULT_SPEC, Engine, Generation, GenerationStats
 from .model import KVCache, Transformer, round_up
+from .threads import ThreadGovernor
 from .tokenizer import Tokenizer
 from .weights import load_checkpoint
 
@@ -101,6 +102,9 @@ class EmbeddedEngine(Engine):
             torch.set_num_threads(int(threads))
         elif self.device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(_cpu_isa.usable_cpus())  # affinity and cgroup quota, not all cores
+        # decode steps use the cores other processes leave free (up to the count above)
+        self.governor = ThreadGovernor(torch.get_num_threads(), enabled=self.device.type == "cpu"
+                                       and os.environ.get("AGENTSPEC_THREAD_GOVERNOR", "1") != "0")
         if row_cost is not None and (isinstance(row_cost, bool) or not isinstance(row_cost, (int, float))
                                      or not 0.0 <= row_cost <= 10.0):
             raise InvalidRequestError(f"row_cost must be a number in [0, 10], got {row_cost!r}", param="row_cost")
@@ -154,13 +158,14 @@ class EmbeddedEngine(Engine):
         if self.device.type != "cpu":
             return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else str(self.device)
         info = _cpu_isa.machine_info()
-        return (f"{info['cpu']}, {torch.get_num_threads()} threads, decode kernels {self.kernels}, "
+        gov = "adaptive" if self.governor.enabled else "fixed"
+        return (f"{info['cpu']}, {torch.get_num_threads()} threads ({gov}), decode kernels {self.kernels}, "
                 f"prefill GEMM {self.prefill_gemm}")
 
     def kernel_info(self) -> dict:
         """What ran, for benchmark JSON: CPU model and flags, usable cores, threads, dtype, kernels."""
         info = _cpu_isa.machine_info() if self.device.type == "cpu" else {"device": str(self.device)}
-        return {**info, "threads": torch.get_num_threads(), "dtype": str(self.dtype).removeprefix("torch."),
+        return {**info, "threads": self.governor.max_threads, "thread_governor": self.governor.enabled, "dtype": str(self.dtype).removeprefix("torch."),
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "decode_kernels": self.kernels,
                 "prefill_gemm": self.prefill_gemm, "row_invariant_linears": self.model.head_packed is not None}
 
@@ -421,6 +426,7 @@ class EmbeddedEngine(Engine):
 
     def _prefill(self, ids: list[int], cache: KVCache, temperature, top_p, top_k, gen) -> int:
         """Run the whole prompt into ``cache`` (committed); its last logits give the first token."""
+        self.governor.update()
         logits = self.model(torch.tensor(ids, device=self.device), torch.arange(len(ids), device=self.device),
                             cache, logits_rows=slice(-1, None))
         cache.commit(list(range(len(ids))))
@@ -463,6 +469,7 @@ class EmbeddedEngine(Engine):
     def _step(self, root: int, draft: Draft, cache: KVCache, temperature, top_p, top_k, gen,
               stats: GenerationStats, width: int, key_len: int) -> list[int]:
         """One forward over ``[root] + draft``; verify; commit. Returns the new committed tokens."""
+        self.governor.update()
         start = cache.length
         tokens = [root, *draft.token_ids]
         parents = with_root(draft.parents)
