@@ -444,7 +444,11 @@ class BatchEngine:
 
     def _loop(self, until_idle: bool = False) -> None:
         # OpenMP's thread count is per calling thread: keep the engine's (its governor's) setting
-        self.engine.governor.apply()
+        gov = getattr(self.engine, "governor", None)
+        if gov is not None:
+            gov.apply()
+        else:
+            torch.set_num_threads(self._threads)
         self._serving = True
         try:
             if until_idle:  # run_until_idle / generate_many: a pending profile first, as at start-up
@@ -617,7 +621,8 @@ class BatchEngine:
 
     def _step(self) -> None:
         e = self.engine
-        e.governor.update()
+        if getattr(e, "governor", None) is not None:
+            e.governor.update()
         dev = e.device
         reqs = self._running
         drafts = [self._draft(r) for r in reqs]

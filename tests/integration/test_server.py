@@ -455,9 +455,12 @@ def test_default_server_without_config_timeouts_and_sigkill(tmp_path):
         assert out.model_extra["spec"]["enabled"]
         r = httpx.post(s.base + "/v1/apply", json={"path": "mathutil.py", "update": "# x", "max_tokens": 4})
         assert r.status_code == 200, r.text
-        slow = httpx.post(s.base + "/v1/chat/completions", timeout=60,
-                          json={"messages": _rewrite_messages(), "temperature": 0, "max_tokens": 3000,
-                                "speculation": False})
+        # a ~5k-token prompt: its prefill alone outlasts the 1.5 s timeout on a CPU (a short
+        # prompt can finish at EOS within it, now that decoding runs at ~120 tok/s)
+        long_prompt = "Add type hints to all of this code.\n\n" + "```python\n" + CODE * 60 + "```"
+        slow = httpx.post(s.base + "/v1/chat/completions", timeout=120,
+                          json={"messages": [{"role": "user", "content": long_prompt}], "temperature": 0,
+                                "max_tokens": 2000, "speculation": False})
         assert slow.status_code == 504 and slow.json()["error"]["code"] == "timeout"
         with httpx.stream("POST", s.base + "/v1/chat/completions", timeout=60,
                           json={"messages": _rewrite_messages(), "temperature": 0, "max_tokens": 200,

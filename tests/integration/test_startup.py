@@ -334,13 +334,26 @@ def test_serving_line_only_once_health_answers(cache_env, fake_engine, fake_prof
                     break
             except OSError:
                 time.sleep(0.05)
-        time.sleep(1.0)  # let the announcement print
-        os.kill(os.getpid(), signal.SIGTERM)
+        announced.wait(10)  # the "serving" line is printed after /health answered
+        # call serve()'s SIGTERM handler, not a real signal: one that came after serve() returned
+        # (and restored the default handler) would end the whole test run
+        handler = signal.getsignal(signal.SIGTERM)
+        if callable(handler):
+            handler(signal.SIGTERM, None)
 
+    announced = threading.Event()
+    real_print = print
+
+    def spy_print(*args, **kw):
+        real_print(*args, **kw)
+        if args and str(args[0]).startswith("[agentspec] try:"):
+            announced.set()
+
+    monkeypatch.setattr("builtins.print", spy_print)
     t = threading.Thread(target=probe_then_stop, daemon=True)
     t.start()
     serve(state, host="127.0.0.1", port=port, sock=sock, started=time.perf_counter() - 1.0)
-    t.join(5)
+    t.join(15)
     err = capfd.readouterr().err
     assert seen.get("health") == 200
     lines = [ln for ln in err.splitlines() if ln.startswith("[agentspec] serving")]
