@@ -9,10 +9,11 @@ AVX512-BF16 can then test and benchmark the lower paths), ``set_isa`` does the s
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 
-__all__ = ["ISA_LEVELS", "active", "apply_env", "best", "bf16_native", "machine_info", "set_isa", "supported", "usable_cpus"]
+__all__ = ["ISA_LEVELS", "active", "apply_env", "best", "bf16_native", "has_bf16_instructions", "machine_info", "set_isa", "supported", "usable_cpus"]
 
 ISA_LEVELS = ("scalar", "neon", "avx2", "avx512", "avx512bf16")
 
@@ -74,26 +75,35 @@ def apply_env() -> str:
     return set_isa(value or None)
 
 
+def has_bf16_instructions() -> bool:
+    """Whether the CPU has bfloat16 dot-product instructions (AVX512-BF16, AMX or Arm BF16)."""
+    flags = set(_cpuinfo()[1])
+    return bool({"avx512_bf16", "amx_bf16"} & flags) or ("bf16" in flags and platform.machine() in ("aarch64", "arm64"))
+
+
 def bf16_native() -> bool:
-    """Whether the active variant has bfloat16 dot-product instructions, and so (we take it) torch's
-    bfloat16 GEMM runs at full speed; elsewhere prefill multiplies in float32 (``Transformer``)."""
-    if active() == "avx512bf16":
-        return True
-    if os.environ.get(_ENV):
-        return False  # capped below the instruction: behave as a CPU without it
-    flags = set(_flags())
-    return bool({"amx_bf16"} & flags) or ("bf16" in flags and platform.machine() in ("aarch64", "arm64"))
+    """Whether the kernels run uncapped on a CPU with bfloat16 dot-product instructions, and so (we
+    take it) torch's bfloat16 GEMM runs at full speed; elsewhere prefill multiplies in float32
+    (``Transformer.set_gemm_float32``). A cap below the best level behaves as a CPU without them."""
+    return active() == best() and has_bf16_instructions()
 
 
-def _flags() -> list[str]:
+@functools.lru_cache(maxsize=1)
+def _cpuinfo() -> tuple[str, tuple[str, ...]]:
+    """(CPU model name, flags) from /proc/cpuinfo (read once: they do not change)."""
+    model = platform.processor() or platform.machine()
+    flags: tuple[str, ...] = ()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
+                if line.startswith("model name") and model in ("", platform.machine()):
+                    model = line.split(":", 1)[1].strip()
                 if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].split()
+                    flags = tuple(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
-    return []
+    return model, flags
 
 
 def usable_cpus() -> int:
@@ -123,18 +133,7 @@ def usable_cpus() -> int:
 
 def machine_info() -> dict:
     """CPU model, the flags that matter for the kernels, cores usable by this process, kernel ISA."""
-    model = platform.processor() or platform.machine()
-    flags: list[str] = []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model in ("", platform.machine()):
-                    model = line.split(":", 1)[1].strip()
-                if line.startswith(("flags", "Features")):
-                    flags = line.split(":", 1)[1].split()
-                    break
-    except OSError:
-        pass
+    model, flags = _cpuinfo()
     keep = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni", "asimd", "bf16", "sve"}
     return {"cpu": model, "flags": sorted(keep & set(flags)), "isa": active(),
             "cpus_usable": usable_cpus(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")}

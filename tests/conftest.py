@@ -53,6 +53,17 @@ def no_leaked_resources():
     gc.freeze()
 
 
+@pytest.fixture
+def restore_isa():
+    """``agentspec.kernels.cpu_isa``, its kernel ISA level put back after the test (a test that
+    switches levels must not uncap a run started with ``AGENTSPEC_CPU_ISA``)."""
+    from agentspec.kernels import cpu_isa
+
+    before = cpu_isa.active()
+    yield cpu_isa
+    cpu_isa.set_isa(before)
+
+
 @pytest.fixture(scope="session")
 def rewrite_records() -> list[dict]:
     from agentspec.traces import load_records

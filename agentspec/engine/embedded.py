@@ -159,13 +159,14 @@ class EmbeddedEngine(Engine):
             return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else str(self.device)
         info = _cpu_isa.machine_info()
         gov = "adaptive" if self.governor.enabled else "fixed"
-        return (f"{info['cpu']}, {torch.get_num_threads()} threads ({gov}), decode kernels {self.kernels}, "
+        return (f"{info['cpu']}, {self.governor.max_threads} threads ({gov}), decode kernels {self.kernels}, "
                 f"prefill GEMM {self.prefill_gemm}")
 
     def kernel_info(self) -> dict:
         """What ran, for benchmark JSON: CPU model and flags, usable cores, threads, dtype, kernels."""
         info = _cpu_isa.machine_info() if self.device.type == "cpu" else {"device": str(self.device)}
-        return {**info, "threads": self.governor.max_threads, "thread_governor": self.governor.enabled, "dtype": str(self.dtype).removeprefix("torch."),
+        return {**info, "threads": self.governor.max_threads, "thread_governor": self.governor.enabled,
+                "dtype": str(self.dtype).removeprefix("torch."),
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "decode_kernels": self.kernels,
                 "prefill_gemm": self.prefill_gemm, "row_invariant_linears": self.model.head_packed is not None}
 
@@ -574,12 +575,7 @@ def _dtype(value, name: str) -> torch.dtype:
 
 def cpu_has_fast_bf16() -> bool:
     """True when this CPU has bfloat16 dot-product instructions (AVX512-BF16, AMX or Arm BF16)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "").split()
-    except OSError:
-        return False
-    return bool({"avx512_bf16", "amx_bf16", "bf16"} & set(flags))
+    return _cpu_isa.has_bf16_instructions()
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen) -> int:

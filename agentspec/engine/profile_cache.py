@@ -55,9 +55,7 @@ def _machine() -> dict:
     try:
         from ..kernels import cpu_isa
 
-        info = dict(cpu_isa.machine_info())
-        info["active_isa"] = cpu_isa.active()
-        return info
+        return cpu_isa.machine_info()  # its "isa" is the active level
     except Exception as e:  # noqa: BLE001 - the key then says so; never fail a start over it
         return {"machine": platform.machine(), "processor": platform.processor(), "cpu_isa_error": repr(e)}
 

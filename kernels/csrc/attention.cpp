@@ -408,32 +408,21 @@ void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new
 #define AS_DP dp_emul
 #define AS_ATTR
 #include "attention_bf16.inc"
-#undef AS_NS
-#undef AS_DP
-#undef AS_ATTR
 
 #if defined(AGENTSPEC_NEON)
 #define AS_NS bf16_neon
 #define AS_DP dp_neon
 #define AS_ATTR
 #include "attention_bf16.inc"
-#undef AS_NS
-#undef AS_DP
-#undef AS_ATTR
 #endif
 
 #if defined(AGENTSPEC_X86)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,bmi,bmi2,lzcnt,movbe,popcnt")
-#define AS_NS bf16_avx2
-#define AS_DP dp_fma256
+#define AS_NS bf16_avx2  // (no AS_DP: AS_AVX2 replaces every loop that uses it)
 #define AS_ATTR
 #define AS_AVX2 1
 #include "attention_bf16.inc"
-#undef AS_NS
-#undef AS_DP
-#undef AS_ATTR
-#undef AS_AVX2
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -442,9 +431,6 @@ void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new
 #define AS_DP dp_fma512
 #define AS_ATTR
 #include "attention_bf16.inc"
-#undef AS_NS
-#undef AS_DP
-#undef AS_ATTR
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -453,9 +439,6 @@ void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new
 #define AS_DP dp_hw
 #define AS_ATTR
 #include "attention_bf16.inc"
-#undef AS_NS
-#undef AS_DP
-#undef AS_ATTR
 #pragma GCC pop_options
 #endif
 

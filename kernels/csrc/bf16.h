@@ -94,24 +94,24 @@ static inline v16 dp_fma512(v16 acc, v16i a, uint32_t b) {
     return (v16)_mm512_fmadd_ps(alo, blo, r);
 }
 
-// ... and with 256-bit vectors (AVX2 + FMA): the 16 lanes as two halves
-__attribute__((target("avx2,fma")))
-static inline v16 dp_fma256(v16 acc, v16i a, uint32_t b) {
-    const __m256 bhi = _mm256_set1_ps(bf16_to_float((uint16_t)(b >> 16)));
-    const __m256 blo = _mm256_set1_ps(bf16_to_float((uint16_t)(b & 0xffffu)));
-    const __m256i mask = _mm256_set1_epi32((int)0xffff0000u);
-    __m256i a2[2];
-    __m256 c2[2];
-    std::memcpy(a2, &a, sizeof a2);
-    std::memcpy(c2, &acc, sizeof c2);
-    for (int h = 0; h < 2; ++h) {
-        const __m256 ahi = _mm256_castsi256_ps(_mm256_and_si256(a2[h], mask));
-        const __m256 alo = _mm256_castsi256_ps(_mm256_slli_epi32(a2[h], 16));
-        c2[h] = _mm256_fmadd_ps(alo, blo, _mm256_fmadd_ps(ahi, bhi, c2[h]));
-    }
-    v16 r;
-    std::memcpy(&r, c2, sizeof r);
-    return r;
+// AVX2 + FMA: the 16 bf16 pairs of one VDPBF16PS step (a panel row of weights or of keys /
+// values) as their high and low bf16 halves widened to float32 (exact), two 8-lane halves each;
+// dp256 adds the high product first, as the instruction does. The AVX2 loops use these on
+// 256-bit accumulators directly (16-lane vector-extension values would live on the stack).
+struct Pairs256 {
+    __m256 h0, h1, l0, l1;
+};
+
+__attribute__((target("avx2,fma"))) static inline Pairs256 load_pairs256(const uint32_t* p) {
+    const __m256i m = _mm256_set1_epi32((int)0xffff0000u);
+    const __m256i w0 = _mm256_loadu_si256((const __m256i*)p), w1 = _mm256_loadu_si256((const __m256i*)(p + 8));
+    return {_mm256_castsi256_ps(_mm256_and_si256(w0, m)), _mm256_castsi256_ps(_mm256_and_si256(w1, m)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16))};
+}
+
+__attribute__((target("avx2,fma"))) static inline __m256 dp256(__m256 acc, __m256 h, __m256 l, __m256 bh,
+                                                               __m256 bl) {
+    return _mm256_fmadd_ps(l, bl, _mm256_fmadd_ps(h, bh, acc));
 }
 #endif
 

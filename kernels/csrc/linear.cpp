@@ -40,11 +40,6 @@ namespace {
 #define LN_P 2
 #define LN_ATTR
 #include "linear_body.inc"
-#undef LN_NS
-#undef LN_DP
-#undef LN_MR
-#undef LN_P
-#undef LN_ATTR
 
 #if defined(AGENTSPEC_NEON)
 #define LN_NS lin_neon
@@ -53,11 +48,6 @@ namespace {
 #define LN_P 2
 #define LN_ATTR
 #include "linear_body.inc"
-#undef LN_NS
-#undef LN_DP
-#undef LN_MR
-#undef LN_P
-#undef LN_ATTR
 #endif
 
 #if defined(AGENTSPEC_X86)
@@ -78,20 +68,14 @@ static inline __attribute__((always_inline)) void tile(const float* xf, int64_t 
     __m256 acc[MR][P][2];
     for (int m = 0; m < MR; ++m)
         for (int p = 0; p < P; ++p) acc[m][p][0] = acc[m][p][1] = _mm256_setzero_ps();
-    const __m256i himask = _mm256_set1_epi32((int)0xffff0000u);
     for (int64_t k = 0; k < K2; ++k) {
         for (int p = 0; p < P; ++p) {
-            const uint32_t* wp = w + (p * K2 + k) * 16;
-            const __m256i w0 = _mm256_loadu_si256((const __m256i*)wp), w1 = _mm256_loadu_si256((const __m256i*)(wp + 8));
-            const __m256 h0 = _mm256_castsi256_ps(_mm256_and_si256(w0, himask));
-            const __m256 h1 = _mm256_castsi256_ps(_mm256_and_si256(w1, himask));
-            const __m256 l0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
-            const __m256 l1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+            const Pairs256 wv = load_pairs256(w + (p * K2 + k) * 16);
             for (int m = 0; m < MR; ++m) {
                 const __m256 bh = _mm256_broadcast_ss(xf + m * K + 2 * k + 1);
                 const __m256 bl = _mm256_broadcast_ss(xf + m * K + 2 * k);
-                acc[m][p][0] = _mm256_fmadd_ps(l0, bl, _mm256_fmadd_ps(h0, bh, acc[m][p][0]));
-                acc[m][p][1] = _mm256_fmadd_ps(l1, bl, _mm256_fmadd_ps(h1, bh, acc[m][p][1]));
+                acc[m][p][0] = dp256(acc[m][p][0], wv.h0, wv.l0, bh, bl);
+                acc[m][p][1] = dp256(acc[m][p][1], wv.h1, wv.l1, bh, bl);
             }
         }
     }
@@ -141,11 +125,6 @@ static void panels_f(const float* xf, int64_t M, const uint32_t* wp, int64_t K2,
 #define LN_P 4
 #define LN_ATTR
 #include "linear_body.inc"
-#undef LN_NS
-#undef LN_DP
-#undef LN_MR
-#undef LN_P
-#undef LN_ATTR
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -156,11 +135,6 @@ static void panels_f(const float* xf, int64_t M, const uint32_t* wp, int64_t K2,
 #define LN_P 4
 #define LN_ATTR
 #include "linear_body.inc"
-#undef LN_NS
-#undef LN_DP
-#undef LN_MR
-#undef LN_P
-#undef LN_ATTR
 #pragma GCC pop_options
 #endif
 

@@ -176,16 +176,13 @@ def _isa_levels():
 
 
 @pytest.fixture(params=_isa_levels())
-def isa(request):
+def isa(request, restore_isa):
     """Each native-kernel ISA level this CPU runs (``AGENTSPEC_CPU_ISA`` caps them lower)."""
-    from agentspec.kernels import cpu_isa
-
-    before = cpu_isa.active()
-    if cpu_isa.ISA_LEVELS.index(request.param) > cpu_isa.ISA_LEVELS.index(before):
-        pytest.skip(f"kernels capped at {before}")
+    cpu_isa = restore_isa
+    if cpu_isa.ISA_LEVELS.index(request.param) > cpu_isa.ISA_LEVELS.index(cpu_isa.active()):
+        pytest.skip(f"kernels capped at {cpu_isa.active()}")
     cpu_isa.set_isa(request.param)
-    yield request.param
-    cpu_isa.set_isa(before)
+    return request.param
 
 
 def test_verification_logits_equal_plain_logits_bitwise(engine, rewrite_prompts, isa):

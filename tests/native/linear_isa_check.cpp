@@ -18,11 +18,6 @@ namespace {
 #define LN_P 2
 #define LN_ATTR
 #include "../../kernels/csrc/linear_body.inc"
-#undef LN_NS
-#undef LN_DP
-#undef LN_MR
-#undef LN_P
-#undef LN_ATTR
 #if defined(AGENTSPEC_NEON)
 #define LN_NS lin_neon
 #define LN_DP dp_neon

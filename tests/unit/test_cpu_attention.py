@@ -303,42 +303,34 @@ def test_fused_tree_node_equals_plain_decoding_row_bitwise(packed_linears):
             assert torch.equal(r, out[slot])
 
 
-def test_every_isa_level_gives_the_same_bits():
+def test_every_isa_level_gives_the_same_bits(restore_isa):
     """Attention and linears: every ISA level this CPU runs (the AVX512-BF16 instruction, its
     AVX-512 / AVX2 / NEON / scalar emulations) computes the same logits and cache, bit for bit."""
-    from agentspec.kernels import cpu_isa
-
+    cpu_isa = restore_isa
     levels = cpu_isa.supported()
     args, model = _random_model(packed_linears=True)
     ids = torch.randint(0, args.vocab_size, (200,), generator=torch.Generator().manual_seed(9))
     outs = {}
-    try:
-        for isa in levels:
-            assert cpu_isa.set_isa(isa) == isa
-            c = _packed_cache(args, 256)
-            model(ids[:190], torch.arange(190), c, logits_rows=slice(-1, None))
-            c.commit(list(range(190)))
-            outs[isa] = (model(ids[190:], torch.arange(190, 200), c, None), c.k.clone(), c.kt2.clone())
-    finally:
-        cpu_isa.set_isa(None)
+    for isa in levels:
+        assert cpu_isa.set_isa(isa) == isa
+        c = _packed_cache(args, 256)
+        model(ids[:190], torch.arange(190), c, logits_rows=slice(-1, None))
+        c.commit(list(range(190)))
+        outs[isa] = (model(ids[190:], torch.arange(190, 200), c, None), c.k.clone(), c.kt2.clone())
     best = outs[levels[-1]]
     for isa, out in outs.items():
         assert all(torch.equal(a, b) for a, b in zip(out, best)), f"{isa} differs from {levels[-1]}"
 
 
-def test_isa_cap_and_bad_names():
-    from agentspec.kernels import cpu_isa
-
-    try:
-        assert cpu_isa.set_isa("scalar") == "scalar"
-        assert cpu_isa.active() == "scalar"
-        # a cap above what the CPU runs gives the best level at or below it
-        assert cpu_isa.set_isa("avx512bf16") == cpu_isa.best()
-        with pytest.raises(ValueError, match="unknown CPU ISA 'sse9'"):
-            cpu_isa.set_isa("sse9")
-    finally:
-        cpu_isa.set_isa(None)
-    assert cpu_isa.active() == cpu_isa.best()
+def test_isa_cap_and_bad_names(restore_isa):
+    cpu_isa = restore_isa
+    assert cpu_isa.set_isa("scalar") == "scalar"
+    assert cpu_isa.active() == "scalar"
+    # a cap above what the CPU runs gives the best level at or below it
+    assert cpu_isa.set_isa("avx512bf16") == cpu_isa.best()
+    with pytest.raises(ValueError, match="unknown CPU ISA 'sse9'"):
+        cpu_isa.set_isa("sse9")
+    assert cpu_isa.set_isa(None) == cpu_isa.best() == cpu_isa.active()
 
 
 @pytest.mark.parametrize("packed_linears", [False, True])

@@ -67,22 +67,19 @@ def test_strided_rows_and_out_argument():
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 7, 13, 33])
-def test_every_isa_level_equals_the_best(M):
+def test_every_isa_level_equals_the_best(M, restore_isa):
     """Each ISA level's kernel (its own tile shapes) gives the best level's bits, for every row
     count (tile remainders) and a column count that is no multiple of the panel groups."""
-    from agentspec.kernels import cpu_isa
-
+    cpu_isa = restore_isa
     w, x = _data(300, 576, M, seed=5)
     lin = cpu_linear.PackedLinear(w)
+    cpu_isa.set_isa(None)
     ref = lin(x)
-    try:
-        for isa in cpu_isa.supported():
-            cpu_isa.set_isa(isa)
-            assert torch.equal(lin(x), ref), isa
-            for m in range(M):  # and each row alone
-                assert torch.equal(lin(x[m:m + 1]), ref[m:m + 1]), (isa, m)
-    finally:
-        cpu_isa.set_isa(None)
+    for isa in cpu_isa.supported():
+        cpu_isa.set_isa(isa)
+        assert torch.equal(lin(x), ref), isa
+        for m in range(M):  # and each row alone
+            assert torch.equal(lin(x[m:m + 1]), ref[m:m + 1]), (isa, m)
 
 
 def test_pack_layout():
