@@ -148,20 +148,26 @@ class Block(nn.Module):
         # torch-path linears of a bfloat16 model multiply in float32 (Transformer.set_gemm_float32)
         self.gemm_f32 = False
 
-    def _lin(self, x, m: nn.Linear):
-        """``x @ m.weight.T`` on the torch path (prefill, long chunks). On CPUs without bfloat16
-        dot products torch's bfloat16 GEMM runs ~3.5x slower than its float32 one (27 vs 92
-        GFLOP/s measured with ATen and oneDNN capped at AVX2): there a bfloat16 model widens
-        weights and rows to float32 (exact) and rounds the result to bfloat16 once."""
+    def _lin(self, x, i: int, rows: bool):
+        """``x @ W.T`` for projection ``i`` (0 wqkv, 1 wo, 2 w_gate_up, 3 w_down) on the torch
+        path. ``rows``: decode / verify rows (not a prefill), which take the native row-invariant
+        linears once ``Transformer.pack_linears`` set them, as the fused path does, so that a
+        row's bits do not depend on how many rows share the forward. Otherwise torch's GEMM; on
+        CPUs without bfloat16 dot products its bfloat16 GEMM runs ~3.5x slower than its float32
+        one (27 vs 92 GFLOP/s with ATen and oneDNN capped at AVX2), so there a bfloat16 model
+        widens weights and rows to float32 (exact) and rounds the result to bfloat16 once."""
+        if rows and self.packed is not None:
+            return self.packed[i](x)
+        w = (self.wqkv, self.wo, self.w_gate_up, self.w_down)[i].weight
         if self.gemm_f32 and x.dtype == torch.bfloat16:
-            return F.linear(x.float(), m.weight.float()).to(torch.bfloat16)
-        return F.linear(x, m.weight)
+            return F.linear(x.float(), w.float()).to(torch.bfloat16)
+        return F.linear(x, w)
 
-    def _qkv(self, x, cos, sin):
+    def _qkv(self, x, cos, sin, rows: bool):
         """x: [T, dim] -> q [H, T, D], k [Hkv, T, D] (rotated), v [Hkv, T, D]."""
         a = self.args
         T = x.shape[0]
-        q, k, v = self._lin(self.attn_norm(x), self.wqkv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self._lin(self.attn_norm(x), 0, rows).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(T, a.n_heads, a.head_dim).transpose(0, 1), cos, sin)
         k = apply_rope(k.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1), cos, sin)
         return q, k, v.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1)
@@ -169,7 +175,8 @@ class Block(nn.Module):
     def forward(self, x, layer: int, cache: KVCache, start: int, cos, sin, mask, causal: bool, key_len: int):
         # x: [T, dim]; cos/sin: [T, head_dim]; mask: [T, start + T] bool, or None with `causal`
         T = x.shape[0]
-        q, k, v = self._qkv(x, cos, sin)
+        rows = not causal and T <= SMALL_T  # decode / verify rows, not a prefill
+        q, k, v = self._qkv(x, cos, sin, rows)
         cache.write(layer, start, k, v)
         if causal and q.dtype == torch.bfloat16 and not self.gemm_f32:
             # prefill from an empty cache in bf16: blockwise causal attention skips the masked
@@ -194,7 +201,7 @@ class Block(nn.Module):
             o = small_attention(qa, cache.k[layer], cache.v[layer], mask, key_len)
         if o.dim() == 3:
             o = o.to(x.dtype).transpose(0, 1).reshape(T, self.q_size)
-        return self._mlp(x + self._lin(o, self.wo))
+        return self._mlp(x + self._lin(o, 1, rows), rows)
 
     def forward_native(self, x, layer: int, attn: "cpu_attention.QKVAttention"):
         """Decode / verify rows with the native attention (rotary, cache writes and attention in
@@ -208,10 +215,10 @@ class Block(nn.Module):
         gate, up = w_gate_up(F.rms_norm(x, (x.shape[-1],), n.weight, n.eps)).chunk(2, dim=-1)
         return x + w_down(F.silu(gate) * up)
 
-    def _mlp(self, x):
+    def _mlp(self, x, rows: bool):
         n = self.ffn_norm
-        gate, up = self._lin(F.rms_norm(x, (x.shape[-1],), n.weight, n.eps), self.w_gate_up).chunk(2, dim=-1)
-        return x + self._lin(F.silu(gate) * up, self.w_down)
+        gate, up = self._lin(F.rms_norm(x, (x.shape[-1],), n.weight, n.eps), 2, rows).chunk(2, dim=-1)
+        return x + self._lin(F.silu(gate) * up, 3, rows)
 
 
     def forward_segments(self, x, layer: int, segs: list["Segment"], cos, sin):
@@ -219,7 +226,7 @@ class Block(nn.Module):
         once (a row's result does not depend on the others: see ``small_attention``), attention
         runs per request over its own cache. x: [R, dim] rows of all segments, in order."""
         R = x.shape[0]
-        q, k, v = self._qkv(x, cos, sin)
+        q, k, v = self._qkv(x, cos, sin, True)
         if cpu_attention.supports(q, segs[0].cache.k[layer]):
             # one native call for every segment: writes the new keys/values, then attends
             kv = torch.stack([k, v]).to(torch.float32).contiguous()       # [2, Hkv, R, D]
@@ -236,7 +243,7 @@ class Block(nn.Module):
                 qa = q[:, off:off + T].to(cache.k.dtype)
                 outs.append(small_attention(qa, cache.k[layer], cache.v[layer], sg.mask, start + T))
             o = torch.cat(outs, dim=1).to(x.dtype).transpose(0, 1).reshape(R, self.q_size)
-        return self._mlp(x + self._lin(o, self.wo))
+        return self._mlp(x + self._lin(o, 1, True), True)
 
 
 PREFILL_BLOCK = 128
