@@ -1,15 +1,24 @@
-"""agentspec: model-free speculative decoding for coding agents."""
+"""agentspec: model-free speculative decoding for coding agents.
+
+Importing the package is cheap: it loads neither torch nor the native kernels. The public names
+below resolve on first use (PEP 562), so ``from agentspec import EmbeddedEngine`` loads the
+engine (and torch) then, and ``from agentspec import Draft`` does not.
+"""
 
 from . import _cpu_env
 
-_cpu_env.apply()  # before anything imports torch
+_cpu_env.apply()  # before anything imports torch (it only sets environment variables)
 
+from ._lazy import lazy_exports  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
-from .config import SpecConfig
-from .drafting import Draft, Drafter, PromptLookupDrafter, SuffixDrafter, default_drafter
-from .engine import EmbeddedEngine, Engine, Generation, GenerationStats
-from .errors import AgentSpecError, ConfigError, ContextLengthError, InvalidRequestError, ModelLoadError
-from .workspace import Workspace
+from .errors import AgentSpecError, ConfigError, ContextLengthError, InvalidRequestError, ModelLoadError  # noqa: E402
+
+if TYPE_CHECKING:
+    from .config import SpecConfig
+    from .drafting import Draft, Drafter, PromptLookupDrafter, SuffixDrafter, default_drafter
+    from .engine import Engine, Generation, GenerationStats
+    from .workspace import Workspace
 
 __version__ = "0.1.0"
 
@@ -32,3 +41,21 @@ __all__ = [
     "__version__",
     "default_drafter",
 ]
+
+# public name -> the submodule that defines it, imported on first access
+_LAZY = {
+    "SpecConfig": ".config",
+    "Draft": ".drafting",
+    "Drafter": ".drafting",
+    "PromptLookupDrafter": ".drafting",
+    "SuffixDrafter": ".drafting",
+    "default_drafter": ".drafting",
+    "EmbeddedEngine": ".engine",
+    "Engine": ".engine",
+    "Generation": ".engine",
+    "GenerationStats": ".engine",
+    "Workspace": ".workspace",
+}
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, __all__)

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from .drafting.registry import drafter_names, parse_drafters
 from .errors import ConfigError
 
 __all__ = ["RouteRule", "RouteWhen", "ServerConfig", "ServerSection", "SpecConfig", "TenantConfig",
@@ -47,7 +48,7 @@ class SpecConfig(msgspec.Struct, frozen=True, kw_only=True):
 _NAME = r"^[A-Za-z0-9._-]{1,64}$"
 Name = Annotated[str, msgspec.Meta(pattern=_NAME)]
 ENDPOINTS = ("chat.completions", "completions", "apply")
-DRAFTERS = ("suffix", "lookahead", "prompt_lookup")
+DRAFTERS = drafter_names()   # the built-in drafters (agentspec.drafting.registry: the one list)
 
 
 class ServerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -104,7 +105,10 @@ class RouteRule(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     speculation: bool = True
     # max draft tokens per step (None: SpecConfig's default)
     budget: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
-    # which drafters propose: "suffix" (default), "lookahead" (suffix + lookahead n-grams), "prompt_lookup"
+    # which drafters propose (names from agentspec.drafting.registry): "suffix" (default), "lookahead"
+    # (the lookahead n-gram pool alone), "prompt_lookup". Several names: those drafters merged into one
+    # tree (["suffix", "lookahead"] is suffix + lookahead). "a>b": drafter a backed by drafter b (b's
+    # draft is used when it expects more accepted tokens). Each drafter at most once per route.
     drafters: list[str] | None = None
 
     def __post_init__(self) -> None:
@@ -112,11 +116,13 @@ class RouteRule(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             for v in [values] if isinstance(values, str) else values or []:
                 if v not in ENDPOINTS:
                     raise ConfigError(f"route {self.name!r}: when.{field} {v!r} is not one of {list(ENDPOINTS)}")
-        for d in self.drafters or []:
-            if d not in DRAFTERS:
-                raise ConfigError(f"route {self.name!r}: unknown drafter {d!r} (known: {list(DRAFTERS)})")
         if self.drafters is not None and not self.drafters:
             raise ConfigError(f"route {self.name!r}: drafters must not be empty (use speculation = false)")
+        if self.drafters:
+            try:
+                parse_drafters(self.drafters)
+            except ValueError as e:  # names the bad value and lists the known drafters
+                raise ConfigError(f"route {self.name!r}: {e}") from None
 
 
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

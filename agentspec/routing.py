@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import msgspec
 
 from .config import RouteRule, SpecConfig
+from .drafting.registry import DEFAULT_DRAFTERS
 
 __all__ = ["Route", "Router"]
 
@@ -21,7 +22,7 @@ class Route(msgspec.Struct, frozen=True, kw_only=True):
     name: str                   # the matched rule, or "default"
     spec: SpecConfig | None     # None: speculation off
     reason: str                 # why speculation is off ("" when on)
-    drafters: tuple[str, ...]   # which drafters propose
+    drafters: tuple[str, ...]   # which drafters propose (agentspec.drafting.registry.build_drafter)
 
 
 def _matches(value, want) -> bool:
@@ -44,11 +45,11 @@ class Router:
             if w.max_temperature is not None and temperature > w.max_temperature:
                 continue
             return self._route(rule)
-        return Route(name="default", spec=SpecConfig(), reason="", drafters=("suffix",))
+        return Route(name="default", spec=SpecConfig(), reason="", drafters=DEFAULT_DRAFTERS)
 
     @staticmethod
     def _route(rule: RouteRule) -> Route:
-        drafters = tuple(rule.drafters or ("suffix",))
+        drafters = tuple(rule.drafters or DEFAULT_DRAFTERS)
         if not rule.speculation:
             return Route(name=rule.name, spec=None, reason=f"route {rule.name!r}: speculation = false",
                          drafters=drafters)

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from agentspec.drafting.draft import Draft  # the leaf module: stdlib + msgspec, no torch
+
 from . import _core
 
 __all__ = ["SuffixIndex", "MAX_TOKEN_ID"]
@@ -37,14 +39,6 @@ _INT_OPTIONS = {
     "min_draft": (1, 1 << 16),
     "history_tokens": (0, 1 << 40),
 }
-
-
-def _Draft(*args):
-    global _Draft
-    from agentspec.drafting.base import Draft  # late: agentspec.drafting imports this package
-
-    _Draft = Draft
-    return Draft(*args)
 
 
 class SuffixIndex:
@@ -132,7 +126,7 @@ class SuffixIndex:
             raise ValueError(f"budget must be an integer >= 0, got {budget!r}")
         with self._lock:
             toks, parents, probs, score = self._core.propose(req_id, int(min(budget, 1 << 20)))
-        return _Draft(toks, parents, probs, score, "suffix")
+        return Draft(toks, parents, probs, score, "suffix")
 
     def stop(self, req_id: str) -> None:
         """Close a request; its output joins its tenant's history (``keep_outputs``)."""

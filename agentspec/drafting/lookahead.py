@@ -3,20 +3,19 @@
 ``LookaheadDrafter`` keeps the n-grams a request has generated (and its tenant's recent
 outputs) in a pool keyed by their first ``key`` tokens, like lookahead decoding's n-gram pool
 (without the Jacobi iterations, which need the model): when the context ends with a key, the
-pool's recent continuations become a draft tree. ``MergedDrafter`` runs several drafters and
-merges their trees (same token under the same parent is one node; a node's probability is the
-best any drafter gave it), keeping the likeliest nodes within the budget.
+pool's recent continuations become a draft tree. ``MergedDrafter`` (now in combine.py,
+re-exported here) runs several drafters and merges their trees.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import numpy as np
 
-from .base import EMPTY_DRAFT, Draft, Drafter, trie_draft
+from .combine import MergedDrafter  # re-exported: it lived here
+from .draft import EMPTY_DRAFT, Draft, trie_draft
 
 __all__ = ["LookaheadDrafter", "MergedDrafter"]
 
@@ -105,70 +104,3 @@ class LookaheadDrafter:
             return self._reqs[req_id]
         except KeyError:
             raise ValueError(f"unknown request id {req_id!r}") from None
-
-
-class MergedDrafter:
-    """Several drafters as one: their trees merged, the likeliest nodes kept within the budget."""
-
-    def __init__(self, *drafters: Drafter) -> None:
-        if not drafters:
-            raise ValueError("MergedDrafter needs at least one drafter")
-        self.drafters = drafters
-
-    def start(self, req_id: str, prompt: Sequence[int], *, tenant: str = "default") -> None:
-        for d in self.drafters:
-            d.start(req_id, prompt, tenant=tenant)
-
-    def extend(self, req_id: str, tokens: Sequence[int]) -> None:
-        for d in self.drafters:
-            d.extend(req_id, tokens)
-
-    def stop(self, req_id: str) -> None:
-        for d in self.drafters:
-            d.stop(req_id)
-
-    def propose(self, req_id: str, budget: int) -> Draft:
-        drafts = [d.propose(req_id, budget) for d in self.drafters]
-        drafts = [d for d in drafts if d.token_ids]
-        if len(drafts) <= 1:
-            return drafts[0] if drafts else EMPTY_DRAFT
-        # merge: node key = (parent node, token); survival = best over drafters
-        key_of: dict[tuple[int, int], int] = {}
-        parent_of: list[int] = []
-        tok_of: list[int] = []
-        surv: list[float] = []
-        for d in drafts:
-            local: list[int] = []
-            s_local: list[float] = []
-            for i, (t, p, q) in enumerate(zip(d.token_ids, d.parents, d.probs)):
-                par = local[p] if p >= 0 else -1
-                s = q * (s_local[p] if p >= 0 else 1.0)
-                s_local.append(s)
-                node = key_of.get((par, t))
-                if node is None:
-                    node = key_of[(par, t)] = len(tok_of)
-                    parent_of.append(par)
-                    tok_of.append(t)
-                    surv.append(s)
-                else:
-                    surv[node] = max(surv[node], s)
-                local.append(node)
-        # best first by survival, a node only after its parent (children join the heap then)
-        kids: dict[int, list[int]] = {}
-        for n, par in enumerate(parent_of):
-            kids.setdefault(par, []).append(n)
-        heap = [(-surv[n], n) for n in kids.get(-1, ())]
-        heapq.heapify(heap)
-        chosen: dict[int, int] = {}
-        tokens, parents, probs = [], [], []
-        while heap and len(tokens) < budget:
-            _, n = heapq.heappop(heap)
-            par = parent_of[n]
-            chosen[n] = len(tokens)
-            tokens.append(tok_of[n])
-            parents.append(chosen[par] if par >= 0 else -1)
-            ps = surv[par] if par >= 0 else 1.0
-            probs.append(min(1.0, surv[n] / ps) if ps > 0 else 0.0)
-            for c in kids.get(n, ()):
-                heapq.heappush(heap, (-surv[c], c))
-        return Draft(tokens, parents, probs, float(sum(surv[n] for n in chosen)), "merged")

@@ -1,0 +1,94 @@
+"""Importing agentspec's light parts loads neither torch nor the native kernels.
+
+The config, the router, the drafting layer and the suffix index are used by processes that
+never run the embedded engine (an SGLang worker, the CLI's config checks); each check runs in a
+fresh interpreter, since this test process may have torch loaded already.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(code: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _heavy(mods: list[str]) -> list[str]:
+    return [m for m in mods if m == "torch" or m.startswith(("torch.", "agentspec.kernels", "agentspec.engine"))]
+
+
+def test_light_imports_load_no_torch_and_no_kernels():
+    r = _run("""
+        import json, sys
+        import agentspec, suffix_index, agentspec.drafting, agentspec.config, agentspec.routing
+        from agentspec import Draft, SpecConfig, ConfigError
+        from agentspec.drafting import build_drafter, FallbackDrafter, HiddenStateDrafter
+        from agentspec.drafting.base import cut_for_cost
+        d = build_drafter(["suffix>lookahead", "prompt_lookup"])
+        d.start("r", [1, 2, 3, 1, 2])
+        d.propose("r", 4)
+        print(json.dumps({"mods": sorted(sys.modules)}))
+    """)
+    assert _heavy(r["mods"]) == []
+
+
+def test_suffix_index_alone_and_the_draft_leaf():
+    r = _run("""
+        import json, sys
+        import suffix_index
+        s = suffix_index.SuffixIndex()
+        s.start("r", [1, 2, 3, 1, 2])
+        d = s.propose("r", 4)
+        a = sorted(sys.modules)
+        print(json.dumps({"mods": a, "type": type(d).__module__ + "." + type(d).__name__}))
+    """)
+    assert _heavy(r["mods"]) == []
+    assert r["type"] == "agentspec.drafting.draft.Draft"
+    r = _run("""
+        import json, sys
+        import agentspec.drafting.draft
+        print(json.dumps({"mods": sorted(sys.modules)}))
+    """)
+    assert _heavy(r["mods"]) == [] and "numpy" not in r["mods"] and "suffix_index" not in r["mods"]
+
+
+def test_public_names_resolve_lazily():
+    r = _run("""
+        import json, sys
+        import agentspec
+        before = "torch" in sys.modules
+        names = {n: getattr(agentspec, n).__name__ for n in ("Draft", "Drafter", "SuffixDrafter", "PromptLookupDrafter",
+                                                             "default_drafter", "SpecConfig")}
+        mid = "torch" in sys.modules
+        from agentspec import EmbeddedEngine, Engine, Generation, GenerationStats, Workspace
+        print(json.dumps({"before": before, "mid": mid, "after": "torch" in sys.modules,
+                          "engine": EmbeddedEngine.__module__, "all": sorted(agentspec.__all__),
+                          "dir": all(n in dir(agentspec) for n in agentspec.__all__),
+                          "missing": [n for n in agentspec.__all__ if not hasattr(agentspec, n)]}))
+    """)
+    assert r["before"] is False and r["mid"] is False
+    assert r["after"] is True and r["engine"] == "agentspec.engine.embedded"
+    assert r["dir"] and r["missing"] == []
+
+
+def test_unknown_attribute_raises():
+    import agentspec
+    import agentspec.drafting
+
+    for mod in (agentspec, agentspec.drafting):
+        try:
+            mod.does_not_exist
+        except AttributeError as e:
+            assert "does_not_exist" in str(e)
+        else:
+            raise AssertionError("expected AttributeError")
