@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["greedy_verify", "process_logits", "sampling_verify", "sampling_walk"]
+__all__ = ["gumbel_noise", "greedy_verify", "noise_key", "process_logits", "sample", "sampling_verify",
+           "sampling_walk", "seeded_target"]
 
 
 def greedy_verify(
@@ -71,6 +72,58 @@ def process_logits(
         sorted_x = sorted_x.masked_fill(drop, -math.inf)
         x = torch.full_like(x, -math.inf).scatter(-1, order, sorted_x)
     return torch.softmax(x, dim=-1)
+
+
+_M64 = (1 << 64) - 1
+
+
+def noise_key(seed: int, position: int) -> int:
+    """A 64-bit generator seed for (seed, position): splitmix64 of both, so nearby seeds and
+    positions give unrelated noise."""
+    x = ((int(seed) & _M64) * 0x9E3779B97F4A7C15 + (int(position) + 1) * 0xD1B54A32D192ED03) & _M64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _M64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def gumbel_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise over the vocabulary for one (seed, position): ``-log(-log U)``,
+    float64 on the CPU, a function of its arguments alone."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(noise_key(seed, position))
+    u = torch.rand(vocab, generator=g, dtype=torch.float64)
+    return -torch.log(-torch.log(u))
+
+
+def seeded_target(
+    logits: torch.Tensor,      # [V] the target's logits for the token at ``position``
+    *,
+    seed: int,
+    position: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> int:
+    """The target's sampled token at ``position`` (Gumbel-max): ``argmax(log p + G)``, p =
+    ``process_logits(logits, ...)``, G = ``gumbel_noise(seed, position)``. Distributed exactly
+    as p; and a function of (seed, position, logits) alone, so a seeded request gives the same
+    tokens whatever drafted for it (or nothing did).
+
+    As a verifier (``Decoder.step``): a draft token is accepted iff it equals this token. For
+    point-mass (model-free) drafts that accepts a node's children c1, c2, ... with probability
+    p(c1) + p(c2) + ..., as the recursive rejection rule of ``sampling_walk`` does, and the bonus
+    token is this token at the first position no child matched."""
+    p = process_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k)
+    score = torch.log(p.double().cpu()) + gumbel_noise(seed, position, p.shape[-1])
+    return int(score.argmax())
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen) -> int:
+    """Draw one token from ``process_logits(logits, ...)`` with ``gen`` (``torch.multinomial``)."""
+    probs = process_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k)
+    return int(torch.multinomial(probs, 1, generator=gen))
 
 
 def sampling_verify(

@@ -75,8 +75,14 @@ def accepted_length(draft_tokens, parents, target) -> int:
 
 def replay_drafter(drafter, records, budget: int, stop_at: int, tenant: str = "replay",
                    row_cost: float = 0.0) -> list[dict]:
-    from agentspec.drafting.base import AcceptanceTracker, cut_for_cost
+    from agentspec.config import SpecConfig
+    from agentspec.drafting.base import EMPTY_DRAFT, AcceptanceTracker
+    from agentspec.engine.step import MAX_STEP_ROWS
+    from agentspec.policy import DraftPolicy
 
+    # the engine's own policy for a request with this budget (clamp, min_prob, cost cut, trust)
+    policy = DraftPolicy.for_request(SpecConfig(budget=budget, row_cost=row_cost), row_cost=row_cost,
+                                     max_rows=MAX_STEP_ROWS)
     out = []
     clock = time.perf_counter_ns
     for k, (rid, prompt, resp) in enumerate(records[:stop_at]):
@@ -88,10 +94,11 @@ def replay_drafter(drafter, records, budget: int, stop_at: int, tenant: str = "r
         resp_list = resp.tolist()
         while pos < n:
             t0 = clock()
-            d = drafter.propose(req, budget)
-            if row_cost > 0:   # as the engine does (EmbeddedEngine row_cost)
-                d = cut_for_cost(d, row_cost, tracker.trust)
+            b = policy.budget_for(n - pos)   # as the engine caps it by the tokens still to generate
+            d = drafter.propose(req, b) if b > 0 else EMPTY_DRAFT
             t1 = clock()
+            d.validate(b)
+            d = policy.shape(d, trust=tracker.trust)
             a = accepted_length(d.token_ids, d.parents, resp_list[pos:pos + len(d.token_ids)])
             c = min(a + 1, n - pos)
             t2 = clock()

@@ -18,29 +18,25 @@ decoding) is always a candidate, so in expectation speculation never costs throu
 from __future__ import annotations
 
 import heapq
-import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..config import SpecConfig
-from ..drafting import EMPTY_DRAFT, Draft, Drafter
-from ..drafting.base import AcceptanceTracker, cut_for_cost, drop_unlikely
+from ..drafting import Drafter
 from ..errors import InvalidRequestError
-from ..kernels.tree import greedy_verify_batch, sampling_verify_batch, tree_depths, tree_mask, with_root
-from ..verify import process_logits
+from ..kernels.tree import tree_mask
 from .base import DEFAULT_SPEC, Generation, GenerationStats
-from .embedded import spec_decision
-from .model import KVCache, Segment, round_up
+from .model import Segment, round_up
+from .step import SeqState
 
 __all__ = ["BatchEngine", "BudgetPolicy", "select_slots"]
 
 BudgetPolicy = str  # "load_aware" | "fixed" | "off"
-_ids = itertools.count()
 
 
 def select_slots(survivals: Sequence[Sequence[float]], base_rows: int, base_tokens: float,
@@ -114,48 +110,14 @@ def lower_convex_hull(costs: dict[int, float]) -> dict[int, float]:
     return out
 
 
-def _survival(draft: Draft) -> list[float]:
-    surv: list[float] = []
-    for i, p in enumerate(draft.parents):
-        surv.append(draft.probs[i] * (surv[p] if p >= 0 else 1.0))
-    return surv
-
-
-def _prefix(draft: Draft, k: int) -> Draft:
-    if k >= len(draft.token_ids):
-        return draft
-    if k == 0:
-        return EMPTY_DRAFT
-    return Draft(draft.token_ids[:k], draft.parents[:k], draft.probs[:k], float(sum(_survival(draft)[:k])),
-                 draft.source)
-
-
-@dataclass
+@dataclass(eq=False)
 class _Request:
-    ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    stops: list[str]
-    spec: SpecConfig | None
-    drafter: Drafter
-    tenant: str
+    """A queued or running request: its decoding state and the caller's callbacks."""
+
+    seq: SeqState
     on_tokens: Callable[[list[int]], None]
     on_done: Callable[[Any, Any], None]     # (Generation | None, error | None)
     should_stop: Callable[[], bool] | None
-    gen: torch.Generator | None
-    req_id: str = field(default_factory=lambda: f"batch-{next(_ids)}")
-    stats: GenerationStats | None = None
-    cache: KVCache | None = None
-    out: list[int] = field(default_factory=list)
-    new: list[int] = field(default_factory=list)   # committed last step, not yet told to the drafter
-    spec_on: bool = False
-    budget_cap: int = 0
-    tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
-    finish: str = "length"
-    t_start: float = 0.0
-    draft: Draft = EMPTY_DRAFT
 
 
 class BatchEngine:
@@ -186,12 +148,8 @@ class BatchEngine:
         if verify not in ("auto", "batched", "reference"):
             raise InvalidRequestError(f"verify must be 'auto', 'batched' or 'reference', got {verify!r}", param="verify")
         self._batched_verify = verify == "batched" or (verify == "auto" and engine.device.type == "cuda")
-        from ..kernels import cpu_attention
-
-        a = engine.args
-        self._native = (cpu_attention.available() and engine.device.type == "cpu" and engine.kv_dtype == torch.float32
-                        and a.head_dim == 64 and a.n_heads % a.n_kv_heads == 0 and a.n_heads // a.n_kv_heads <= 8)
         self.engine = engine
+        self.decoder = getattr(engine, "decoder", None)  # (None: a test fake that never steps)
         self.max_batch = max_batch
         self.budget = budget
         self._profile_lock = threading.Lock()
@@ -235,13 +193,12 @@ class BatchEngine:
         e = self.engine
         v = e.validate_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                seed=seed, stop=stop, spec=spec)
-        gen = None
-        if v["temperature"] > 0:
-            gen = torch.Generator(device=e.device)
-            gen.manual_seed(seed if seed is not None else torch.seed())
-        req = _Request(ids=v["ids"], max_tokens=max_tokens, temperature=v["temperature"], top_p=v["top_p"],
-                       top_k=top_k, stops=v["stops"], spec=spec, drafter=drafter or e.drafter, tenant=tenant,
-                       on_tokens=on_tokens, on_done=on_done, should_stop=should_stop, gen=gen)
+        off = "batch budget policy 'off'" if self.budget == "off" else None
+        seq = self.decoder.sequence(v["ids"], max_tokens=max_tokens, temperature=v["temperature"], top_p=v["top_p"],
+                                    top_k=top_k, seed=seed, stops=v["stops"], spec=spec,
+                                    drafter=drafter or e.drafter, tenant=tenant, off_reason=off,
+                                    note=f", batched ({self.budget})")
+        req = _Request(seq=seq, on_tokens=on_tokens, on_done=on_done, should_stop=should_stop)
         with self._cv:
             if self._closed:
                 raise RuntimeError("BatchEngine is closed")
@@ -479,7 +436,7 @@ class BatchEngine:
                     joining.append(self._waiting.pop(0))
             for req in joining:
                 self._guard(req, self._admit)
-            self._running = [r for r in self._running if r.cache is not None]
+            self._running = [r for r in self._running if r.seq.cache is not None]
             if joining or self._running:
                 busy = time.monotonic()
             elif self._profile is not None:
@@ -508,166 +465,53 @@ class BatchEngine:
             self._fail(req, err)
 
     def _fail(self, req: _Request, err: BaseException) -> None:
-        if req.spec_on:
-            try:
-                req.drafter.stop(req.req_id)
-            except Exception:  # noqa: BLE001
-                pass
-            req.spec_on = False
-        req.cache = None
+        try:
+            self.decoder.release(req.seq)
+        except Exception:  # noqa: BLE001
+            pass
         try:
             req.on_done(None, err)
         except Exception:  # noqa: BLE001
             pass
 
     def _admit(self, req: _Request) -> None:
-        e = self.engine
-        req.t_start = time.perf_counter()
+        seq = req.seq
         if req.should_stop is not None and req.should_stop():  # cancelled or expired while waiting
             req.on_done(Generation(text="", token_ids=[], finish_reason="cancelled",
-                                   stats=GenerationStats(prompt_tokens=len(req.ids))), None)
+                                   stats=GenerationStats(prompt_tokens=len(seq.ids))), None)
             return
-        on, reason = spec_decision(req.spec, req.temperature)
-        if on and self.budget == "off":
-            on, reason = False, "batch budget policy 'off'"
-        elif on:
-            reason += f", batched ({self.budget})"
-        req.spec_on = on
-        req.budget_cap = req.spec.budget if on else 0
-        req.stats = GenerationStats(prompt_tokens=len(req.ids), spec_enabled=on, spec_reason=reason)
-        need = len(req.ids) + req.max_tokens + req.budget_cap + 2
-        req.cache = e.new_cache(round_up(need, 256))
-        if on:
-            td = time.perf_counter()
-            req.drafter.start(req.req_id, req.ids, tenant=req.tenant)
-            req.stats.draft_seconds += time.perf_counter() - td
-        first = e._prefill(req.ids, req.cache, req.temperature, req.top_p, req.top_k, req.gen)
-        req.stats.prefill_seconds = time.perf_counter() - req.t_start
-        self._commit(req, [first])
-        if req.cache is not None:
+        seq.cache = self.engine.new_cache(round_up(self.decoder.cache_need(seq), 256))
+        first = self.decoder.prefill(seq)
+        self._commit(req, first)
+        if seq.cache is not None:
             self._running.append(req)
 
     def _commit(self, req: _Request, new: list[int]) -> None:
         """Append newly verified tokens; emit them; finish the request if it is done."""
-        added, finish, done = self.engine._accept(req.out, new, req.max_tokens, req.stops)
-        req.new = added
+        seq = req.seq
+        added, done = self.decoder.accept(seq, new)
         if added:
             try:
                 req.on_tokens(added)
             except Exception:  # noqa: BLE001 - a consumer's failure must not stop the batch
                 pass
         if not done and req.should_stop is not None and req.should_stop():
-            finish, done = "cancelled", True
+            seq.finish, done = "cancelled", True
         if done:
-            req.finish = finish
-            self._finish(req)
-
-    def _finish(self, req: _Request) -> None:
-        if req.spec_on:
-            req.drafter.stop(req.req_id)
-        req.cache = None
-        req.on_done(self.engine._finish(list(req.out), req.stats, req.stops, req.finish, req.t_start), None)
-
-    def _draft(self, req: _Request) -> Draft:
-        if not req.spec_on:
-            return EMPTY_DRAFT
-        td = time.perf_counter()
-        req.drafter.extend(req.req_id, req.new)
-        budget = min(req.budget_cap, req.max_tokens - len(req.out) - 1)
-        draft = req.drafter.propose(req.req_id, budget) if budget > 0 else EMPTY_DRAFT
-        req.stats.draft_seconds += time.perf_counter() - td
-        draft.validate(max(budget, 0))
-        if req.spec.min_prob > 0:
-            draft = drop_unlikely(draft, req.spec.min_prob)
-        return draft
-
-    def _verify_batched(self, reqs, drafts, segs, layout, logits) -> dict[int, tuple[list[int], int]]:
-        """Verify every request with a draft at once with ``agentspec.kernels`` (Triton on CUDA,
-        the torch reference elsewhere): greedy requests with ``greedy_verify_batch``, sampled ones
-        with ``sampling_verify_batch`` (each request's uniforms drawn from its own generator, as
-        ``sampling_verify`` draws them). One device-to-host copy per group and step."""
-        dev = logits.device
-        out: dict[int, tuple[list[int], int]] = {}
-        greedy = [(r, sg, lay) for r, d, sg, lay in zip(reqs, drafts, segs, layout) if r.temperature <= 0]
-        sampled = [(r, sg, lay) for r, d, sg, lay in zip(reqs, drafts, segs, layout)
-                   if r.temperature > 0 and d.token_ids]
-        for group, kind in ((greedy, "greedy"), (sampled, "sampled")):
-            if not group:
-                continue
-            rows, toks, pars, lengths, probs, ua, ub = [], [], [], [0], [], [], []
-            for r, sg, (tokens, parents, depths, T) in group:
-                rows.extend(range(sg.offset, sg.offset + T))
-                toks += tokens
-                pars += parents
-                lengths.append(T)
-                if kind == "sampled":
-                    probs.append(process_logits(logits[sg.offset:sg.offset + T], temperature=r.temperature,
-                                                top_p=r.top_p, top_k=r.top_k))
-                    u = torch.rand(2, T, generator=r.gen, device=dev)
-                    ua.append(u[0])
-                    ub.append(u[1])
-            offsets = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(dev)
-            tok_t, par_t = torch.tensor(toks, device=dev), torch.tensor(pars, device=dev)
-            if kind == "greedy":
-                target = logits[torch.tensor(rows, device=dev)].argmax(dim=-1)
-                paths, n, bonus = greedy_verify_batch(tok_t, par_t, target, offsets)
-            else:
-                paths, n, bonus = sampling_verify_batch(tok_t, par_t, torch.cat(probs), torch.cat(ua), torch.cat(ub),
-                                                        offsets)
-            paths, n, bonus = paths.tolist(), n.tolist(), bonus.tolist()
-            for b, (r, _, _) in enumerate(group):
-                out[id(r)] = (paths[b][:n[b]], bonus[b])
-        return out
+            self.decoder.release(seq)
+            req.on_done(self.decoder.result(seq), None)
 
     def _step(self) -> None:
-        e = self.engine
-        if getattr(e, "governor", None) is not None:
-            e.governor.update()
-        dev = e.device
         reqs = self._running
-        drafts = [self._draft(r) for r in reqs]
+        seqs = [r.seq for r in reqs]
+        dec = self.decoder
+        drafts = dec.propose_many(seqs, cost_cut=self.budget == "fixed")
         if self.budget == "load_aware" and any(d.token_ids for d in drafts):
-            surv = [[s * r.tracker.trust for s in _survival(d)] for r, d in zip(reqs, drafts)]
-            keep = select_slots(surv, max(len(reqs), 2), float(len(reqs)), self.step_cost)
-            drafts = [_prefix(d, k) for d, k in zip(drafts, keep)]
-        elif self.budget == "fixed":
-            drafts = [cut_for_cost(d, r.spec.row_cost if r.spec and r.spec.row_cost is not None else e.row_cost,
-                                   r.tracker.trust) if d.token_ids else d for r, d in zip(reqs, drafts)]
-        toks, poss, segs, layout = [], [], [], []
-        # Rows per request: the native attention kernel gives a row the same bits whatever else
-        # is in the forward, so with it a request needs no padding row once the batch has 2 rows
-        # (the linear layers' single-row path differs). small_attention is not exact for a
-        # lone row next to other requests' rows (measured: 2 of 4 chat prompts diverged), so
-        # without the kernel every request runs at least 2 rows, as single-request decoding does.
-        # With the native linears too (Transformer.row_invariant) a lone row needs no padding at all.
-        pad_each = not self._native or (sum(1 + len(d.token_ids) for d in drafts) < 2
-                                        and not e.model.row_invariant(reqs[0].cache))
-        for r, d in zip(reqs, drafts):
-            start = r.cache.length
-            tokens = [r.out[-1], *d.token_ids]
-            parents = with_root(d.parents)
-            depths = tree_depths(parents)
-            T = len(tokens)
-            rows = max(T, 2) if pad_each else T
-            mask = torch.zeros(rows, start + rows, dtype=torch.bool, device=dev)
-            mask[:, :start] = True
-            mask[:T, start:start + T] = tree_mask(parents, device=dev)
-            for i in range(T, rows):
-                mask[i, start + i] = True
-            toks += tokens + [tokens[0]] * (rows - T)
-            poss += [start + x for x in depths] + [start] * (rows - T)
-            segs.append(Segment(cache=r.cache, rows=rows, mask=mask))
-            layout.append((tokens, parents, depths, T))
-        logits = e.model.forward_segments(torch.tensor(toks, device=dev), torch.tensor(poss, device=dev), segs)
+            surv = [[x * s.tracker.trust for x in d.survival()] for s, d in zip(seqs, drafts)]
+            keep = select_slots(surv, max(len(seqs), 2), float(len(seqs)), self.step_cost)
+            drafts = [d.prefix(k) for d, k in zip(drafts, keep)]
+        news = dec.step(seqs, drafts, batched_verify=self._batched_verify)
         self.steps += 1
-        batched = self._verify_batched(reqs, drafts, segs, layout, logits) if self._batched_verify else {}
-        off = 0
-        for r, d, sg, (tokens, parents, depths, T) in zip(reqs, drafts, segs, layout):
-            lg = logits[off:off + T]
-            off += sg.rows
-            new = e._verify(tokens, parents, max(depths), d, lg, r.cache, r.temperature, r.top_p, r.top_k, r.gen,
-                            r.stats, verified=batched.get(id(r)))
-            if d.token_ids:
-                r.tracker.update(d.score, len(new) - 1)
+        for r, new in zip(reqs, news):
             self._commit(r, new)
-        self._running = [r for r in self._running if r.cache is not None]
+        self._running = [r for r in self._running if r.seq.cache is not None]

@@ -7,8 +7,6 @@ longest path the target agrees with plus the bonus token; the KV cache keeps the
 
 from __future__ import annotations
 
-import itertools
-import math
 import operator
 import os
 import sys
@@ -20,22 +18,21 @@ from typing import Any
 import torch
 
 from ..config import SpecConfig
-from ..drafting import EMPTY_DRAFT, Draft, Drafter, default_drafter
-from ..drafting.base import AcceptanceTracker, cut_for_cost, drop_unlikely
+from ..drafting import Drafter, default_drafter
 from ..errors import ContextLengthError, InvalidRequestError
 from ..kernels import cpu_attention, cpu_linear
 from ..kernels import cpu_isa as _cpu_isa
-from ..kernels.tree import tree_depths, tree_mask, with_root
-from ..verify import greedy_verify, sampling_verify
-from .base import DEFAULT_SPEC, Engine, Generation, GenerationStats
+from ..kernels.tree import tree_mask
+from ..text import check_stop, stop_index  # noqa: F401 - stop_index re-exported for older imports
+from ..verify import sample  # noqa: F401 - re-exported for older imports
+from .base import DEFAULT_SPEC, Engine, Generation
 from .model import KVCache, Transformer, round_up
+from .step import Decoder, run_single, spec_decision  # noqa: F401 - spec_decision re-exported
 from .threads import ThreadGovernor
 from .tokenizer import Tokenizer
 from .weights import load_checkpoint
 
 __all__ = ["EmbeddedEngine"]
-
-_req_counter = itertools.count()
 
 
 class EmbeddedEngine(Engine):
@@ -146,6 +143,7 @@ class EmbeddedEngine(Engine):
         self._lock = threading.Lock()
         self._row_cost_note = ""  # " (cached)" when the profile came from disk
         self.row_cost = float(row_cost) if row_cost is not None else self._cached_row_cost()
+        self.decoder = Decoder(self)
         self.load_seconds = time.perf_counter() - t0
         if not quiet:
             n = self.model.param_count()
@@ -286,24 +284,13 @@ class EmbeddedEngine(Engine):
     # ------------------------------------------------------------------------------------------
     # generation
 
-    def generate(
-        self,
-        prompt: str | Sequence[int] | Sequence[dict],
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        spec: SpecConfig | None = DEFAULT_SPEC,
-        drafter: Drafter | None = None,
-        tenant: str = "default",
-    ) -> Generation:
-        """Generate up to ``max_tokens`` tokens. ``spec=None`` is plain decoding."""
-        stream = self.generate_stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                      top_k=top_k, seed=seed, stop=stop, spec=spec, drafter=drafter,
-                                      tenant=tenant)
+    def generate(self, prompt: str | Sequence[int] | Sequence[dict], *, max_tokens: int = 256,
+                 temperature: float = 0.0, spec: SpecConfig | None = DEFAULT_SPEC, **options: Any) -> Generation:
+        """Generate up to ``max_tokens`` tokens. ``spec=None`` is plain decoding. Options as
+        ``generate_stream`` (top_p, top_k, seed, stop, drafter, tenant). A seeded sampled
+        request's tokens are a function of the prompt and the seed alone: the same with or
+        without speculation, whatever drafted for it."""
+        stream = self.generate_stream(prompt, max_tokens=max_tokens, temperature=temperature, spec=spec, **options)
         while True:
             try:
                 next(stream)
@@ -350,7 +337,7 @@ class EmbeddedEngine(Engine):
         _check_int("top_k", top_k, lo=0)
         if seed is not None:
             _check_int("seed", seed, lo=-(2**63), hi=2**64 - 1)
-        stops = _check_stop(stop)
+        stops = check_stop(stop)
         if spec is not None and not isinstance(spec, SpecConfig):
             raise InvalidRequestError(f"spec must be a SpecConfig or None, got {type(spec).__name__}", param="spec")
         if len(ids) + max_tokens > self.max_context:
@@ -361,186 +348,15 @@ class EmbeddedEngine(Engine):
 
     def _run(self, ids: list[int], *, max_tokens, temperature, top_p, top_k, seed, stops, spec, drafter,
              tenant, should_stop=None) -> Iterator[list[int]]:
-        spec_on, reason = spec_decision(spec, temperature)
-        if spec_on and self.deterministic:
-            reason += ", deterministic"
-        budget_cap = spec.budget if spec_on else 0
-        row_cost = self.row_cost if spec is None or spec.row_cost is None else spec.row_cost
-        tracker = AcceptanceTracker()
-        width = self.deterministic_width if self.deterministic else 0
-        if width:
-            budget_cap = min(budget_cap, width - 1)
-        stats = GenerationStats(prompt_tokens=len(ids), spec_enabled=spec_on, spec_reason=reason)
-        gen = None
-        if temperature > 0:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed if seed is not None else torch.seed())
-        req_id = f"gen-{next(_req_counter)}"
-        t_start = time.perf_counter()
+        seq = self.decoder.sequence(ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    seed=seed, stops=stops, spec=spec, drafter=drafter, tenant=tenant)
         with self._lock:
-            need = len(ids) + max_tokens + max(budget_cap, width) + 2
-            cache = self._ensure_cache(need)
-            cache.reset()
-            # fixed key length for deterministic mode: a function of the request alone
-            key_len = min(round_up(need, 256), cache.capacity) if width else 0
-            out: list[int] = []
-            finish = "length"
-            if spec_on:
-                td = time.perf_counter()
-                drafter.start(req_id, ids, tenant=tenant)
-                stats.draft_seconds += time.perf_counter() - td
-            try:
-                first = self._prefill(ids, cache, temperature, top_p, top_k, gen)
-                stats.prefill_seconds = time.perf_counter() - t_start
-                new = [first]
-                while True:
-                    new, finish, done = self._accept(out, new, max_tokens, stops)
-                    if new:
-                        yield new
-                    if done:
-                        break
-                    if should_stop is not None and should_stop():
-                        finish = "cancelled"
-                        break
-                    if spec_on:
-                        td = time.perf_counter()
-                        drafter.extend(req_id, new)
-                        budget = min(budget_cap, max_tokens - len(out) - 1)
-                        draft = drafter.propose(req_id, budget) if budget > 0 else EMPTY_DRAFT
-                        stats.draft_seconds += time.perf_counter() - td
-                        draft.validate(max(budget, 0))
-                        if spec.min_prob > 0:
-                            draft = drop_unlikely(draft, spec.min_prob)
-                        if width and draft.token_ids:
-                            draft = _main_chain(draft)
-                        elif row_cost > 0:
-                            draft = cut_for_cost(draft, row_cost, tracker.trust)
-                    else:
-                        draft = EMPTY_DRAFT
-                    new = self._step(out[-1], draft, cache, temperature, top_p, top_k, gen, stats, width, key_len)
-                    if draft.token_ids:
-                        tracker.update(draft.score, len(new) - 1)
-            finally:
-                if spec_on:
-                    drafter.stop(req_id)
-        return self._finish(out, stats, stops, finish, t_start)
-
-    def _prefill(self, ids: list[int], cache: KVCache, temperature, top_p, top_k, gen) -> int:
-        """Run the whole prompt into ``cache`` (committed); its last logits give the first token."""
-        self.governor.update()
-        logits = self.model(torch.tensor(ids, device=self.device), torch.arange(len(ids), device=self.device),
-                            cache, logits_rows=slice(-1, None))
-        cache.commit(list(range(len(ids))))
-        return self._pick(logits[0], temperature, top_p, top_k, gen)
-
-    def _finish(self, out: list[int], stats: GenerationStats, stops: list[str], finish: str,
-                t_start: float) -> Generation:
-        """The Generation for a finished request: totals in ``stats``, text cut at a stop string."""
-        stats.completion_tokens = len(out)
-        stats.seconds = time.perf_counter() - t_start
-        stats.decode_seconds = stats.seconds - stats.prefill_seconds
-        if stats.steps:
-            stats.mean_acceptance_length = sum(stats.acceptance_lengths) / stats.steps
-        text = self.tokenizer.decode(out)
-        cut = stop_index(text, stops)
-        return Generation(text=text[:cut] if cut >= 0 else text, token_ids=out, finish_reason=finish, stats=stats)
-
-    def _accept(self, out: list[int], new: list[int], max_tokens: int, stops: list[str]):
-        """Append ``new`` to ``out`` up to EOS / max_tokens / a stop string. Returns (added, finish, done)."""
-        added: list[int] = []
-        eos = self.tokenizer.eos_token_ids
-        for t in new:
-            if t in eos:
-                return added, "stop", True
-            out.append(t)
-            added.append(t)
-            if stops and self._hit_stop(out, stops):
-                return added, "stop", True
-            if len(out) >= max_tokens:
-                return added, "length", True
-        return added, "length", False
-
-    def _hit_stop(self, out: list[int], stops: list[str]) -> bool:
-        # decode a tail wide enough for the longest stop string (tokens are >= 1 char, but a
-        # multi-byte char can span tokens: add slack)
-        width = max(len(s) for s in stops) + 8
-        tail = self.tokenizer.decode(out[-width:])
-        return any(s in tail for s in stops)
-
-    def _step(self, root: int, draft: Draft, cache: KVCache, temperature, top_p, top_k, gen,
-              stats: GenerationStats, width: int, key_len: int) -> list[int]:
-        """One forward over ``[root] + draft``; verify; commit. Returns the new committed tokens."""
-        self.governor.update()
-        start = cache.length
-        tokens = [root, *draft.token_ids]
-        parents = with_root(draft.parents)
-        depths = tree_depths(parents)
-        T = len(tokens)
-        dev = self.device
-        if width:
-            # fixed shapes: `width` rows, `key_len` keys; pad rows see only themselves
-            pad = width - T
-            tok_t = torch.tensor(tokens + [root] * pad, device=dev)
-            pos_t = torch.tensor([start + d for d in depths] + [start] * pad, device=dev)
-            mask = torch.zeros(width, key_len, dtype=torch.bool, device=dev)
-            mask[:, :start] = True
-            mask[:T, start:start + T] = tree_mask(parents, device=dev)
-            idx = torch.arange(T, width, device=dev)
-            mask[idx, :start] = False
-            mask[idx, start + idx] = True
-            logits = self.model(tok_t, pos_t, cache, mask, logits_rows=slice(0, T), key_len=key_len)
-        else:
-            # At least 2 rows unless the forward is row-invariant by construction (native linears
-            # and attention): some CPU matmul kernels take another path for a single row, and a
-            # token's logits must not depend on how many tokens share its forward.
-            rows = T if self.model.row_invariant(cache) else max(T, 2)
-            pad = rows - T
-            tok_t = torch.tensor(tokens + [root] * pad, device=dev)
-            pos_t = torch.tensor([start + d for d in depths] + [start] * pad, device=dev)
-            mask = torch.zeros(rows, start + rows, dtype=torch.bool, device=dev)
-            mask[:, :start] = True
-            mask[:T, start:start + T] = tree_mask(parents, device=dev)
-            for i in range(T, rows):  # padding rows see the prefix and themselves
-                mask[i, start + i] = True
-            logits = self.model(tok_t, pos_t, cache, mask)[:T]
-        return self._verify(tokens, parents, max(depths), draft, logits, cache, temperature, top_p, top_k, gen,
-                            stats)
-
-    def _verify(self, tokens: list[int], parents: list[int], depth: int, draft: Draft, logits: torch.Tensor,
-                cache: KVCache, temperature, top_p, top_k, gen, stats: GenerationStats,
-                verified: tuple[list[int], int] | None = None) -> list[int]:
-        """Verify one request's forwarded rows (``logits``: [T, vocab], row 0 the root), commit
-        the accepted path in ``cache``, count the step in ``stats``; the new committed tokens.
-        ``verified``: (path, bonus) already computed by a batched kernel."""
-        stats.steps += 1
-        stats.draft_depths.append(depth if draft.token_ids else 0)
-        if temperature > 0 and not draft.token_ids:  # plain sampling
-            tok = self._pick(logits[0], temperature, top_p, top_k, gen)
-            cache.commit([0])
-            stats.acceptance_lengths.append(1)
-            return [tok]
-        if verified is not None:
-            path, bonus = verified
-        elif temperature > 0:  # exact tree speculative sampling: output follows the target's distribution
-            path, bonus = sampling_verify(tokens, parents, logits, temperature=temperature, top_p=top_p,
-                                          top_k=top_k, generator=gen)
-        else:
-            path, bonus = greedy_verify(tokens, parents, logits.argmax(dim=-1).tolist())
-        cache.commit(path)
-        n_acc = len(path) - 1
-        if draft.token_ids:
-            stats.draft_tokens += len(draft.token_ids)
-            stats.accepted_tokens += n_acc
-            src = draft.source or "unknown"
-            stats.draft_sources[src] = stats.draft_sources.get(src, 0) + 1
-        stats.acceptance_lengths.append(n_acc + 1)
-        return [tokens[i] for i in path[1:]] + [bonus]
-
-    def _pick(self, logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen) -> int:
-        # logits: [vocab] float32
-        if temperature <= 0:
-            return int(logits.argmax())
-        return int(sample(logits, temperature, top_p, top_k, gen))
+            need = self.decoder.cache_need(seq)
+            seq.cache = self._ensure_cache(need)
+            seq.cache.reset()
+            if seq.width:  # fixed key length for deterministic mode: a function of the request alone
+                seq.key_len = min(round_up(need, 256), seq.cache.capacity)
+            return (yield from run_single(self.decoder, seq, should_stop))
 
     def _ensure_cache(self, need: int) -> KVCache:
         if self._cache is None or self._cache.capacity < need:
@@ -548,20 +364,6 @@ class EmbeddedEngine(Engine):
             self._cache = None
             self._cache = self.new_cache(max(cap, need))
         return self._cache
-
-
-def spec_decision(spec: SpecConfig | None, temperature: float) -> tuple[bool, str]:
-    """Whether a request speculates, and why (``GenerationStats.spec_reason``)."""
-    if spec is None:
-        return False, "disabled by request (spec=None)"
-    if spec.budget == 0:
-        return False, "budget 0"
-    return True, "sampled: exact tree speculative sampling" if temperature > 0 else "greedy"
-
-
-def stop_index(text: str, stops: Sequence[str]) -> int:
-    """Where the earliest stop string starts in ``text``; -1 if none does."""
-    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
 
 
 def _dtype(value, name: str) -> torch.dtype:
@@ -576,33 +378,6 @@ def _dtype(value, name: str) -> torch.dtype:
 def cpu_has_fast_bf16() -> bool:
     """True when this CPU has bfloat16 dot-product instructions (AVX512-BF16, AMX or Arm BF16)."""
     return _cpu_isa.has_bf16_instructions()
-
-
-def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen) -> int:
-    """Draw one token from ``softmax(logits / temperature)`` restricted by top-k and top-p."""
-    x = logits.float() / temperature
-    if top_k and top_k < x.shape[-1]:
-        kth = torch.topk(x, top_k).values[-1]
-        x = x.masked_fill(x < kth, -math.inf)
-    if top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
-        sorted_x = sorted_x.masked_fill(drop, -math.inf)
-        x = torch.full_like(x, -math.inf).scatter(0, order, sorted_x)
-    probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
-
-
-def _main_chain(draft: Draft) -> Draft:
-    """The first root-to-leaf chain of a tree (deterministic mode verifies chains only)."""
-    keep: list[int] = []
-    last = -1
-    for i, p in enumerate(draft.parents):
-        if p == last:
-            keep.append(i)
-            last = i
-    return Draft.chain([draft.token_ids[i] for i in keep], [draft.probs[i] for i in keep], source=draft.source)
 
 
 def _check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
@@ -622,16 +397,3 @@ def _check_float(name: str, value: Any, *, lo: float, hi: float) -> float:
     if not (lo <= v <= hi):  # also rejects NaN
         raise InvalidRequestError(f"{name} must be in [{lo}, {hi}], got {value!r}", param=name)
     return v
-
-
-def _check_stop(stop: Any) -> list[str]:
-    if stop is None:
-        return []
-    items = [stop] if isinstance(stop, str) else stop
-    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
-        raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}", param="stop")
-    if any(s == "" for s in items):
-        raise InvalidRequestError("stop strings must not be empty", param="stop")
-    if len(items) > 16:
-        raise InvalidRequestError(f"at most 16 stop strings, got {len(items)}", param="stop")
-    return list(items)

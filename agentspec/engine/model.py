@@ -8,6 +8,7 @@ keys/values at slots ``[start, start + T)`` and returns logits for every new tok
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 
@@ -405,7 +406,12 @@ class Transformer(nn.Module):
         *,
         logits_rows: torch.Tensor | slice | None = None,  # which rows need logits (None: all)
         key_len: int | None = None,  # attend over cache slots [0, key_len) (default: start + T)
-    ) -> torch.Tensor:             # [rows, vocab] float32
+        hidden_layers: Sequence[int] = (),  # also return these layers' outputs (see below)
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[int, torch.Tensor]]:  # [rows, vocab] float32
+        """Logits of ``logits_rows``. With ``hidden_layers`` (layer indices), returns
+        ``(logits, {layer: [T, dim]})``: each named layer's output (the residual stream after the
+        layer) for every row, as a draft head such as EAGLE-3 reads them. Nothing is kept or
+        copied when none is asked for."""
         start = cache.length
         if start + tokens.shape[0] > cache.capacity:
             raise RuntimeError(f"KV cache overflow: {start} + {tokens.shape[0]} > {cache.capacity}")
@@ -424,18 +430,28 @@ class Transformer(nn.Module):
         a = self.args
         fused = (not causal and T <= SMALL_T
                  and cpu_attention.fused_supported(cache, dtype, a.n_heads, a.n_kv_heads))
+        want = _check_layers(hidden_layers, len(self.layers))
+        hidden: dict[int, torch.Tensor] = {}
         if fused:
             attn = cpu_attention.QKVAttention([(cache, start, key_len, mask, T)], cos, sin, n_heads=a.n_heads,
                                               n_kv_heads=a.n_kv_heads, head_dim=a.head_dim)
-            for i, layer in enumerate(self.layers):
-                x = layer.forward_native(x, i, attn)
+            x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_native(x, i, attn))
         else:
-            for i, layer in enumerate(self.layers):
-                x = layer(x, i, cache, start, cos, sin, mask, causal, key_len)
+            x = self._layers(x, want, hidden,
+                             lambda layer, x, i: layer(x, i, cache, start, cos, sin, mask, causal, key_len))
             cache.sync(range(start, start + T))
         if logits_rows is not None:
             x = x[logits_rows]
-        return self._logits(x, native=fused)
+        logits = self._logits(x, native=fused)
+        return (logits, hidden) if want else logits
+
+    def _layers(self, x: torch.Tensor, want: frozenset[int], hidden: dict[int, torch.Tensor], run) -> torch.Tensor:
+        """``x`` through every layer (``run(layer, x, i)``), keeping the outputs of ``want`` in ``hidden``."""
+        for i, layer in enumerate(self.layers):
+            x = run(layer, x, i)
+            if i in want:
+                hidden[i] = x
+        return x
 
     def _logits(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
         """Final norm and output projection (tied embeddings unless lm_head), in float32;
@@ -480,8 +496,10 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,      # [R] int64: every segment's rows, in order
         positions: torch.Tensor,   # [R] int64
         segs: list[Segment],
-    ) -> torch.Tensor:             # [R, vocab] float32
-        """Decode/verify rows of several requests, each with its own KV cache, in one forward."""
+        hidden_layers: Sequence[int] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[int, torch.Tensor]]:  # [R, vocab] float32
+        """Decode/verify rows of several requests, each with its own KV cache, in one forward.
+        ``hidden_layers``: as in ``forward`` (then ``(logits, {layer: [R, dim]})``)."""
         off = 0
         for sg in segs:
             if sg.cache.length + sg.rows > sg.cache.capacity:
@@ -497,22 +515,30 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].to(dtype)
         sin = self.rope_sin[positions].to(dtype)
         a = self.args
+        want = _check_layers(hidden_layers, len(self.layers))
+        hidden: dict[int, torch.Tensor] = {}
         fused = all(cpu_attention.fused_supported(sg.cache, dtype, a.n_heads, a.n_kv_heads) for sg in segs)
         if fused:
             attn = cpu_attention.QKVAttention(
                 [(sg.cache, sg.cache.length, sg.cache.length + sg.rows, sg.mask, sg.rows) for sg in segs], cos, sin,
                 n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim)
-            for i, layer in enumerate(self.layers):
-                x = layer.forward_native(x, i, attn)
+            x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_native(x, i, attn))
         else:
-            for i, layer in enumerate(self.layers):
-                x = layer.forward_segments(x, i, segs, cos, sin)
+            x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_segments(x, i, segs, cos, sin))
             for sg in segs:
                 sg.cache.sync(range(sg.cache.length, sg.cache.length + sg.rows))
-        return self._logits(x, native=fused)
+        logits = self._logits(x, native=fused)
+        return (logits, hidden) if want else logits
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def _check_layers(layers: Sequence[int], n: int) -> frozenset[int]:
+    want = frozenset(int(i) for i in layers)
+    if any(not 0 <= i < n for i in want):
+        raise ValueError(f"hidden_layers {sorted(want)} must be layer indices in [0, {n})")
+    return want
 
 
 def round_up(n: int, m: int) -> int:

@@ -1,0 +1,405 @@
+"""One decode step, the only one: every embedded-engine path runs its requests through ``Decoder``.
+
+A step (DESIGN.md section 4), for one request or a batch:
+
+1. drafts in: each request's drafter is told the tokens committed last step and proposes a tree
+   within the request's ``DraftPolicy`` budget; the policy shapes it (``min_prob``, cost cut with
+   the request's trust, chain-only in deterministic mode);
+2. tree rows and mask: ``[last committed token] + draft`` per request, padded where the kernels
+   need it (a row's logits must not depend on what else shares the forward);
+3. one forward (``Transformer.forward`` for one request, ``forward_segments`` for several);
+4. verification: greedy (the target's argmax) or seeded sampling (the target's token at each
+   position drawn by Gumbel-max from noise keyed by (seed, position), see ``verify.seeded_target``);
+   a draft token is accepted iff it is the target's token, so output never depends on the drafts;
+5. commit: the accepted path stays in the KV cache; counts go to the request's stats.
+
+``EmbeddedEngine`` (one request at a time), ``BatchEngine`` (continuous batching) and the
+acceptance replay (``benchmarks/replay.py``, through ``DraftPolicy``) share it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import SpecConfig
+from ..drafting import EMPTY_DRAFT, Draft, Drafter
+from ..drafting.base import AcceptanceTracker
+from ..drafting.protocols import propose_all, wants_hidden_states
+from ..kernels.tree import greedy_verify_batch, tree_depths, tree_mask, with_root
+from ..policy import DraftPolicy
+from ..text import stop_index
+from ..verify import greedy_verify, seeded_target
+from .base import Generation, GenerationStats
+from .model import SMALL_T, KVCache, Segment
+
+__all__ = ["MAX_STEP_ROWS", "Decoder", "SeqState", "run_single", "spec_decision"]
+
+# Rows one request verifies in one forward (root + draft): past this the forward leaves the
+# row-invariant decode kernels (``SMALL_T``), and ``forward_segments`` refuses larger segments.
+MAX_STEP_ROWS = SMALL_T
+
+_ids = itertools.count()
+
+
+def spec_decision(spec: SpecConfig | None, temperature: float) -> tuple[bool, str]:
+    """Whether a request speculates, and why (``GenerationStats.spec_reason``)."""
+    if spec is None:
+        return False, "disabled by request (spec=None)"
+    if spec.budget == 0:
+        return False, "budget 0"
+    return True, ("sampled: exact tree speculative sampling (Gumbel-max, seeded)" if temperature > 0
+                  else "greedy")
+
+
+@dataclass(eq=False)
+class SeqState:
+    """One request's decoding state."""
+
+    ids: list[int]                       # the prompt
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int                            # sampling noise key (drawn at random when the request gave none)
+    stops: list[str]
+    spec_on: bool
+    policy: DraftPolicy
+    drafter: Drafter | None
+    tenant: str
+    stats: GenerationStats
+    req_id: str = field(default_factory=lambda: f"seq-{next(_ids)}")
+    cache: KVCache | None = None
+    out: list[int] = field(default_factory=list)
+    new: list[int] = field(default_factory=list)   # committed last step, not yet told to the drafter
+    tracker: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    finish: str = "length"
+    t_start: float = 0.0
+    width: int = 0                       # deterministic mode: fixed rows per forward
+    key_len: int = 0                     # deterministic mode: fixed key length
+    hidden_layers: tuple[int, ...] = ()  # target layers the drafter wants (HiddenStateDrafter)
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.out)
+
+
+class Decoder:
+    """Runs prefill and decode steps on an ``EmbeddedEngine``'s model."""
+
+    def __init__(self, engine) -> None:
+        from ..kernels import cpu_attention
+
+        self.engine = engine
+        self.model = engine.model
+        self.device = engine.device
+        a = engine.args
+        # batched forwards without the native attention pad every request to 2 rows (below)
+        self.native_attention = (cpu_attention.available() and engine.device.type == "cpu"
+                                 and engine.kv_dtype == torch.float32 and a.head_dim == 64
+                                 and a.n_heads % a.n_kv_heads == 0 and a.n_heads // a.n_kv_heads <= 8)
+
+    # ---- a request's life ---------------------------------------------------------------------
+
+    def sequence(self, ids: list[int], *, max_tokens: int, temperature: float, top_p: float, top_k: int,
+                 seed: int | None, stops: list[str], spec: SpecConfig | None, drafter: Drafter | None,
+                 tenant: str, off_reason: str | None = None, note: str = "") -> SeqState:
+        """A request's state. ``off_reason``: turn speculation off for this reason (a caller's
+        policy); ``note``: appended to the reason it is on."""
+        e = self.engine
+        on, reason = spec_decision(spec, temperature)
+        if on and off_reason:
+            on, reason = False, off_reason
+        width = e.deterministic_width if e.deterministic else 0
+        policy = DraftPolicy.for_request(spec if on else None, row_cost=e.row_cost,
+                                         max_rows=width or MAX_STEP_ROWS, chain_only=bool(width))
+        if on:
+            reason += note + (", deterministic" if width else "") + (f", {policy.note}" if policy.note else "")
+        layers = wants_hidden_states(drafter) if on else ()
+        n = e.args.n_layers
+        if any(not -n <= i < n for i in layers):
+            raise ValueError(f"{type(drafter).__name__}.hidden_layers {layers} must be layer indices in [-{n}, {n})")
+        return SeqState(ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                        seed=secrets.randbits(64) if seed is None else int(seed), stops=stops, spec_on=on,
+                        policy=policy, drafter=drafter if on else None, tenant=tenant, width=width,
+                        hidden_layers=layers,
+                        stats=GenerationStats(prompt_tokens=len(ids), spec_enabled=on, spec_reason=reason))
+
+    def cache_need(self, seq: SeqState) -> int:
+        """KV slots the request can use: prompt, output and one step's rows."""
+        return len(seq.ids) + seq.max_tokens + max(seq.policy.budget, seq.width) + 2
+
+    def prefill(self, seq: SeqState) -> list[int]:
+        """Start the drafter, run the prompt into ``seq.cache``; the first token, as a list."""
+        seq.t_start = time.perf_counter()
+        if seq.spec_on:
+            td = time.perf_counter()
+            seq.drafter.start(seq.req_id, seq.ids, tenant=seq.tenant)
+            seq.stats.draft_seconds += time.perf_counter() - td
+        self.engine.governor.update()
+        ids, dev = seq.ids, self.device
+        layers = self._layers([seq])
+        out = self.model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), seq.cache,
+                         logits_rows=slice(-1, None), hidden_layers=layers)
+        logits, hidden = out if layers else (out, None)
+        seq.cache.commit(list(range(len(ids))))
+        if hidden is not None:
+            self._observe(seq, ids, hidden, None)
+        first = self._target(seq, logits[0], len(ids))
+        seq.stats.prefill_seconds = time.perf_counter() - seq.t_start
+        return [first]
+
+    def accept(self, seq: SeqState, new: list[int]) -> tuple[list[int], bool]:
+        """Append ``new`` to the output up to EOS / max_tokens / a stop string: (added, done);
+        ``seq.finish`` says why it is done."""
+        added: list[int] = []
+        eos = self.engine.tokenizer.eos_token_ids
+        out = seq.out
+        for t in new:
+            if t in eos:
+                seq.finish = "stop"
+                seq.new = added
+                return added, True
+            out.append(t)
+            added.append(t)
+            if seq.stops and self._hit_stop(out, seq.stops):
+                seq.finish = "stop"
+                seq.new = added
+                return added, True
+            if len(out) >= seq.max_tokens:
+                seq.finish = "length"
+                seq.new = added
+                return added, True
+        seq.new = added
+        return added, False
+
+    def propose(self, seq: SeqState, *, cost_cut: bool = True) -> Draft:
+        """Tell the drafter last step's tokens; its draft, shaped by the request's policy."""
+        return self.propose_many([seq], cost_cut=cost_cut)[0]
+
+    def propose_many(self, seqs: list[SeqState], *, cost_cut: bool = True) -> list[Draft]:
+        """``propose`` for a batch: requests sharing a drafter that drafts batches at once
+        (``BatchDrafter``) get one ``propose_batch`` call (``propose_all``)."""
+        drafts: list[Draft] = [EMPTY_DRAFT] * len(seqs)
+        groups: dict[int, list[int]] = {}
+        td = time.perf_counter()
+        for i, s in enumerate(seqs):
+            if s.spec_on:
+                s.drafter.extend(s.req_id, s.new)
+                groups.setdefault(id(s.drafter), []).append(i)
+        for idx in groups.values():
+            live = [i for i in idx if seqs[i].policy.budget_for(seqs[i].remaining) > 0]
+            if not live:
+                continue
+            budgets = [seqs[i].policy.budget_for(seqs[i].remaining) for i in live]
+            for i, b, d in zip(live, budgets, propose_all(seqs[live[0]].drafter, [seqs[i].req_id for i in live],
+                                                          budgets)):
+                d.validate(b)
+                drafts[i] = d
+        share = (time.perf_counter() - td) / max(sum(len(v) for v in groups.values()), 1)
+        for s, d in zip(seqs, drafts):
+            if s.spec_on:
+                s.stats.draft_seconds += share
+        return [s.policy.shape(d, trust=s.tracker.trust, cost_cut=cost_cut) for s, d in zip(seqs, drafts)]
+
+    def release(self, seq: SeqState) -> None:
+        """Stop the drafter for this request (idempotent) and drop its cache."""
+        seq.cache = None
+        if seq.spec_on:
+            seq.spec_on = False
+            seq.drafter.stop(seq.req_id)
+
+    def result(self, seq: SeqState) -> Generation:
+        """The Generation of a finished request: totals in its stats, text cut at a stop string."""
+        stats = seq.stats
+        stats.completion_tokens = len(seq.out)
+        stats.seconds = time.perf_counter() - seq.t_start
+        stats.decode_seconds = stats.seconds - stats.prefill_seconds
+        if stats.steps:
+            stats.mean_acceptance_length = sum(stats.acceptance_lengths) / stats.steps
+        text = self.engine.tokenizer.decode(seq.out)
+        cut = stop_index(text, seq.stops)
+        return Generation(text=text[:cut] if cut >= 0 else text, token_ids=list(seq.out), finish_reason=seq.finish,
+                          stats=stats)
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self, seqs: list[SeqState], drafts: list[Draft], *, batched_verify: bool = False) -> list[list[int]]:
+        """One forward over every request's ``[last token] + draft``; verify; commit. The new
+        committed tokens per request (accepted draft tokens, then the bonus token)."""
+        self.engine.governor.update()
+        model, dev = self.model, self.device
+        single = len(seqs) == 1
+        # Rows per request. One request: at least 2 rows unless the forward is row-invariant by
+        # construction (native linears and attention): some CPU matmul kernels take another
+        # path for a single row. Several: the native attention gives a row the same bits
+        # whatever else is in the forward, so a request needs no padding row once the batch has
+        # 2 rows; small_attention is not exact for a lone row next to other requests' rows, so
+        # without the native kernel every request runs at least 2 rows.
+        if single:
+            pad_each = not model.row_invariant(seqs[0].cache)
+        else:
+            pad_each = not self.native_attention or (sum(1 + len(d.token_ids) for d in drafts) < 2
+                                                     and not model.row_invariant(seqs[0].cache))
+        toks: list[int] = []
+        poss: list[int] = []
+        segs: list[Segment] = []
+        layout = []
+        for s, d in zip(seqs, drafts):
+            start = s.cache.length
+            tokens = [s.out[-1], *d.token_ids]
+            parents = with_root(d.parents)
+            depths = tree_depths(parents)
+            T = len(tokens)
+            if T > MAX_STEP_ROWS or (s.width and T > s.width):
+                raise ValueError(f"a draft of {T - 1} tokens exceeds the step's rows ({MAX_STEP_ROWS})")
+            rows = s.width if s.width else (max(T, 2) if pad_each else T)
+            key_len = s.key_len if s.width else start + rows
+            mask = torch.zeros(rows, key_len, dtype=torch.bool, device=dev)
+            mask[:, :start] = True
+            mask[:T, start:start + T] = tree_mask(parents, device=dev)
+            for i in range(T, rows):  # padding rows see only themselves (and the prefix unless fixed-shape)
+                if s.width:
+                    mask[i, :start] = False
+                mask[i, start + i] = True
+            toks += tokens + [tokens[0]] * (rows - T)
+            poss += [start + x for x in depths] + [start] * (rows - T)
+            segs.append(Segment(cache=s.cache, rows=rows, mask=mask))
+            layout.append((tokens, parents, depths, T))
+        layers = self._layers(seqs)
+        tok_t, pos_t = torch.tensor(toks, device=dev), torch.tensor(poss, device=dev)
+        if single:
+            s = seqs[0]
+            out = model(tok_t, pos_t, s.cache, segs[0].mask, key_len=s.key_len if s.width else None,
+                        hidden_layers=layers)
+            segs[0].offset = 0
+        else:
+            out = model.forward_segments(tok_t, pos_t, segs, hidden_layers=layers)
+        logits, hidden = out if layers else (out, None)
+        verified = self._verify_greedy_batch(seqs, segs, layout, logits) if batched_verify else {}
+        news = []
+        for s, d, sg, (tokens, parents, depths, T) in zip(seqs, drafts, segs, layout):
+            lg = logits[sg.offset:sg.offset + T]
+            start = s.cache.length
+            if id(s) in verified:
+                path, bonus = verified[id(s)]
+            elif s.temperature > 0:
+                targets = _LazyTargets(lambda i, lg=lg, s=s, start=start, depths=depths:
+                                       self._target(s, lg[i], start + depths[i] + 1))
+                path, bonus = greedy_verify(tokens, parents, targets)
+            else:
+                path, bonus = greedy_verify(tokens, parents, lg.argmax(dim=-1).tolist())
+            s.cache.commit(path)
+            if s.hidden_layers and hidden is not None:
+                self._observe(s, [tokens[i] for i in path], hidden,
+                              torch.tensor([sg.offset + i for i in path], device=dev))
+            new = [tokens[i] for i in path[1:]] + [bonus]
+            self._count(s, d, depths, len(path) - 1)
+            news.append(new)
+        return news
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _layers(self, seqs: list[SeqState]) -> tuple[int, ...]:
+        """The target layers any of ``seqs``' drafters wants hidden states of (as indices >= 0)."""
+        n = self.engine.args.n_layers
+        return tuple(sorted({i % n for s in seqs for i in s.hidden_layers}))
+
+    def _observe(self, seq: SeqState, tokens: list[int], hidden: dict, rows: torch.Tensor | None) -> None:
+        """Hand ``seq``'s drafter the hidden states of the tokens just committed (``rows`` of the
+        forward; None: all), keyed by the layer indices it asked for."""
+        n = self.engine.args.n_layers
+        seq.drafter.observe_hidden(seq.req_id, tokens, {k: hidden[k % n] if rows is None else hidden[k % n][rows]
+                                                        for k in seq.hidden_layers})
+
+    def _target(self, seq: SeqState, logits: torch.Tensor, position: int) -> int:
+        """The target's token at ``position`` from the logits of the row before it."""
+        if seq.temperature <= 0:
+            return int(logits.argmax())
+        return seeded_target(logits, seed=seq.seed, position=position, temperature=seq.temperature,
+                             top_p=seq.top_p, top_k=seq.top_k)
+
+    @staticmethod
+    def _count(seq: SeqState, draft: Draft, depths: list[int], n_acc: int) -> None:
+        stats = seq.stats
+        stats.steps += 1
+        stats.draft_depths.append(max(depths) if draft.token_ids else 0)
+        if draft.token_ids:
+            stats.draft_tokens += len(draft.token_ids)
+            stats.accepted_tokens += n_acc
+            src = draft.source or "unknown"
+            stats.draft_sources[src] = stats.draft_sources.get(src, 0) + 1
+            seq.tracker.update(draft.score, n_acc)
+        stats.acceptance_lengths.append(n_acc + 1)
+
+    def _hit_stop(self, out: list[int], stops: list[str]) -> bool:
+        # decode a tail wide enough for the longest stop string (tokens are >= 1 char, but a
+        # multi-byte char can span tokens: add slack)
+        width = max(len(s) for s in stops) + 8
+        tail = self.engine.tokenizer.decode(out[-width:])
+        return any(s in tail for s in stops)
+
+    def _verify_greedy_batch(self, seqs, segs, layout, logits) -> dict[int, tuple[list[int], int]]:
+        """Greedy requests verified at once with ``agentspec.kernels`` (Triton on CUDA, the torch
+        reference elsewhere): one device-to-host copy per step. Sampled requests walk their
+        accepted path row by row (``seeded_target`` per row on the path)."""
+        group = [(s, sg, lay) for s, sg, lay in zip(seqs, segs, layout) if s.temperature <= 0]
+        if not group:
+            return {}
+        dev = logits.device
+        rows, toks, pars, lengths = [], [], [], [0]
+        for s, sg, (tokens, parents, depths, T) in group:
+            rows.extend(range(sg.offset, sg.offset + T))
+            toks += tokens
+            pars += parents
+            lengths.append(T)
+        offsets = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(dev)
+        target = logits[torch.tensor(rows, device=dev)].argmax(dim=-1)
+        paths, n, bonus = greedy_verify_batch(torch.tensor(toks, device=dev), torch.tensor(pars, device=dev),
+                                              target, offsets)
+        paths, n, bonus = paths.tolist(), n.tolist(), bonus.tolist()
+        return {id(s): (paths[b][:n[b]], bonus[b]) for b, (s, _, _) in enumerate(group)}
+
+
+class _LazyTargets:
+    """``target[i]`` computed on first use: a sampled step needs the target's token only on the
+    rows its accepted path visits."""
+
+    __slots__ = ("_fn", "_memo")
+
+    def __init__(self, fn: Callable[[int], int]) -> None:
+        self._fn = fn
+        self._memo: dict[int, int] = {}
+
+    def __getitem__(self, i: int) -> int:
+        v = self._memo.get(i)
+        if v is None:
+            v = self._memo[i] = self._fn(i)
+        return v
+
+
+def run_single(decoder: Decoder, seq: SeqState, should_stop: Callable[[], bool] | None = None):
+    """One request start to end on ``seq.cache`` (set by the caller): yields the committed tokens
+    after every step; returns the Generation. The single-request engine path."""
+    try:
+        new = decoder.prefill(seq)
+        while True:
+            added, done = decoder.accept(seq, new)
+            if added:
+                yield added
+            if done:
+                break
+            if should_stop is not None and should_stop():
+                seq.finish = "cancelled"
+                break
+            draft = decoder.propose(seq)
+            new = decoder.step([seq], [draft])[0]
+    finally:
+        decoder.release(seq)
+    return decoder.result(seq)
+

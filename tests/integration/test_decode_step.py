@@ -1,0 +1,157 @@
+"""The one decode step (agentspec.engine.step) through every engine path, with the real model:
+seeded sampling that repeats whatever drafts, budgets past one forward's rows, and the target's
+hidden states for draft heads."""
+
+from __future__ import annotations
+
+import torch
+
+from agentspec import SpecConfig
+from agentspec.drafting import LookaheadDrafter, PromptLookupDrafter, SuffixDrafter
+from agentspec.drafting.protocols import HiddenStateDrafter
+from agentspec.engine.batch import BatchEngine
+from agentspec.engine.step import MAX_STEP_ROWS
+
+REPEAT = ("Repeat this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, "
+          "kappa, lambda, mu.")
+COSTS = {2: 1.0, 8: 1.1, 33: 1.5, 264: 8.0}
+
+
+def test_seeded_sampling_is_a_function_of_the_seed(engine):
+    """Same seed: same tokens with speculation off, with different drafters, after the tenant's
+    history changed (it feeds the suffix drafter), and batched next to other requests."""
+    ids = engine.encode(REPEAT)
+    opts = dict(max_tokens=48, temperature=0.8, top_p=0.95, seed=1234)
+    plain = engine.generate(ids, spec=None, **opts)
+    assert not plain.stats.spec_enabled and len(plain.token_ids) > 10
+    suffix = SuffixDrafter()
+    runs = {
+        "suffix": engine.generate(ids, drafter=suffix, tenant="t1", **opts),
+        # the tenant's history now holds the first run's output: different drafts, same tokens
+        "suffix, history": engine.generate(ids, drafter=suffix, tenant="t1", **opts),
+        "prompt lookup": engine.generate(ids, drafter=PromptLookupDrafter(), **opts),
+        "lookahead": engine.generate(ids, drafter=LookaheadDrafter(), **opts),
+        "budget 4": engine.generate(ids, spec=SpecConfig(budget=4, row_cost=0.0), **opts),
+    }
+    for name, g in runs.items():
+        assert g.token_ids == plain.token_ids, name
+    assert runs["suffix, history"].stats.accepted_tokens > runs["suffix"].stats.accepted_tokens
+    other = engine.generate(ids, spec=None, **{**opts, "seed": 1235})
+    assert other.token_ids != plain.token_ids  # the seed matters
+    with BatchEngine(engine, background=False, step_costs=COSTS) as be:
+        out = be.generate_many([ids, "Name three colours.", ids], **opts)
+    assert out[0].token_ids == plain.token_ids and out[2].token_ids == plain.token_ids
+    assert out[2].stats.accepted_tokens > 0  # the batch speculated for it
+
+
+def test_budget_past_one_forward_is_clamped_not_a_crash(engine, plain_greedy):
+    ids = engine.encode(REPEAT)
+    want = plain_greedy(ids, 64)
+    big = SpecConfig(budget=1000, row_cost=0.0)
+    g = engine.generate(ids, max_tokens=64, spec=big)
+    assert g.token_ids == want.token_ids
+    assert f"clamped to {MAX_STEP_ROWS - 1}" in g.stats.spec_reason
+    assert max(g.stats.draft_depths) <= MAX_STEP_ROWS - 1
+    with BatchEngine(engine, background=False, budget="fixed", step_costs=COSTS) as be:
+        out = be.generate_many([ids, ids, "Say hello."], max_tokens=64, spec=big)
+    assert out[0].token_ids == want.token_ids and out[1].token_ids == want.token_ids
+    assert all("clamped" in o.stats.spec_reason for o in out)
+
+
+class RecordingHeadDrafter:
+    """A suffix drafter that asks for hidden states, as an EAGLE-3 head does, and records them."""
+
+    def __init__(self, layers):
+        self.inner = SuffixDrafter()
+        self.hidden_layers = tuple(layers)
+        self.seen: dict[str, list[tuple[list[int], dict]]] = {}
+        self.extend, self.propose, self.stop = self.inner.extend, self.inner.propose, self.inner.stop
+
+    def start(self, req_id, prompt, *, tenant="default"):
+        self.inner.start(req_id, prompt, tenant=tenant)
+        self.seen[req_id] = []
+
+    def observe_hidden(self, req_id, tokens, hidden):
+        self.seen[req_id].append((list(tokens), {k: v.detach().float().clone() for k, v in hidden.items()}))
+
+
+def test_model_returns_hidden_states_only_when_asked(engine):
+    m = engine.model
+    ids = torch.tensor(engine.encode("Hello there."))
+    n = m.args.n_layers
+    cache = engine.new_cache(256)
+    plain = m(ids, torch.arange(len(ids)), cache)
+    assert isinstance(plain, torch.Tensor)
+    cache.reset()
+    logits, hidden = m(ids, torch.arange(len(ids)), cache, hidden_layers=(0, n - 1))
+    assert sorted(hidden) == [0, n - 1] and hidden[n - 1].shape == (len(ids), m.args.dim)
+    assert torch.equal(logits, plain)
+    assert torch.equal(m._logits(hidden[n - 1]), plain)  # the last layer's output is what the head reads
+
+
+def test_hidden_state_drafter_sees_every_committed_token(engine, plain_greedy):
+    ids = engine.encode(REPEAT)
+    want = plain_greedy(ids, 40)
+    n = engine.args.n_layers
+    layers = (1, n // 2, n - 2)
+    d = RecordingHeadDrafter(layers)
+    assert isinstance(d, HiddenStateDrafter)
+    g = engine.generate(ids, max_tokens=40, drafter=d)
+    assert g.token_ids == want.token_ids and g.stats.accepted_tokens > 0
+    (calls,) = d.seen.values()
+    toks = [t for tokens, _ in calls for t in tokens]
+    # prefill: the prompt; each step: the root and the accepted draft tokens (the bonus token
+    # is the next step's root): together every token of prompt + output but the last
+    assert toks == ids + g.token_ids[:-1]
+    for tokens, hidden in calls:
+        assert sorted(hidden) == sorted(layers)
+        assert all(h.shape == (len(tokens), engine.args.dim) for h in hidden.values())
+    # the decode steps' hidden states match a prefill of the whole sequence (other kernels: close)
+    full = torch.tensor(ids + g.token_ids[:-1])
+    cache = engine.new_cache(len(full) + 256)
+    _, ref = engine.model(full, torch.arange(len(full)), cache, hidden_layers=layers)
+    got = torch.cat([h[layers[-1]] for _, h in calls])
+    want_h = ref[layers[-1]].float()
+    rel = (got - want_h).norm(dim=-1) / want_h.norm(dim=-1)   # bf16 activations: ~1% per row
+    assert got.shape == want_h.shape and float(rel.max()) < 0.05, float(rel.max())
+    # batched: the same calls per request
+    d2 = RecordingHeadDrafter(layers)
+    with BatchEngine(engine, background=False, step_costs=COSTS) as be:
+        out = be.generate_many([ids, ids], max_tokens=40, drafter=d2)
+    for o, calls in zip(out, d2.seen.values()):
+        assert o.token_ids == want.token_ids
+        assert [t for tokens, _ in calls for t in tokens] == ids + o.token_ids[:-1]
+
+
+class BatchRecordingDrafter:
+    """A prompt-lookup drafter that drafts batches at once (``BatchDrafter``) and asks for the
+    final layer by a negative index."""
+
+    hidden_layers = (-1,)
+
+    def __init__(self):
+        self.inner = PromptLookupDrafter()
+        self.start, self.extend, self.stop = self.inner.start, self.inner.extend, self.inner.stop
+        self.batches: list[int] = []
+        self.layers_seen: set = set()
+
+    def propose(self, req_id, budget):
+        raise AssertionError("the batch path must call propose_batch")
+
+    def propose_batch(self, req_ids, budgets):
+        self.batches.append(len(req_ids))
+        return [self.inner.propose(r, b) for r, b in zip(req_ids, budgets)]
+
+    def observe_hidden(self, req_id, tokens, hidden):
+        self.layers_seen |= set(hidden)
+
+
+def test_batch_drafter_gets_one_call_per_step(engine, plain_greedy):
+    ids = engine.encode(REPEAT)
+    want = plain_greedy(ids, 40)
+    d = BatchRecordingDrafter()
+    with BatchEngine(engine, background=False, step_costs=COSTS) as be:
+        out = be.generate_many([ids, ids, ids], max_tokens=40, drafter=d)
+    assert all(o.token_ids == want.token_ids for o in out)
+    assert max(d.batches) == 3 and len(d.batches) < sum(o.stats.steps for o in out)
+    assert d.layers_seen == {-1}
