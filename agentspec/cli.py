@@ -49,12 +49,15 @@ def _nonneg_float(name: str):
     return parse
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
+def _engine_args(p: argparse.ArgumentParser, *, deterministic: bool = True) -> None:
+    """The engine options; ``deterministic=False`` leaves out --deterministic (``serve``: the
+    server batches requests, which the deterministic mode does not support)."""
     p.add_argument("--model", help="a .gguf file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype")
-    p.add_argument("--deterministic", action="store_true",
-                   help="fixed-shape decode steps: greedy identity with plain decoding by construction")
+    if deterministic:
+        p.add_argument("--deterministic", action="store_true",
+                       help="fixed-shape decode steps: greedy identity with plain decoding by construction")
     p.add_argument("--threads", type=_positive_int("--threads"),
                    help="CPU threads (default: the cores this process may use: affinity and cgroup quota)")
     p.add_argument("--cpu-isa", choices=["avx512bf16", "avx512", "avx2", "neon", "scalar"],
@@ -103,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="uvicorn's log level (default: warning)")
     sv.add_argument("--insecure-no-auth", action="store_true",
                     help="allow binding a non-loopback address without API keys (no --config tenants)")
-    _engine_args(sv)
+    _engine_args(sv, deterministic=False)
 
     st = sub.add_parser("stats", help="acceptance statistics per tenant and route from the request logs")
     st.add_argument("--log-dir", default="logs", help="folder holding <tenant>.jsonl logs (default: logs)")
@@ -143,7 +146,7 @@ def cmd_serve(args) -> int:
     try:
         state = build_state(config, repo=args.repo,
                             engine_options={"model": args.model, "device": args.device, "dtype": args.dtype,
-                                            "deterministic": args.deterministic, "threads": args.threads,
+                                            "threads": args.threads,
                                             "cpu_isa": args.cpu_isa})
         serve(state, host=args.host, port=args.port, log_level=args.log_level, sock=sock, started=started)
     finally:

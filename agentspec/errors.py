@@ -12,6 +12,7 @@ __all__ = [
     "ContextLengthError",
     "InvalidRequestError",
     "ModelLoadError",
+    "QueueFullError",
 ]
 
 
@@ -37,3 +38,7 @@ class InvalidRequestError(AgentSpecError, ValueError):
 
 class ContextLengthError(InvalidRequestError):
     """The prompt (plus the requested new tokens) does not fit the model's context window."""
+
+
+class QueueFullError(AgentSpecError):
+    """A backend's queue is full: the request was not taken (a server answers 503; retry later)."""

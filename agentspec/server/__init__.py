@@ -1,8 +1,10 @@
 """``agentspec serve``: the OpenAI-compatible server on the embedded engine.
 
-``build_state`` loads the engine, indexes each tenant's workspace into one shared suffix index
-(tenants are isolated inside it) and opens the acceptance logs and metrics; ``create_app`` turns
-that into a Starlette app; ``serve`` runs it under uvicorn.
+``build_state`` loads the engine and wraps it in a backend (``agentspec.backend.Backend``, here
+``agentspec.engine.backend.EmbeddedBackend``: the server talks to nothing else), indexes each
+tenant's workspace into the backend's shared suffix index (tenants are isolated inside it) and
+opens the acceptance logs and metrics; ``create_app`` turns that into a Starlette app; ``serve``
+runs it under uvicorn.
 """
 
 from __future__ import annotations
@@ -22,29 +24,20 @@ from .app import ServerState, Tenant, create_app
 __all__ = ["ServerState", "bind_socket", "build_state", "create_app", "serve"]
 
 
-def _drafter(names: tuple[str, ...], index: Any):
-    from ..drafting import LookaheadDrafter, MergedDrafter, PromptLookupDrafter, SuffixDrafter
-
-    make = {"suffix": lambda: SuffixDrafter(index), "lookahead": LookaheadDrafter, "prompt_lookup": PromptLookupDrafter}
-    parts = [make[n]() for n in names]
-    return parts[0] if len(parts) == 1 else MergedDrafter(*parts)
-
-
 def model_id_for(model: str | None) -> str:
-    if model is None:
-        return "SmolLM2-135M-Instruct"
-    p = Path(model)
-    return p.name.removesuffix(".gguf") if p.suffix == ".gguf" else p.name
+    from ..engine.backend import model_name_for
+
+    return model_name_for(model)
 
 
 def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | Path | None = None,
                 engine: Any = None, engine_options: dict | None = None, watch: bool = True,
                 quiet: bool = False) -> ServerState:
-    """Everything the server needs. ``repo``: the default workspace (tenants without their own)."""
-    from suffix_index import SuffixIndex
-
-    from ..drafting import SuffixDrafter
+    """Everything the server needs. ``repo``: the default workspace (tenants without their own).
+    ``engine``: an already loaded ``EmbeddedEngine`` (default: load one with ``engine_options``),
+    wrapped here in an ``EmbeddedBackend``."""
     from ..engine import Engine
+    from ..engine.backend import EmbeddedBackend
     from ..routing import Router
     from ..telemetry import Metrics, TenantLogSink
     from ..workspace import Workspace
@@ -57,10 +50,13 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
     for t in config.tenants:
         if t.workspace is not None and not Path(t.workspace).is_dir():
             raise ConfigError(f"tenant {t.name!r}: workspace is not a directory: {t.workspace!r}")
+    if opts.get("deterministic"):
+        raise ConfigError("the server batches requests, which the deterministic mode does not support")
     if engine is None:
         engine = Engine.embedded(quiet=quiet, **opts)
-    index = SuffixIndex(vocab_size=engine.vocab_size)
-    engine.drafter = SuffixDrafter(index)
+    cfg = config.server
+    backend = EmbeddedBackend(engine, model_name=cfg.model_name or model_id_for(opts.get("model")),
+                              max_queue=cfg.max_queue, max_batch=cfg.max_batch, budget_policy=cfg.budget_policy)
     tenants: dict[str, Tenant] = {}
     specs = config.tenants or []
     names = [(t.name, t.workspace) for t in specs] or [("default", None)]
@@ -71,26 +67,19 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
             if not quiet:
                 print(f"[agentspec] indexing workspace {Path(root).resolve()} for tenant {name!r}",
                       file=sys.stderr, flush=True)
-            ws = Workspace(root, tenant=name, index=index, tokenizer=engine.tokenizer, watch=watch,
+            ws = Workspace(root, tenant=name, index=backend.index, tokenizer=backend.tokenizer, watch=watch,
                            progress=not quiet and sys.stderr.isatty())
             if not quiet:
                 s = ws.summary()
                 print(f"[agentspec]   {s['files']} files, {s['chunks']} chunks, {s['tokens']} tokens "
                       f"in {s['seconds']:.1f}s", file=sys.stderr, flush=True)
         tenants[name] = Tenant(name=name, workspace=ws, root=ws.root if ws is not None else None)
-    drafters: dict[str, Any] = {"suffix": engine.drafter}
-    for rule in config.routes:
-        key = "+".join(rule.drafters or ("suffix",))
-        if key not in drafters:
-            drafters[key] = _drafter(tuple(rule.drafters), index)
     keys = {k: t.name for t in specs for k in t.api_keys}
     sink = TenantLogSink(config.server.log_dir, max_bytes=config.server.log_max_bytes,
                          backups=config.server.log_backups)
     metrics = Metrics(max_tenants=config.server.metrics_max_tenants)
-    return ServerState(engine=engine, config=config, tenants=tenants, router=Router(config.routes),
-                       drafters=drafters, index=index, sink=sink, metrics=metrics,
-                       model_id=config.server.model_name or model_id_for(opts.get("model")),
-                       require_key=bool(specs), keys=keys)
+    return ServerState(backend=backend, config=config, tenants=tenants, router=Router(config.routes), sink=sink,
+                       metrics=metrics, model_id=backend.model_name, require_key=bool(specs), keys=keys)
 
 
 def is_loopback(host: str) -> bool:
@@ -174,13 +163,9 @@ def serve(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_
 
     import uvicorn
 
-    from .worker import Worker
-
     if sock is None:
         sock = bind_socket(host, port)
-    cfg = state.config.server
-    state.worker = Worker(state.engine, max_queue=cfg.max_queue, max_batch=cfg.max_batch, budget=cfg.budget_policy,
-                          background=False)
+    backend = state.backend
     app = create_app(state)
     base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     key = "$AGENTSPEC_API_KEY" if state.require_key else "none"
@@ -198,7 +183,7 @@ def serve(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_
         age = process_age()
         ready += "" if age is None else f", {age:.1f}s after process start"
         tenants = ", ".join(state.tenants)
-        costs = getattr(state.worker.batch, "step_costs_source", None)
+        costs = backend.stats().get("step_costs_source")
         costs = "" if costs is None else f"; step costs: {costs}" + (
             ", measuring between requests" if costs == "stand-in" else "")
         print(f"[agentspec] serving {state.model_id!r} on {base}  (tenants: {tenants}; "
@@ -219,7 +204,7 @@ def serve(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_
         except BaseException as e:  # noqa: BLE001 - uvicorn ends a failed start with sys.exit(3)
             failure.append(e)
         finally:  # uvicorn stopped (or failed to start): stop the scheduler too
-            state.worker.close()
+            backend.close()
 
     http = threading.Thread(target=run_http, name="agentspec-http", daemon=True)
     herald = threading.Thread(target=announce, name="agentspec-announce", daemon=True)
@@ -227,21 +212,25 @@ def serve(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_
     def stop(signum, frame):
         stopping.set()
         server.should_exit = True
-        state.worker.close()
+        backend.close()
+
+    def start_threads():  # once the scheduler takes requests on this thread
+        http.start()
+        herald.start()
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    http.start()
-    herald.start()
     try:
-        state.worker.batch.serve_forever()   # returns once the worker is closed
+        backend.run(on_ready=start_threads)   # returns once the backend is closed
     finally:
         server.should_exit = True
-        http.join(15)
+        if http.is_alive():
+            http.join(15)
         for s, h in previous.items():
             signal.signal(s, h)
         for t in state.tenants.values():
             if t.workspace is not None:
                 t.workspace.close()
+        state.sink.close()   # every acceptance record queued so far is written and fsynced
         sock.close()
     if not stopping.is_set():  # the HTTP server ended on its own: a failed start or a crash
         what = "failed to start" if not server.started else "stopped unexpectedly"

@@ -12,9 +12,7 @@ acceptance log (``<log_dir>/<tenant>.jsonl``), whatever its end (done, cancelled
 from __future__ import annotations
 
 import asyncio
-import difflib
 import hmac
-import re
 import secrets
 import sys
 import time
@@ -29,12 +27,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HTTPRoute
 
+from ..apply import ApplyPathError, build_apply, chat_fast_apply, prediction_usage, resolve_workspace_path
+from ..backend import Backend, GenerationRequest
 from ..config import ServerConfig
-from ..engine.embedded import stop_index
-from ..errors import ContextLengthError, InvalidRequestError
+from ..errors import ContextLengthError, InvalidRequestError, QueueFullError
 from ..routing import Route, Router
-from .protocol import APIError, ApplyRequest, ChatCompletionRequest, CompletionRequest, decode_body, error_body
-from .worker import Job, Worker
+from ..text import TextStream
+from .protocol import APIError, ApplyRequest, ChatCompletionRequest, CompletionRequest, decode_body
+from .worker import Job
 
 __all__ = ["ServerState", "Tenant", "create_app"]
 
@@ -52,18 +52,15 @@ class Tenant:
 class ServerState:
     """Everything the handlers share. Built by ``agentspec.server.build_state``."""
 
-    engine: Any
+    backend: Backend               # the engine, behind agentspec.backend.Backend (nothing else is used)
     config: ServerConfig
     tenants: dict[str, Tenant]
     router: Router
-    drafters: dict[str, Any]       # route drafter sets ("suffix", "lookahead", ...) -> Drafter
-    index: Any                     # the shared SuffixIndex (predictions are added to it per request)
     sink: Any                      # telemetry.TenantLogSink
     metrics: Any                   # telemetry.Metrics
     model_id: str
     require_key: bool
     keys: dict[str, str] = field(default_factory=dict)   # api key -> tenant
-    worker: Worker | None = None
     started: float = field(default_factory=time.time)
 
 
@@ -132,83 +129,6 @@ def _text(content) -> str:
     return "".join(part.text for part in content)
 
 
-_TAG = {t: re.compile(rf"<{t}>\n?(.*?)\n?</{t}>", re.S) for t in ("instruction", "code", "update")}
-APPLY_SYSTEM = ("You merge code edits. Apply the update to the original code and reply with the complete "
-                "merged code only: no explanations, no code fences.")
-
-
-_LANG = {".py": "python", ".js": "javascript", ".ts": "typescript", ".tsx": "tsx", ".go": "go", ".rs": "rust",
-         ".java": "java", ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp", ".hpp": "cpp", ".md": "markdown",
-         ".sh": "bash", ".rb": "ruby", ".json": "json", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml"}
-
-
-def apply_prompt(code: str, update: str | None, instruction: str | None, name: str = "the file") -> str:
-    """The fast-apply request as the user message: the shape coding assistants (Aider) send a
-    whole-file rewrite in, which instruction-tuned models follow best: the change, the current
-    file in a fence, and "reply with the complete updated file"."""
-    label = f"`{name}`" if name != "the file" else name
-    lang = _LANG.get(Path(name).suffix.lower(), "")
-    parts = [f"Apply this change to {label}:\n\n{instruction or 'Merge the edit below into the file.'}"]
-    if update:
-        parts.append(f"The edit (unchanged code may be elided with comments like `... existing code ...`):\n"
-                     f"```\n{update.strip(chr(10))}\n```")
-    parts.append(f"Current contents of {label}:\n```{lang}\n{code.rstrip(chr(10))}\n```")
-    parts.append("Reply with the complete updated file and nothing else.")
-    return "\n\n".join(parts)
-
-
-def strip_fences(text: str) -> str:
-    """Drop a Markdown code fence around the whole answer, if the model added one."""
-    s = text.strip("\n")
-    if s.startswith("```"):
-        first_nl = s.find("\n")
-        s = s[first_nl + 1:] if first_nl >= 0 else ""
-        if s.rstrip().endswith("```"):
-            s = s.rstrip()[:-3]
-        return s.rstrip("\n") + ("\n" if text.endswith("\n") or s else "")
-    return text
-
-
-def prediction_usage(pred: Sequence[int], out: Sequence[int]) -> tuple[int, int]:
-    """(accepted, rejected) prediction tokens: those of the prediction that appear in the
-    completion in order (matching blocks of a diff), and the rest."""
-    if not pred:
-        return 0, 0
-    sm = difflib.SequenceMatcher(None, list(pred), list(out), autojunk=False)
-    accepted = sum(b.size for b in sm.get_matching_blocks())
-    return accepted, len(pred) - accepted
-
-
-class TextStream:
-    """Incremental detokenisation that never emits text the final answer will not have: no
-    half UTF-8 characters, nothing a stop string may still claim."""
-
-    def __init__(self, tokenizer, stops: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stops = list(stops)
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.ids: list[int] = []
-        self.sent = ""
-
-    def push(self, tokens: Sequence[int]) -> str:
-        self.ids.extend(tokens)
-        text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
-        cut = stop_index(text, self.stops)
-        if cut >= 0:  # a complete stop string: the answer ends before it
-            text = text[:cut]
-        elif self.hold:
-            text = text[:max(len(text) - self.hold, 0)]
-        if len(text) > len(self.sent) and text.startswith(self.sent):
-            delta, self.sent = text[len(self.sent):], text
-            return delta
-        return ""
-
-    def finish(self, final: str) -> str:
-        delta = final[len(self.sent):] if final.startswith(self.sent) else ""
-        self.sent = final
-        return delta
-
-
 # ---- the request pipeline ------------------------------------------------------------------------
 
 @dataclass
@@ -240,20 +160,20 @@ def _resolve(state: ServerState, *, endpoint: str, tenant: Tenant, model: str, i
              top_p: float | None, top_k: int | None, seed: int | None, stop, max_tokens: int | None,
              speculation: bool | None, prediction: str | list[int] | None, session: str | None, stream: bool,
              include_usage: bool, want_stats: bool, t0: float, prefix: str) -> Call:
-    engine = state.engine
+    backend = state.backend
     route = state.router.resolve(endpoint=endpoint, tenant=tenant.name, model=model, temperature=temperature)
     reason = route.reason
     if speculation is False and route.spec is not None:
         route = Route(name=route.name, spec=None, reason="request: speculation = false", drafters=route.drafters)
         reason = route.reason
-    room = engine.max_context - len(ids)
+    room = backend.max_context - len(ids)
     if room < 1:
         raise APIError(400, f"prompt of {len(ids)} tokens does not fit the context window of "
-                            f"{engine.max_context} tokens", param="messages" if endpoint == "chat.completions"
+                            f"{backend.max_context} tokens", param="messages" if endpoint == "chat.completions"
                        else "prompt", code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(state.config.server.default_max_tokens, room)
-    pred_ids = engine.tokenizer.encode(prediction) if isinstance(prediction, str) and prediction else (
+    pred_ids = backend.encode_text(prediction) if isinstance(prediction, str) and prediction else (
         prediction or None)
     if isinstance(stop, str):
         stop = [stop]
@@ -264,39 +184,37 @@ def _resolve(state: ServerState, *, endpoint: str, tenant: Tenant, model: str, i
                 request_id=f"{prefix}-{secrets.token_hex(12)}", t0=t0)
 
 
-def _submit(state: ServerState, call: Call) -> Job:
-    """Queue the call on the batch scheduler; bad values raise 400s now."""
-    drafter = state.drafters.get("+".join(call.route.drafters)) or state.drafters["suffix"]
-    params = dict(prompt=call.ids, max_tokens=call.max_tokens, temperature=call.temperature, top_p=call.top_p,
-                  top_k=call.top_k, seed=call.seed, stop=call.stop or None, spec=call.route.spec, drafter=drafter,
-                  tenant=call.tenant.name)
-    doc_id = f"prediction\x1f{call.request_id}"
+_PARAMS = {"prediction_ids": "prediction"}   # GenerationRequest fields -> the API's names
 
-    def on_start():
-        if call.prediction and state.index is not None:
-            state.index.add_document(doc_id, call.prediction, tenant=call.tenant.name)
-        state.metrics.request_started(call.tenant.name)
+
+def _submit(state: ServerState, call: Call) -> Job:
+    """Queue the call on the backend; bad values raise 400s now, a full queue a 503."""
+    tenant = call.tenant.name
+    request = GenerationRequest(
+        prompt_ids=call.ids, max_tokens=call.max_tokens, temperature=call.temperature, top_p=call.top_p,
+        top_k=call.top_k, seed=call.seed, stop=call.stop, spec=call.route.spec, drafters=call.route.drafters,
+        tenant=tenant, route=call.route.name, session=call.session, request_id=call.request_id,
+        prediction_ids=call.prediction)
 
     def on_finish(job: Job, kind: str, value: Any):
-        if call.prediction and state.index is not None:
-            state.index.remove_document(doc_id)
-        if kind == "rejected":
-            state.metrics.request_finished(call.tenant.name)
-            return
         _record(state, call, job, kind, value)
 
-    job = Job(params, deadline=call.t0 + state.config.server.request_timeout_s, loop=asyncio.get_running_loop(),
-              on_start=on_start, on_finish=on_finish)
-    assert state.worker is not None
+    job = Job(request, deadline=call.t0 + state.config.server.request_timeout_s, loop=asyncio.get_running_loop(),
+              on_finish=on_finish)
+    state.metrics.request_started(tenant)
+    job.started_at = time.monotonic()
     try:
-        queued = state.worker.submit(job)
-    except ContextLengthError as e:
-        raise APIError(400, str(e), param=e.param, code="context_length_exceeded") from None
-    except InvalidRequestError as e:
-        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
-    if not queued:
-        raise APIError(503, f"server overloaded: {state.config.server.max_queue} requests already waiting; retry later",
-                       type="server_error", code="overloaded")
+        state.backend.submit(request, on_tokens=job._tokens, on_done=job._done, should_stop=job.should_stop)
+    except BaseException as e:
+        job.started_at = None
+        state.metrics.request_finished(tenant)
+        if isinstance(e, ContextLengthError):
+            raise APIError(400, str(e), param=_PARAMS.get(e.param, e.param), code="context_length_exceeded") from None
+        if isinstance(e, InvalidRequestError):
+            raise APIError(400, str(e), param=_PARAMS.get(e.param, e.param), code="invalid_value") from None
+        if isinstance(e, QueueFullError):
+            raise APIError(503, f"server overloaded: {e}", type="server_error", code="overloaded") from None
+        raise
     return job
 
 
@@ -397,6 +315,18 @@ def _engine_error(e: Any) -> APIError:
     return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error", code="internal_error")
 
 
+def _final_chunks(call: Call, gen, head: dict, choice: dict):
+    """The last chunk(s) of a streamed completion: ``choice`` with the finish reason (and the
+    spec stats when asked), then, with ``stream_options.include_usage``, the usage chunk."""
+    last = {**head, "choices": [choice]}
+    if call.want_stats:
+        last["spec"] = spec_info(call, gen.stats)
+    if not call.include_usage:
+        return [last]
+    last["usage"] = None
+    return [last, {**head, "choices": [], "usage": usage(call, gen.token_ids)}]
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
 
@@ -412,10 +342,10 @@ async def _stream_events(job: Job, call: Call, tokenizer, chunk, final) -> Async
                 if delta:
                     yield _sse(chunk(delta))
                 continue
-            if kind == "done":
+            if kind == "done" and not (value.finish_reason == "cancelled" and job.timed_out):
                 for obj in final(value, text.finish(value.text)):
                     yield _sse(obj)
-            else:
+            else:  # an error, a cancellation, or a timeout after the stream started
                 err = (APIError(504, "request timed out", type="server_error", code="timeout") if job.timed_out
                        else APIError(499, "request cancelled", type="server_error", code="cancelled")
                        if kind == "cancelled" else _engine_error(value))
@@ -447,16 +377,12 @@ async def chat_completions(request: Request) -> Response:
                 for m in req.messages]
     prediction = _text(req.prediction.content) if req.prediction is not None else None
     endpoint = "chat.completions"
-    last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-    code = _TAG["code"].search(last_user)
-    if code and (_TAG["update"].search(last_user) or _TAG["instruction"].search(last_user)):
-        # Morph/Relace-style fast apply in a chat message: the original code is the draft source
-        if prediction is None:
-            prediction = code.group(1)
-        if not any(m["role"] == "system" for m in messages):
-            messages.insert(0, {"role": "system", "content": APPLY_SYSTEM})
+    # Morph/Relace-style fast apply in a chat message: the original code is the draft source
+    messages, apply_code = chat_fast_apply(messages)
+    if apply_code is not None and prediction is None:
+        prediction = apply_code
     try:
-        ids = state.engine.encode(messages)
+        ids = state.backend.encode_chat(messages)
     except InvalidRequestError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
     temperature = 1.0 if req.temperature is None else req.temperature
@@ -487,21 +413,13 @@ async def chat_completions(request: Request) -> Response:
         return c
 
     def final(gen, tail: str):
-        last = {**base, "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": {"content": tail} if tail else {}, "logprobs": None,
-                             "finish_reason": _finish_reason(gen.finish_reason)}]}
-        if call.want_stats:
-            last["spec"] = spec_info(call, gen.stats)
-        if call.include_usage:
-            last["usage"] = None
-            yield last
-            yield {**base, "object": "chat.completion.chunk", "choices": [], "usage": usage(call, gen.token_ids)}
-        else:
-            yield last
+        return _final_chunks(call, gen, {**base, "object": "chat.completion.chunk"},
+                             {"index": 0, "delta": {"content": tail} if tail else {}, "logprobs": None,
+                              "finish_reason": _finish_reason(gen.finish_reason)})
 
     async def body():
         yield _sse(chunk("", role=True))
-        async for b in _stream_events(job, call, state.engine.tokenizer, chunk, final):
+        async for b in _stream_events(job, call, state.backend.tokenizer, chunk, final):
             yield b
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=_SSE_HEADERS)
@@ -518,15 +436,12 @@ async def completions(request: Request) -> Response:
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
-        ids = state.engine.tokenizer.encode(prompt)  # a completion prompt is raw text: no chat template
+        ids = state.backend.encode_text(prompt)  # a completion prompt is raw text: no chat template
     elif not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise APIError(400, "prompt must be a string, a list of token ids, or a batch of one of either",
                        param="prompt", code="invalid_value")
     else:
-        try:
-            ids = state.engine.encode(list(prompt))
-        except InvalidRequestError as e:
-            raise APIError(400, str(e), param="prompt", code="invalid_value") from None
+        ids = list(prompt)  # token ids: the backend checks them at submit (param "prompt")
     temperature = 1.0 if req.temperature is None else req.temperature
     call = _resolve(state, endpoint="completions", tenant=tenant, model=model, ids=ids, temperature=temperature,
                     top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop, max_tokens=req.max_tokens,
@@ -553,43 +468,18 @@ async def completions(request: Request) -> Response:
         return c
 
     def final(gen, tail: str):
-        last = {**base, "choices": [{"index": 0, "text": tail, "logprobs": None,
-                                     "finish_reason": _finish_reason(gen.finish_reason)}]}
-        if call.want_stats:
-            last["spec"] = spec_info(call, gen.stats)
-        if call.include_usage:
-            last["usage"] = None
-            yield last
-            yield {**base, "choices": [], "usage": usage(call, gen.token_ids)}
-        else:
-            yield last
+        return _final_chunks(call, gen, base, {"index": 0, "text": tail, "logprobs": None,
+                                               "finish_reason": _finish_reason(gen.finish_reason)})
 
-    return StreamingResponse(_stream_events(job, call, state.engine.tokenizer, chunk, final),
+    return StreamingResponse(_stream_events(job, call, state.backend.tokenizer, chunk, final),
                              media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
 def _read_workspace_file(tenant: Tenant, path: str, limit: int) -> str:
-    if tenant.root is None:
-        raise APIError(400, f"tenant {tenant.name!r} has no workspace: send `code` instead of `path`", param="path",
-                       code="no_workspace")
-    if "\x00" in path:
-        raise APIError(400, "path must not contain NUL bytes", param="path", code="invalid_value")
-    p = Path(path)
-    full = (p if p.is_absolute() else tenant.root / p).resolve()
-    if not full.is_relative_to(tenant.root):
-        raise APIError(403, f"path {path!r} is outside the workspace of tenant {tenant.name!r}",
-                       type="permission_error", param="path", code="path_outside_workspace")
-    if not full.is_file():
-        raise APIError(404, f"no such file in the workspace: {path!r}", type="not_found_error", param="path",
-                       code="file_not_found")
-    if full.stat().st_size > limit:
-        raise APIError(413, f"file {path!r} is larger than {limit} bytes", param="path", code="file_too_large")
     try:
-        return full.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise APIError(400, f"file {path!r} is not UTF-8 text", param="path", code="invalid_value") from None
-    except OSError as e:
-        raise APIError(400, f"cannot read {path!r}: {e.strerror}", param="path", code="unreadable") from None
+        return resolve_workspace_path(tenant.root, path, max_bytes=limit, tenant=tenant.name)[1]
+    except ApplyPathError as e:
+        raise APIError(e.status, str(e), type=e.type, param=e.param, code=e.code) from None
 
 
 async def apply(request: Request) -> Response:
@@ -602,13 +492,15 @@ async def apply(request: Request) -> Response:
     code = req.code if req.code is not None else _read_workspace_file(tenant, req.path,
                                                                         state.config.server.max_body_bytes)
     name = Path(req.path).name if req.path is not None else "the file"
-    messages = [{"role": "user", "content": apply_prompt(code, req.update, req.instruction, name)}]
-    ids = state.engine.encode(messages)
-    code_ids = state.engine.tokenizer.encode(code)   # the draft source, and the output's expected size
+    try:
+        plan = build_apply(code, req.update, req.instruction, name, tokenizer=state.backend.tokenizer)
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+    ids = state.backend.encode_chat(plan.messages)
+    code_ids = plan.prediction_ids   # the draft source, and the output's expected size
     max_tokens = req.max_tokens
     if max_tokens is None:  # room for the whole file and the update, within the context window
-        est = len(code_ids) + len(state.engine.tokenizer.encode(req.update or "")) + 64
-        max_tokens = max(1, min(est, state.engine.max_context - len(ids)))
+        max_tokens = plan.max_tokens(state.backend.max_context - len(ids))
     call = _resolve(state, endpoint="apply", tenant=tenant, model=model, ids=ids, temperature=req.temperature,
                     top_p=None, top_k=None, seed=req.seed, stop=None, max_tokens=max_tokens,
                     speculation=req.speculation, prediction=code_ids, session=req.prompt_cache_key, stream=req.stream,
@@ -619,7 +511,7 @@ async def apply(request: Request) -> Response:
         base["path"] = req.path
     if not call.stream:
         gen = await _collect(request, job)
-        return Response(_json.encode({**base, "merged_code": strip_fences(gen.text),
+        return Response(_json.encode({**base, "merged_code": plan.finish(gen.text),
                                       "finish_reason": _finish_reason(gen.finish_reason),
                                       "usage": usage(call, gen.token_ids), "spec": spec_info(call, gen.stats)}),
                         media_type="application/json")
@@ -628,11 +520,11 @@ async def apply(request: Request) -> Response:
         return {**base, "object": "apply.chunk", "delta": delta}
 
     def final(gen, tail: str):
-        yield {**base, "object": "apply.chunk", "delta": tail, "merged_code": strip_fences(gen.text),
+        yield {**base, "object": "apply.chunk", "delta": tail, "merged_code": plan.finish(gen.text),
                "finish_reason": _finish_reason(gen.finish_reason), "usage": usage(call, gen.token_ids),
                "spec": spec_info(call, gen.stats)}
 
-    return StreamingResponse(_stream_events(job, call, state.engine.tokenizer, chunk, final),
+    return StreamingResponse(_stream_events(job, call, state.backend.tokenizer, chunk, final),
                              media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
@@ -651,14 +543,14 @@ async def model_detail(request: Request) -> Response:
 
 def _model_card(state: ServerState) -> dict:
     return {"id": state.model_id, "object": "model", "created": int(state.started), "owned_by": "agentspec",
-            "max_model_len": state.engine.max_context}
+            "max_model_len": state.backend.max_context}
 
 
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.agentspec
-    w = state.worker
-    return JSONResponse({"status": "ok", "model": state.model_id, "running": w.running if w else 0,
-                         "waiting": w.waiting if w else 0, "uptime_s": round(time.time() - state.started, 1)})
+    h = state.backend.health()
+    return JSONResponse({**h, "status": h.get("status", "ok"), "model": state.model_id,
+                         "uptime_s": round(time.time() - state.started, 1)})
 
 
 async def metrics(request: Request) -> Response:
@@ -670,7 +562,9 @@ async def metrics(request: Request) -> Response:
 # ---- the app -----------------------------------------------------------------------------------------
 
 def create_app(state: ServerState) -> Starlette:
-    """The Starlette app over a built ``ServerState``; starts its engine worker on startup."""
+    """The Starlette app over a built ``ServerState``; closes its backend on shutdown. The backend's
+    scheduler runs on the thread that calls ``backend.run()`` (``serve``) or, without one, on a
+    thread of its own from the first request (``EmbeddedBackend(background=True)``)."""
 
     def wrap(handler):
         async def endpoint(request: Request) -> Response:
@@ -697,13 +591,11 @@ def create_app(state: ServerState) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app):
-        if state.worker is None:
-            state.worker = Worker(state.engine, max_queue=state.config.server.max_queue,
-                                  max_batch=state.config.server.max_batch, budget=state.config.server.budget_policy)
         try:
             yield
         finally:
-            state.worker.close()
+            state.backend.close()
+            state.sink.close()
 
     routes = [
         HTTPRoute("/health", wrap(health), methods=["GET"]),

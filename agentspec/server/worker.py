@@ -1,10 +1,10 @@
-"""Requests reach the engine through a continuous-batching scheduler; the event loop never blocks.
+"""The adapter from a backend's callbacks to the event loop; the event loop never blocks.
 
-``Worker`` wraps an ``agentspec.engine.batch.BatchEngine``: up to ``max_batch`` requests run
-together (more wait; a full queue is a 503). Each job streams its committed tokens back to the
-event loop through an asyncio queue. A job is cancelled (client gone, timeout) through a flag
-the scheduler checks between steps, so it stops at the next step boundary, frees its KV cache
-and still reports partial stats.
+A ``Job`` is one request submitted to the ``agentspec.backend.Backend`` (which batches, queues
+and refuses: a full queue is a 503). Its committed tokens come back to the event loop through an
+asyncio queue. A job is cancelled (client gone, timeout) through ``should_stop``, which the
+backend polls between steps, so it stops at the next step boundary, frees its KV cache and still
+reports partial stats.
 """
 
 from __future__ import annotations
@@ -15,22 +15,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Job", "Worker"]
+__all__ = ["Job"]
 
 
 class Job:
-    """One generation: ``params`` are ``BatchEngine.submit``'s keyword arguments."""
+    """One generation: ``request`` is the ``GenerationRequest`` submitted to the backend."""
 
-    def __init__(self, params: dict[str, Any], *, deadline: float, loop: asyncio.AbstractEventLoop,
-                 on_start: Callable[[], None] | None = None,
+    def __init__(self, request: Any, *, deadline: float, loop: asyncio.AbstractEventLoop,
                  on_finish: Callable[["Job", str, Any], None] | None = None) -> None:
-        self.params = params
+        self.request = request
         self.deadline = deadline              # time.monotonic() after which the job stops
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.timed_out = False
-        self.on_start = on_start
         self.on_finish = on_finish            # (job, kind, value) on the scheduler thread, once
         self.started_at: float | None = None  # monotonic times
         self.first_token_at: float | None = None
@@ -68,41 +66,3 @@ class Job:
                 print(f"[agentspec] request bookkeeping failed: {e!r}", file=sys.stderr, flush=True)
         self._emit(kind, value)
 
-
-class Worker:
-    def __init__(self, engine: Any, *, max_queue: int, max_batch: int = 16, budget: str = "load_aware",
-                 background: bool = True) -> None:
-        from ..engine.batch import BatchEngine
-
-        self.max_queue = max_queue
-        self.batch = BatchEngine(engine, max_batch=max_batch, budget=budget, background=background)
-        self._lock = threading.Lock()
-
-    @property
-    def running(self) -> int:
-        return self.batch.num_running
-
-    @property
-    def waiting(self) -> int:
-        return self.batch.num_waiting
-
-    def submit(self, job: Job) -> bool:
-        """Queue a job; False when the queue is full. Bad input raises (InvalidRequestError)."""
-        with self._lock:
-            if self.batch.num_waiting >= self.max_queue:
-                return False
-            job.started_at = time.monotonic()
-            if job.on_start is not None:
-                job.on_start()
-            try:
-                self.batch.submit(**job.params, on_tokens=job._tokens, on_done=job._done,
-                                  should_stop=job.should_stop)
-            except BaseException:
-                job.started_at = None
-                if job.on_finish is not None:  # undo on_start's bookkeeping, log nothing
-                    job.on_finish(job, "rejected", None)
-                raise
-            return True
-
-    def close(self, timeout: float = 30.0) -> None:
-        self.batch.close(timeout)

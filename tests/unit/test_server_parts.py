@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from agentspec.apply import apply_prompt, merged_code, prediction_usage
 from agentspec.config import ServerConfig, SpecConfig, load_server_config
 from agentspec.errors import ConfigError
 from agentspec.routing import Router
-from agentspec.server.app import TextStream, apply_prompt, prediction_usage, strip_fences
+from agentspec.text import TextStream
 
 README_CONFIG = """
 [server]
@@ -107,10 +108,11 @@ def test_text_stream_never_sends_what_the_final_text_lacks():
         assert sent + s.finish(final) == final
 
 
-def test_strip_fences_prediction_usage_and_apply_prompt():
-    assert strip_fences("```python\nx = 1\n```\n") == "x = 1\n"
-    assert strip_fences("x = 1\n") == "x = 1\n"
-    assert strip_fences("```\n```") == ""
+def test_merged_code_prediction_usage_and_apply_prompt():
+    # the server's helpers live in agentspec.apply now (more cases in test_apply.py)
+    assert merged_code("```python\nx = 1\n```\n") == "x = 1\n"
+    assert merged_code("x = 1\n") == "x = 1\n"
+    assert merged_code("```\n```") == ""
     assert prediction_usage([1, 2, 3, 4], [1, 2, 9, 4]) == (3, 1)
     assert prediction_usage([], [1]) == (0, 0)
     p = apply_prompt("x = 1\n", "x = 2", "bump x", "a.py")

@@ -107,11 +107,13 @@ def test_tenant_names_are_validated():
 # ---- sink and reader -------------------------------------------------------------------------
 
 
-def test_sink_writes_one_line_per_record_per_tenant(tmp_path):
-    sink = TenantLogSink(tmp_path / "new" / "logs")  # created when missing
+@pytest.mark.parametrize("background", [True, False])
+def test_sink_writes_one_line_per_record_per_tenant(tmp_path, background):
+    sink = TenantLogSink(tmp_path / "new" / "logs", background=background)  # created when missing
     recs = [make_record(i, tenant="a" if i % 2 else "b", ts=1000.0 + i) for i in range(6)]
     for r in recs:
         sink.write(r)
+    assert sink.flush()
     assert sorted(p.name for p in sink.log_dir.iterdir()) == ["a.jsonl", "b.jsonl"]
     assert len(sink.path("a").read_bytes().splitlines()) == 3
     assert list(read_records(sink.log_dir)) == recs  # merged across tenants by ts
@@ -122,25 +124,50 @@ def test_sink_writes_one_line_per_record_per_tenant(tmp_path):
         sink.write(make_record(tenant="../x"))
     with pytest.raises(FileNotFoundError, match="missing"):
         read_records(tmp_path / "missing")
+    sink.close()
 
 
-def test_rotation_keeps_backups_and_loses_no_lines(tmp_path):
-    line_bytes = len(msgspec.json.encode(make_record(0))) + 1
-    sink = TenantLogSink(tmp_path, max_bytes=3 * line_bytes + 10, backups=20)
-    recs = [make_record(i, ts=2000.0 + i) for i in range(30)]
-    for r in recs:
-        sink.write(r)
-    files = sorted(p.name for p in tmp_path.iterdir())
+def _check_rotation(tmp_path, recs, sink, small):
+    files = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert len(files) == 10 and "acme.jsonl.9" in files
-    assert all(p.stat().st_size <= sink.max_bytes for p in tmp_path.iterdir())
+    assert all(p.stat().st_size <= sink.max_bytes for p in tmp_path.iterdir() if p.is_file())
     assert list(read_records(tmp_path)) == recs  # every line, in order across rotated files
-
-    small = TenantLogSink(tmp_path / "small", max_bytes=3 * line_bytes + 10, backups=2)
-    for r in recs:
-        small.write(r)
     assert sorted(p.name for p in small.log_dir.iterdir()) == ["acme.jsonl", "acme.jsonl.1", "acme.jsonl.2"]
     kept = list(read_records(small.log_dir))
     assert kept == recs[-len(kept):] and len(kept) == 9  # the newest, contiguous; older files dropped
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_rotation_keeps_backups_and_loses_no_lines(tmp_path, background):
+    line_bytes = len(msgspec.json.encode(make_record(0))) + 1
+    sink = TenantLogSink(tmp_path, max_bytes=3 * line_bytes + 10, backups=20, background=background)
+    small = TenantLogSink(tmp_path / "small", max_bytes=3 * line_bytes + 10, backups=2, background=background)
+    recs = [make_record(i, ts=2000.0 + i) for i in range(30)]
+    for r in recs:
+        sink.write(r)
+        small.write(r)
+    sink.close()
+    small.close()
+    _check_rotation(tmp_path, recs, sink, small)
+
+
+def test_rotation_within_one_group(tmp_path, monkeypatch):
+    """30 records queued while the writer is busy reach it as one group that crosses rotations."""
+    line_bytes = len(msgspec.json.encode(make_record(0))) + 1
+    sink = TenantLogSink(tmp_path, max_bytes=3 * line_bytes + 10, backups=20)
+    small = TenantLogSink(tmp_path / "small", max_bytes=3 * line_bytes + 10, backups=2)
+    recs = [make_record(i, ts=2000.0 + i) for i in range(30)]
+    fs = _BlockedFsync(monkeypatch)
+    sink.write(make_record(-1, tenant="other"))  # the writer takes this one and stops in its fsync
+    assert fs.entered.wait(30)
+    for r in recs:
+        sink.write(r)
+        small.write(r)
+    fs.release.set()
+    sink.close()
+    small.close()
+    (tmp_path / "other.jsonl").unlink()
+    _check_rotation(tmp_path, recs, sink, small)
 
 
 def test_concurrent_writers_produce_whole_lines(tmp_path):
@@ -157,6 +184,8 @@ def test_concurrent_writers_produce_whole_lines(tmp_path):
         t.start()
     for t in threads:
         t.join()
+    assert sink.flush()
+    sink.close()
     decoder = msgspec.json.Decoder(AcceptanceRecord)
     ids = []
     for p in tmp_path.iterdir():
@@ -172,6 +201,7 @@ def test_torn_last_line_is_skipped_and_counted(tmp_path):
     sink = TenantLogSink(tmp_path)
     for i in range(3):
         sink.write(make_record(i, ts=3000.0 + i))
+    sink.flush()
     whole = msgspec.json.encode(make_record(3))
     with open(sink.path("acme"), "ab") as f:
         f.write(whole[: len(whole) // 2])  # a write cut short by a crash
@@ -179,9 +209,119 @@ def test_torn_last_line_is_skipped_and_counted(tmp_path):
     assert [r.request_id for r in read_records(tmp_path, report=report)] == ["req-0", "req-1", "req-2"]
     assert report.skipped == 1 and report.skipped_at == [f"{sink.path('acme')}:4"] and report.files == 1
     sink.write(make_record(4, ts=3004.0))  # starts a fresh line after the torn one
+    sink.close()
     report = ReadReport()
     assert [r.request_id for r in read_records(tmp_path, report=report)][-1] == "req-4"
     assert report.skipped == 1 and report.records == 4
+
+
+class _BlockedFsync:
+    """``os.fsync`` that counts calls and holds each one until ``release`` is set, so a test can
+    know the writer thread is inside an fsync (``entered``) and what happened meanwhile."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.entered, self.release, self.returned = threading.Event(), threading.Event(), threading.Event()
+        self.calls = 0
+        self._real = os.fsync
+        monkeypatch.setattr(os, "fsync", self)
+
+    def __call__(self, fd: int) -> None:
+        self.calls += 1
+        self.entered.set()
+        self.release.wait(60)  # a safety net against a hang, not a timing assertion
+        self._real(fd)
+        self.returned.set()
+
+
+def test_write_returns_while_the_writer_is_in_fsync(tmp_path, monkeypatch):
+    sink = TenantLogSink(tmp_path)
+    assert sink._thread is None  # started by the first write
+    fs = _BlockedFsync(monkeypatch)
+    sink.write(make_record(0, ts=1.0))
+    writer = sink._thread
+    assert writer is not None and writer.name == "agentspec-log-writer" and writer.daemon
+    assert fs.entered.wait(60)  # the writer thread is inside the (slow) fsync
+    for i in range(1, 6):
+        sink.write(make_record(i, ts=1.0 + i))  # returns although that fsync has not
+    assert not fs.returned.is_set() and fs.calls == 1
+    fs.release.set()
+    assert sink.flush()
+    assert [r.request_id for r in read_records(tmp_path)] == [f"req-{i}" for i in range(6)]
+    sink.close()
+
+
+def test_a_burst_is_written_in_groups(tmp_path, monkeypatch):
+    sink = TenantLogSink(tmp_path)
+    fs = _BlockedFsync(monkeypatch)
+    sink.write(make_record(0, tenant="a"))
+    assert fs.entered.wait(60)
+    burst = [make_record(i, tenant="ab"[i % 2], ts=100.0 + i) for i in range(1, 201)]
+    threads = [threading.Thread(target=lambda k=k: [sink.write(r) for r in burst[k::4]]) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    fs.release.set()
+    assert sink.flush()
+    # the first record's group, then one group of 200 records: one fsync per tenant file
+    assert fs.calls == 1 + 2 < len(burst)
+    got = sorted(r.request_id for r in read_records(tmp_path))
+    assert got == sorted(["req-0"] + [r.request_id for r in burst])
+    sink.close()
+
+
+def test_close_drains_the_queue_and_later_writes_are_synchronous(tmp_path):
+    sink = TenantLogSink(tmp_path)
+    for i in range(100):
+        sink.write(make_record(i, ts=10.0 + i))
+    writer = sink._thread
+    sink.close()
+    assert not writer.is_alive() and not sink.background
+    assert [r.request_id for r in read_records(tmp_path)] == [f"req-{i}" for i in range(100)]
+    sink.close()  # idempotent
+    sink.write(make_record(100, ts=200.0))  # after close: on disk when write returns, no flush needed
+    assert list(read_records(tmp_path))[-1].request_id == "req-100"
+    assert sink.flush(timeout=0)
+
+    sync = TenantLogSink(tmp_path / "sync", background=False)
+    assert sync._thread is None and not sync.background
+    sync.write(make_record(1))
+    assert [r.request_id for r in read_records(sync.log_dir)] == ["req-1"]
+    sync.close()
+
+
+def test_a_full_queue_makes_writers_wait_and_loses_nothing(tmp_path, monkeypatch):
+    sink = TenantLogSink(tmp_path, max_queue=2)
+    fs = _BlockedFsync(monkeypatch)
+    sink.write(make_record(0, ts=1.0))
+    assert fs.entered.wait(60)   # the writer holds record 0; the queue is empty
+    sink.write(make_record(1, ts=2.0))
+    sink.write(make_record(2, ts=3.0))  # the queue is full now
+    late = threading.Thread(target=sink.write, args=(make_record(3, ts=4.0),))
+    late.start()
+    guard = time.monotonic() + 60  # a hang guard, not a timing assertion
+    while sink.waits == 0 and time.monotonic() < guard:  # the late writer waits for room
+        time.sleep(0.005)
+    assert sink.waits == 1
+    assert late.is_alive() and not fs.returned.is_set()
+    fs.release.set()
+    late.join()
+    assert sink.flush()
+    assert [r.request_id for r in read_records(tmp_path)] == ["req-0", "req-1", "req-2", "req-3"]
+    sink.close()
+
+
+def test_a_failed_group_is_counted_and_the_writer_goes_on(tmp_path, capsys):
+    sink = TenantLogSink(tmp_path)
+    (tmp_path / "broken.jsonl").mkdir()  # os.open of the log file fails
+    sink.write(make_record(0, tenant="broken"))
+    sink.write(make_record(1, tenant="fine"))
+    assert sink.flush()
+    assert sink.failed == 1
+    assert "could not write 1 acceptance-log records for tenant 'broken'" in capsys.readouterr().err
+    sink.write(make_record(2, tenant="fine"))
+    sink.close()
+    assert [r.request_id for r in read_records(tmp_path, tenant="fine")] == ["req-1", "req-2"]
 
 
 _KILLED_WRITER = """
@@ -196,6 +336,7 @@ while True:
     sink.write(mod.AcceptanceRecord(request_id=f"r{i}", tenant="k", drafted_per_pos=list(range(50))))
     i += 1
     if i == 50:
+        sink.flush()  # 50 records on disk; the writer keeps writing groups until the kill
         print("ready", flush=True)
 """
 
@@ -313,6 +454,7 @@ def cli_runs(tmp_path_factory):
         tenant, route = ("alpha", "apply" if i % 3 else "default") if i < 8 else ("beta", "chat")
         sink.write(make_record(i, tenant=tenant, route=route, ts=now - 60 * (12 - i)))
     sink.write(make_record(99, tenant="beta", route="old", ts=now - 30 * 86400))
+    sink.close()
     with open(sink.path("beta"), "ab") as f:
         f.write(b'{"ts": 1.0, "request_')  # torn last line
     runs = {

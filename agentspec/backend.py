@@ -1,0 +1,174 @@
+"""The seam between the server and an engine: a typed request and the ``Backend`` protocol.
+
+The server (``agentspec.server``) talks to a ``Backend`` and to nothing else: it turns an HTTP
+body into token ids with the backend's tokenizer and chat template, builds a
+``GenerationRequest`` and submits it; committed tokens and the final ``Generation`` come back
+through callbacks. Everything engine-specific (the batch scheduler, drafters, the KV cache,
+prediction documents in the draft index) stays behind the protocol. The embedded torch engine
+is the first implementation (``agentspec.engine.backend.EmbeddedBackend``); an SGLang backend
+is the second.
+
+This module is torch-free: it imports msgspec, the standard library and agentspec's config,
+errors and result structs only.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from .config import SpecConfig
+from .engine.base import Generation
+from .errors import ContextLengthError, InvalidRequestError, QueueFullError
+
+__all__ = ["Backend", "ContextLengthError", "GenerationRequest", "InvalidRequestError", "OnDone", "OnTokens",
+           "QueueFullError", "TokenizerLike", "collect", "stream_via_submit"]
+
+OnTokens = Callable[[list[int]], None]
+"""Called with the tokens each scheduler step committed (from the backend's scheduler thread)."""
+OnDone = Callable[[Any, Any], None]
+"""Called once at the end: ``(generation, None)`` or ``(None, error)`` (from the scheduler thread).
+A cancelled request ends with a ``Generation`` whose finish_reason is "cancelled"."""
+
+
+class GenerationRequest(msgspec.Struct, kw_only=True):
+    """One generation, as the server hands it to a backend.
+
+    ``prompt_ids``: the prompt's token ids (chat template already applied where wanted).
+    ``spec``: how the request speculates; None is plain decoding. ``drafters``: the drafter names
+    of the request's route (``agentspec.drafting.registry``). ``tenant`` scopes drafting (its
+    workspace, its history, its predictions); ``route``/``session`` are for the backend's own
+    bookkeeping. ``request_id``: the id ``cancel`` takes ("" : the backend assigns one and
+    ``submit`` returns it). ``prediction_ids``: tokens the client predicts the output to contain;
+    the backend makes them a draft source for this request only (within its tenant) and drops
+    them at its end."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = []
+    spec: SpecConfig | None = SpecConfig()
+    drafters: tuple[str, ...] = ("suffix",)
+    tenant: str = "default"
+    route: str = "default"
+    session: str | None = None
+    request_id: str = ""
+    prediction_ids: list[int] | None = None
+
+
+@runtime_checkable
+class TokenizerLike(Protocol):
+    """What the server needs of a backend's tokenizer."""
+
+    eos_token_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the server needs of an engine. Implementations: ``agentspec.engine.backend.EmbeddedBackend``."""
+
+    model_name: str          # the model id the server reports (``/v1/models``)
+    max_context: int         # tokens: prompt + completion
+
+    @property
+    def tokenizer(self) -> TokenizerLike: ...
+
+    @property
+    def index(self) -> Any:
+        """The draft index tenants' workspace documents go into (a ``SuffixIndex``), or None when
+        the backend drafts without workspaces."""
+        ...
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of chat messages (``{"role", "content"}``) with the model's chat template and
+        the generation prompt. Raises InvalidRequestError naming the bad value."""
+        ...
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of raw text: no template, no special tokens."""
+        ...
+
+    def submit(self, request: GenerationRequest, *, on_tokens: OnTokens, on_done: OnDone,
+               should_stop: Callable[[], bool] | None = None) -> str:
+        """Queue a request; returns its id. Bad input raises here (InvalidRequestError,
+        ContextLengthError, with ``param``); a full queue raises QueueFullError. ``should_stop``
+        is polled between steps: True ends the request with finish_reason "cancelled"."""
+        ...
+
+    def stream(self, request: GenerationRequest) -> Iterator[list[int]]:
+        """Run a request from synchronous code: yields the committed tokens of each step and
+        returns the ``Generation`` (``StopIteration.value``). Bad input raises at the call."""
+        ...
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a queued or running request at the next step; False when no such request runs."""
+        ...
+
+    def health(self) -> dict[str, Any]:
+        """``{"status": "ok" | ..., "running": int, "waiting": int}``."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """What runs (hardware, kernels), the scheduler's step-cost source, request counts."""
+        ...
+
+    def run(self, on_ready: Callable[[], None] | None = None) -> None:
+        """Run the scheduler on the calling thread until ``close()`` (from another thread).
+        ``on_ready()`` is called once it takes requests (on this thread, before blocking)."""
+        ...
+
+    def close(self) -> None:
+        """Stop: queued requests fail, running ones end; ``run()`` returns. Idempotent."""
+        ...
+
+
+_END = object()
+
+
+def stream_via_submit(backend: Backend, request: GenerationRequest) -> Iterator[list[int]]:
+    """``Backend.stream`` on top of ``submit``: the callbacks feed a queue this generator reads.
+    Submits at once (bad input raises here, not at the first ``next()``); closing the generator
+    early cancels the request."""
+    q: queue.SimpleQueue = queue.SimpleQueue()
+
+    def on_done(gen: Any, err: Any) -> None:
+        q.put((_END, gen, err))
+
+    rid = backend.submit(request, on_tokens=q.put, on_done=on_done)
+
+    def run() -> Iterator[list[int]]:
+        finished = False
+        try:
+            while True:
+                item = q.get()
+                if isinstance(item, tuple) and item and item[0] is _END:
+                    finished = True
+                    _, gen, err = item
+                    if err is not None:
+                        raise err
+                    return gen
+                yield item
+        finally:
+            if not finished:
+                backend.cancel(rid)
+
+    return run()
+
+
+def collect(stream: Iterator[list[int]]) -> Generation:
+    """Drain a ``Backend.stream`` generator; its ``Generation``."""
+    while True:
+        try:
+            next(stream)
+        except StopIteration as done:
+            return done.value
