@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,13 +19,33 @@ CHAT_PROMPTS = [
 ]
 
 
+THREAD_JOIN_GRACE_S = 5.0
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_threads():
-    """Fail a test that leaves threads running (watchdog's fixture habit)."""
+    """Fail a test that leaves threads running (watchdog's fixture habit), daemon or not: every
+    thread the project starts is a daemon (a scheduler, a watcher, a log writer), so a close()
+    that forgets to join one is exactly what this must catch.
+
+    Threads alive before the test are not its own: those of session- and module-scoped fixtures
+    (set up before this function-scoped fixture) and of objects they own. A thread the test
+    started is given a short grace to end (joined with a timeout: a thread told to stop by a
+    close() may still be unwinding; this is a hang guard, not a time bound on anything); one
+    still alive after that is a leak, named in the failure."""
     before = set(threading.enumerate())
     yield
-    leaked = [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
-    assert not leaked, f"test leaked threads: {leaked}"
+    deadline = time.monotonic() + THREAD_JOIN_GRACE_S
+    leaked = []
+    for t in threading.enumerate():
+        if t in before or t is threading.current_thread():
+            continue
+        t.join(max(deadline - time.monotonic(), 0.0))
+        if t.is_alive():
+            leaked.append(t)
+    assert not leaked, "test leaked threads: " + ", ".join(
+        f"{t.name!r} ({'daemon' if t.daemon else 'non-daemon'}, target {getattr(t, '_target', None)!r})"
+        for t in leaked)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -34,8 +34,11 @@ def test_greedy_identity_rewrites_and_chat(engine, rewrite_prompts, chat_prompts
     for plain, spec in pairs:
         assert plain.text == spec.text and plain.finish_reason == spec.finish_reason
         assert not plain.stats.spec_enabled and spec.stats.spec_enabled
-        assert spec.stats.completion_tokens == 1 + sum(spec.stats.acceptance_lengths) or spec.finish_reason == "stop" \
-            or spec.stats.completion_tokens == MAX_TOKENS
+        _check_step_accounting(plain)
+        _check_step_accounting(spec)
+        # plain decoding: one token per step, nothing drafted
+        assert plain.stats.draft_tokens == plain.stats.accepted_tokens == 0 and not plain.stats.draft_sources
+        assert set(plain.stats.acceptance_lengths) <= {1} and set(plain.stats.draft_depths) <= {0}
     # speculation must really have happened: rewrites copy from their prompt
     rw = [s.stats for _, s in pairs[: len(rewrite_prompts)]]
     assert sum(s.accepted_tokens for s in rw) > 0.3 * sum(s.completion_tokens for s in rw)
@@ -46,7 +49,33 @@ def test_greedy_identity_rewrites_and_chat(engine, rewrite_prompts, chat_prompts
         assert full.token_ids == pairs[i][0].token_ids, f"full-budget speculation differs on rewrite {i}"
     # chat prompts are where drafts get rejected: the loop must survive that too
     chat = [s.stats for _, s in pairs[len(rewrite_prompts):]]
-    assert sum(s.draft_tokens - s.accepted_tokens for s in chat) >= 0
+    assert sum(s.draft_tokens - s.accepted_tokens for s in chat) > 0, "no chat draft token was ever rejected"
+    assert any(a - 1 < d for s in chat for a, d in zip(s.acceptance_lengths, s.draft_depths)), \
+        "no chat step rejected part of its draft"
+
+
+def _check_step_accounting(g) -> None:
+    """What ``GenerationStats`` says about the steps agrees with itself and with the output."""
+    s = g.stats
+    assert s.completion_tokens == len(g.token_ids)
+    assert len(s.acceptance_lengths) == len(s.draft_depths) == s.steps
+    assert s.steps == 0 or s.mean_acceptance_length == pytest.approx(sum(s.acceptance_lengths) / s.steps)
+    # each step commits its accepted draft tokens plus one bonus token, never more than the
+    # draft tree is deep
+    assert all(1 <= a <= d + 1 for a, d in zip(s.acceptance_lengths, s.draft_depths)), \
+        list(zip(s.acceptance_lengths, s.draft_depths))
+    assert s.accepted_tokens == sum(s.acceptance_lengths) - s.steps
+    assert s.accepted_tokens <= s.draft_tokens and sum(s.draft_depths) <= s.draft_tokens
+    assert sum(s.draft_sources.values()) == sum(1 for d in s.draft_depths if d > 0)
+    # the prefill's token and every step's tokens are the output: all of them when max_tokens
+    # ended it (drafts are capped to what is left), a cut last step at EOS / a stop string
+    committed = 1 + sum(s.acceptance_lengths)
+    if g.finish_reason == "length":
+        assert s.completion_tokens == committed == MAX_TOKENS
+    else:
+        assert g.finish_reason == "stop"
+        assert committed - s.acceptance_lengths[-1] <= s.completion_tokens <= committed if s.steps else \
+            s.completion_tokens <= 1
 
 
 class NoisyTreeDrafter:
