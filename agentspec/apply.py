@@ -3,11 +3,12 @@
 No HTTP and no torch: the server's ``POST /v1/apply`` and its chat fast-apply detection call
 this module, and so can an SDK or a language server::
 
-    plan = build_apply(code, update, instruction, name="util.py", tokenizer=engine.tokenizer)
-    ids = engine.encode(plan.messages)
-    gen = engine.generate(ids, max_tokens=plan.max_tokens(engine.max_context - len(ids)),
-                          prediction=plan.prediction_ids, ...)
-    merged = plan.finish(gen.text)     # the file only: no code fence, no chatter
+    plan = build_apply(code, update, instruction, name="util.py", tokenizer=backend.tokenizer)
+    ids = backend.encode_chat(plan.messages)
+    request = GenerationRequest(prompt_ids=ids, max_tokens=plan.max_tokens(backend.max_context - len(ids)),
+                                prediction_ids=plan.prediction_ids)   # the original drafts the answer
+    gen = collect(backend.stream(request))   # agentspec.backend: GenerationRequest, collect
+    merged = plan.finish(gen.text)           # the file only: no code fence, no chatter
 
 The original code is the draft source (``prediction_ids``): most of the answer is the file
 again, so speculation accepts long runs of it.

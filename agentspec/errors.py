@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "AgentSpecError",
+    "BackendClosedError",
     "ConfigError",
     "ContextLengthError",
     "InvalidRequestError",
@@ -38,6 +39,10 @@ class InvalidRequestError(AgentSpecError, ValueError):
 
 class ContextLengthError(InvalidRequestError):
     """The prompt (plus the requested new tokens) does not fit the model's context window."""
+
+
+class BackendClosedError(AgentSpecError, RuntimeError):
+    """The backend is shutting down or closed: the request was not taken (a server answers 503)."""
 
 
 class QueueFullError(AgentSpecError):

@@ -221,6 +221,7 @@ class TenantLogSink:
         self._warned = -math.inf        # monotonic time of the last queue-full warning (one a minute)
         self._closed = not background
         self._thread: threading.Thread | None = None  # started by the first write
+        self._last_thread: threading.Thread | None = None  # the writer close() stopped (it may still drain)
 
     @property
     def background(self) -> bool:
@@ -258,6 +259,9 @@ class TenantLogSink:
                 self._queued += 1
                 self._cond.notify_all()
                 return
+            # closed: write now, but after what the writer is still draining (keep write order)
+            while self._done < self._queued and self._draining():
+                self._cond.wait(0.5)
         self._append(record.tenant, [line])
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -267,10 +271,15 @@ class TenantLogSink:
             target = self._queued
             return self._cond.wait_for(lambda: self._done >= target, timeout)
 
+    def _draining(self) -> bool:
+        return self._last_thread is not None and self._last_thread.is_alive()
+
     def close(self) -> None:
         """Write what is queued, stop the writer thread; later writes are synchronous. Idempotent."""
         with self._cond:
             thread, self._thread = self._thread, None
+            if thread is not None:
+                self._last_thread = thread
             self._closed = True
             self._cond.notify_all()
         if thread is not None:

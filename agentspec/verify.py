@@ -18,9 +18,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["gumbel_noise", "greedy_verify", "noise_key", "process_logits", "sample", "sampling_verify",
+__all__ = ["gumbel_noise", "greedy_verify", "process_logits", "sample", "sampling_verify",
            "sampling_walk", "seeded_target"]
 
 
@@ -77,24 +78,14 @@ def process_logits(
 _M64 = (1 << 64) - 1
 
 
-def noise_key(seed: int, position: int) -> int:
-    """A 64-bit generator seed for (seed, position): splitmix64 of both, so nearby seeds and
-    positions give unrelated noise."""
-    x = ((int(seed) & _M64) * 0x9E3779B97F4A7C15 + (int(position) + 1) * 0xD1B54A32D192ED03) & _M64
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & _M64
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
 def gumbel_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
     """Standard Gumbel noise over the vocabulary for one (seed, position): ``-log(-log U)``,
-    float64 on the CPU, a function of its arguments alone."""
-    g = torch.Generator(device="cpu")
-    g.manual_seed(noise_key(seed, position))
-    u = torch.rand(vocab, generator=g, dtype=torch.float64)
-    return -torch.log(-torch.log(u))
+    float64 on the CPU, a function of its arguments alone. The uniforms come from Philox (a
+    counter-based generator) keyed by the full 64-bit seed and the position, so distinct
+    (seed, position) pairs never share a stream (a torch CPU generator keeps 32 bits of its seed)."""
+    bits = np.random.Philox(key=np.array([int(seed) & _M64, int(position) & _M64], dtype=np.uint64))
+    u = np.random.Generator(bits).random(vocab)
+    return torch.from_numpy(-np.log(-np.log(u)))
 
 
 def seeded_target(

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from .draft import EMPTY_DRAFT, Draft, Drafter
+from .protocols import propose_all, wants_hidden_states
 
 __all__ = ["FallbackDrafter", "MergedDrafter", "merge_drafts"]
 
@@ -67,7 +68,37 @@ def merge_drafts(drafts: Sequence[Draft], budget: int, *, source: str = "merged"
     return Draft(tokens, parents, probs, float(sum(surv[n] for n in chosen)), source)
 
 
-class MergedDrafter:
+class _Composite:
+    """What a drafter made of drafters passes through to its parts: the hidden states a part
+    asks for (``HiddenStateDrafter``: ``hidden_layers`` is the union of the parts', each part gets
+    its own layers) and batched proposals (``BatchDrafter``: each part drafts the batch with
+    ``propose_all``, so a batched draft model keeps one call per step)."""
+
+    drafters: tuple[Drafter, ...]
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return tuple(sorted({i for d in self.drafters for i in wants_hidden_states(d)}))
+
+    def observe_hidden(self, req_id: str, tokens: Sequence[int], hidden) -> None:
+        for d in self.drafters:
+            layers = wants_hidden_states(d)
+            if layers:
+                d.observe_hidden(req_id, tokens, {k: hidden[k] for k in layers})
+
+    def _stop_all(self, req_id: str) -> None:
+        """Stop every part (all of them, even when one raises: the first error is re-raised)."""
+        error: BaseException | None = None
+        for d in self.drafters:
+            try:
+                d.stop(req_id)
+            except BaseException as e:  # noqa: BLE001
+                error = error or e
+        if error is not None:
+            raise error
+
+
+class MergedDrafter(_Composite):
     """Several drafters as one: their trees merged, the likeliest nodes kept within the budget."""
 
     def __init__(self, *drafters: Drafter) -> None:
@@ -91,14 +122,17 @@ class MergedDrafter:
             d.extend(req_id, tokens)
 
     def stop(self, req_id: str) -> None:
-        for d in self.drafters:
-            d.stop(req_id)
+        self._stop_all(req_id)
 
     def propose(self, req_id: str, budget: int) -> Draft:
         return merge_drafts([d.propose(req_id, budget) for d in self.drafters], budget)
 
+    def propose_batch(self, req_ids: Sequence[str], budgets: Sequence[int]) -> list[Draft]:
+        per_part = [propose_all(d, req_ids, budgets) for d in self.drafters]
+        return [merge_drafts([drafts[i] for drafts in per_part], b) for i, b in enumerate(budgets)]
 
-class FallbackDrafter:
+
+class FallbackDrafter(_Composite):
     """A primary drafter backed by a fallback, e.g. the suffix index backed by a draft model.
 
     Each step the primary proposes first. The fallback is asked when the primary's draft may not
@@ -124,6 +158,7 @@ class FallbackDrafter:
                                          or min_expected < 0):
             raise ValueError(f"min_expected must be None or a number >= 0, got {min_expected!r}")
         self.primary, self.fallback = primary, fallback
+        self.drafters = (primary, fallback)
         self.mode = mode
         self.min_expected = None if min_expected is None else float(min_expected)
 
@@ -140,16 +175,28 @@ class FallbackDrafter:
         self.fallback.extend(req_id, tokens)
 
     def stop(self, req_id: str) -> None:
-        try:
-            self.primary.stop(req_id)
-        finally:
-            self.fallback.stop(req_id)
+        self._stop_all(req_id)
+
+    def _confident(self, p: Draft) -> bool:
+        """The primary's draft is good enough that the fallback is not asked."""
+        return self.min_expected is not None and bool(p.token_ids) and p.expected() >= self.min_expected
 
     def propose(self, req_id: str, budget: int) -> Draft:
         p = self.primary.propose(req_id, budget)
-        if self.min_expected is not None and p.token_ids and p.expected() >= self.min_expected:
+        if self._confident(p):
             return p
-        f = self.fallback.propose(req_id, budget)
+        return self._choose(p, self.fallback.propose(req_id, budget), budget)
+
+    def propose_batch(self, req_ids: Sequence[str], budgets: Sequence[int]) -> list[Draft]:
+        out = propose_all(self.primary, req_ids, budgets)
+        ask = [i for i, p in enumerate(out) if not self._confident(p)]
+        if ask:
+            fb = propose_all(self.fallback, [req_ids[i] for i in ask], [budgets[i] for i in ask])
+            for i, f in zip(ask, fb):
+                out[i] = self._choose(out[i], f, budgets[i])
+        return out
+
+    def _choose(self, p: Draft, f: Draft, budget: int) -> Draft:
         if not f.token_ids:
             return p
         if not p.token_ids:

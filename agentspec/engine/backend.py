@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..backend import GenerationRequest, OnDone, OnTokens, stream_via_submit
-from ..errors import ConfigError, InvalidRequestError, QueueFullError
+from ..errors import BackendClosedError, ConfigError, InvalidRequestError, QueueFullError
 
 __all__ = ["EmbeddedBackend", "model_name_for", "prediction_doc_id"]
 
@@ -131,15 +131,16 @@ class EmbeddedBackend:
     def drafter_for(self, names: Sequence[str] | str) -> Any:
         """The drafter a drafter list names (``agentspec.drafting.registry``), built once per list
         on the shared index. Unknown names raise InvalidRequestError (param "drafters")."""
-        from ..drafting.registry import build_drafter
+        from ..drafting.registry import build_drafter, parse_drafters
 
         key = (names,) if isinstance(names, str) else tuple(names)
         d = self._drafters.get(key)
         if d is None:
             try:
-                d = build_drafter(key, index=self._index)
+                parse_drafters(key)   # the request's fault: unknown names (a 400)
             except (ValueError, KeyError) as e:
                 raise InvalidRequestError(str(e).strip("'\""), param="drafters") from None
+            d = build_drafter(key, index=self._index)   # a failure here is the server's (a 500)
             d = self._drafters.setdefault(key, d)
         return d
 
@@ -171,7 +172,7 @@ class EmbeddedBackend:
 
         with self._lock:
             if self._closed:
-                raise RuntimeError("the backend is closed")
+                raise BackendClosedError("the backend is closed")
             if rid in self._active:
                 raise InvalidRequestError(f"request_id {rid!r} is already running", param="request_id")
             if self._batch.num_waiting >= self.max_queue:
@@ -196,6 +197,9 @@ class EmbeddedBackend:
     def stream(self, request: GenerationRequest) -> Iterator[list[int]]:
         """Yields each step's committed tokens; returns the ``Generation``. Needs the scheduler
         running: ``background=True`` (the default) or ``run()`` on another thread."""
+        if not self.background and not self._foreground:
+            raise RuntimeError("stream() needs a running scheduler: this backend has background=False and run() "
+                               "is not running (it would wait forever)")
         return stream_via_submit(self, request)
 
     def cancel(self, request_id: str) -> bool:
@@ -264,7 +268,7 @@ class EmbeddedBackend:
         are taken here (start the HTTP server from it, so none comes before)."""
         with self._lock:
             if self._closed:
-                raise RuntimeError("the backend is closed")
+                raise BackendClosedError("the backend is closed")
             if self._thread is not None:
                 raise RuntimeError("the scheduler runs in the background already (a request came before run())")
             if self._foreground:

@@ -25,6 +25,7 @@ class GenerationStats(msgspec.Struct, kw_only=True):
     completion_tokens: int = 0
     spec_enabled: bool = False
     spec_reason: str = ""          # why speculation is on or off for this request
+    seed: int | None = None        # a sampled request's seed (drawn at random when it gave none): rerun with it
     steps: int = 0
     draft_tokens: int = 0          # proposed and verified
     accepted_tokens: int = 0       # draft tokens that passed verification

@@ -28,7 +28,7 @@ import torch
 
 from ..config import SpecConfig
 from ..drafting import Drafter
-from ..errors import InvalidRequestError
+from ..errors import BackendClosedError, InvalidRequestError
 from ..kernels.tree import tree_mask
 from .base import DEFAULT_SPEC, Generation, GenerationStats
 from .model import Segment, round_up
@@ -118,6 +118,18 @@ class _Request:
     on_tokens: Callable[[list[int]], None]
     on_done: Callable[[Any, Any], None]     # (Generation | None, error | None)
     should_stop: Callable[[], bool] | None
+    finished: bool = False                  # on_done was called (it is called exactly once)
+
+    def done(self, generation: Any, error: Any) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        try:
+            self.on_done(generation, error)
+        except Exception as e:  # noqa: BLE001 - a consumer's failure must not stop the batch
+            import sys
+
+            print(f"[agentspec] a request's completion callback failed: {e!r}", file=sys.stderr, flush=True)
 
 
 class BatchEngine:
@@ -128,7 +140,7 @@ class BatchEngine:
       budget: "load_aware" (global top-B slots, default), "fixed" (each request's own
         ``cut_for_cost`` as in single-request decoding) or "off" (plain batched decoding).
       step_costs: {rows: seconds} to use instead of the profile (see ``step_costs``).
-      verify: "auto" (batched verification, greedy and sampled, with ``agentspec.kernels`` on
+      verify: "auto" (batched verification of the greedy requests with ``agentspec.kernels`` on
         CUDA; the per-request reference on CPU), "batched" or "reference".
       background: run the scheduler on its own thread (default). False: steps run in the
         caller's thread, in ``generate_many`` or ``serve_forever``. On CPU, prefer False with the
@@ -201,7 +213,7 @@ class BatchEngine:
         req = _Request(seq=seq, on_tokens=on_tokens, on_done=on_done, should_stop=should_stop)
         with self._cv:
             if self._closed:
-                raise RuntimeError("BatchEngine is closed")
+                raise BackendClosedError("BatchEngine is closed")
             self._waiting.append(req)
             self._cv.notify()
 
@@ -465,20 +477,19 @@ class BatchEngine:
             self._fail(req, err)
 
     def _fail(self, req: _Request, err: BaseException) -> None:
+        if req.finished:
+            return
         try:
             self.decoder.release(req.seq)
         except Exception:  # noqa: BLE001
             pass
-        try:
-            req.on_done(None, err)
-        except Exception:  # noqa: BLE001
-            pass
+        req.done(None, err)
 
     def _admit(self, req: _Request) -> None:
         seq = req.seq
         if req.should_stop is not None and req.should_stop():  # cancelled or expired while waiting
-            req.on_done(Generation(text="", token_ids=[], finish_reason="cancelled",
-                                   stats=GenerationStats(prompt_tokens=len(seq.ids))), None)
+            req.done(Generation(text="", token_ids=[], finish_reason="cancelled",
+                                stats=GenerationStats(prompt_tokens=len(seq.ids))), None)
             return
         seq.cache = self.engine.new_cache(round_up(self.decoder.cache_need(seq), 256))
         first = self.decoder.prefill(seq)
@@ -499,7 +510,7 @@ class BatchEngine:
             seq.finish, done = "cancelled", True
         if done:
             self.decoder.release(seq)
-            req.on_done(self.decoder.result(seq), None)
+            req.done(self.decoder.result(seq), None)
 
     def _step(self) -> None:
         reqs = self._running
@@ -513,5 +524,5 @@ class BatchEngine:
         news = dec.step(seqs, drafts, batched_verify=self._batched_verify)
         self.steps += 1
         for r, new in zip(reqs, news):
-            self._commit(r, new)
+            self._guard(r, lambda r, new=new: self._commit(r, new))   # one request's failure is its own
         self._running = [r for r in self._running if r.seq.cache is not None]

@@ -32,7 +32,7 @@ from ..drafting import EMPTY_DRAFT, Draft, Drafter
 from ..drafting.base import AcceptanceTracker
 from ..drafting.protocols import propose_all, wants_hidden_states
 from ..kernels.tree import greedy_verify_batch, tree_depths, tree_mask, with_root
-from ..policy import DraftPolicy
+from ..policy import MAX_STEP_ROWS, DraftPolicy
 from ..text import stop_index
 from ..verify import greedy_verify, seeded_target
 from .base import Generation, GenerationStats
@@ -40,9 +40,10 @@ from .model import SMALL_T, KVCache, Segment
 
 __all__ = ["MAX_STEP_ROWS", "Decoder", "SeqState", "run_single", "spec_decision"]
 
-# Rows one request verifies in one forward (root + draft): past this the forward leaves the
-# row-invariant decode kernels (``SMALL_T``), and ``forward_segments`` refuses larger segments.
-MAX_STEP_ROWS = SMALL_T
+# Rows one request verifies in one forward (root + draft, ``agentspec.policy.MAX_STEP_ROWS``): past
+# ``SMALL_T`` the forward leaves the row-invariant decode kernels, and ``forward_segments`` refuses
+# larger segments.
+assert MAX_STEP_ROWS <= SMALL_T
 
 _ids = itertools.count()
 
@@ -83,6 +84,7 @@ class SeqState:
     width: int = 0                       # deterministic mode: fixed rows per forward
     key_len: int = 0                     # deterministic mode: fixed key length
     hidden_layers: tuple[int, ...] = ()  # target layers the drafter wants (HiddenStateDrafter)
+    started: bool = False                # the drafter has started this request (stop it at the end)
 
     @property
     def remaining(self) -> int:
@@ -124,11 +126,13 @@ class Decoder:
         n = e.args.n_layers
         if any(not -n <= i < n for i in layers):
             raise ValueError(f"{type(drafter).__name__}.hidden_layers {layers} must be layer indices in [-{n}, {n})")
+        # sampled requests: the noise key (the request's seed, or a random one, recorded in the stats)
+        key = None if temperature <= 0 else secrets.randbits(63) if seed is None else int(seed)
         return SeqState(ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                        seed=secrets.randbits(64) if seed is None else int(seed), stops=stops, spec_on=on,
-                        policy=policy, drafter=drafter if on else None, tenant=tenant, width=width,
-                        hidden_layers=layers,
-                        stats=GenerationStats(prompt_tokens=len(ids), spec_enabled=on, spec_reason=reason))
+                        seed=key or 0, stops=stops, spec_on=on, policy=policy, drafter=drafter if on else None,
+                        tenant=tenant, width=width, hidden_layers=layers,
+                        stats=GenerationStats(prompt_tokens=len(ids), spec_enabled=on, spec_reason=reason,
+                                              seed=key))
 
     def cache_need(self, seq: SeqState) -> int:
         """KV slots the request can use: prompt, output and one step's rows."""
@@ -140,6 +144,7 @@ class Decoder:
         if seq.spec_on:
             td = time.perf_counter()
             seq.drafter.start(seq.req_id, seq.ids, tenant=seq.tenant)
+            seq.started = True
             seq.stats.draft_seconds += time.perf_counter() - td
         self.engine.governor.update()
         ids, dev = seq.ids, self.device
@@ -210,8 +215,9 @@ class Decoder:
     def release(self, seq: SeqState) -> None:
         """Stop the drafter for this request (idempotent) and drop its cache."""
         seq.cache = None
-        if seq.spec_on:
-            seq.spec_on = False
+        seq.spec_on = False
+        if seq.started:
+            seq.started = False
             seq.drafter.stop(seq.req_id)
 
     def result(self, seq: SeqState) -> Generation:
@@ -276,7 +282,7 @@ class Decoder:
         if single:
             s = seqs[0]
             out = model(tok_t, pos_t, s.cache, segs[0].mask, key_len=s.key_len if s.width else None,
-                        hidden_layers=layers)
+                        logits_rows=slice(0, layout[0][3]) if s.width else None, hidden_layers=layers)
             segs[0].offset = 0
         else:
             out = model.forward_segments(tok_t, pos_t, segs, hidden_layers=layers)

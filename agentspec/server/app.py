@@ -30,7 +30,7 @@ from starlette.routing import Route as HTTPRoute
 from ..apply import ApplyPathError, build_apply, chat_fast_apply, prediction_usage, resolve_workspace_path
 from ..backend import Backend, GenerationRequest
 from ..config import ServerConfig
-from ..errors import ContextLengthError, InvalidRequestError, QueueFullError
+from ..errors import BackendClosedError, ContextLengthError, InvalidRequestError, QueueFullError
 from ..routing import Route, Router
 from ..text import TextStream
 from .protocol import APIError, ApplyRequest, ChatCompletionRequest, CompletionRequest, decode_body
@@ -214,6 +214,9 @@ def _submit(state: ServerState, call: Call) -> Job:
             raise APIError(400, str(e), param=_PARAMS.get(e.param, e.param), code="invalid_value") from None
         if isinstance(e, QueueFullError):
             raise APIError(503, f"server overloaded: {e}", type="server_error", code="overloaded") from None
+        if isinstance(e, BackendClosedError):
+            raise APIError(503, "server shutting down; retry on another instance", type="server_error",
+                           code="shutting_down") from None
         raise
     return job
 
@@ -494,9 +497,10 @@ async def apply(request: Request) -> Response:
     name = Path(req.path).name if req.path is not None else "the file"
     try:
         plan = build_apply(code, req.update, req.instruction, name, tokenizer=state.backend.tokenizer)
+        ids = state.backend.encode_chat(plan.messages)
     except InvalidRequestError as e:
-        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
-    ids = state.backend.encode_chat(plan.messages)
+        raise APIError(400, str(e), param=e.param if e.param != "messages" else "code",
+                       code="invalid_value") from None
     code_ids = plan.prediction_ids   # the draft source, and the output's expected size
     max_tokens = req.max_tokens
     if max_tokens is None:  # room for the whole file and the update, within the context window

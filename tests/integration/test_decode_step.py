@@ -155,3 +155,69 @@ def test_batch_drafter_gets_one_call_per_step(engine, plain_greedy):
     assert all(o.token_ids == want.token_ids for o in out)
     assert max(d.batches) == 3 and len(d.batches) < sum(o.stats.steps for o in out)
     assert d.layers_seen == {-1}
+
+
+def test_combined_drafters_pass_hidden_states_and_batches_through(engine, plain_greedy):
+    """A draft head behind the suffix drafter (``"suffix>head"``) still gets its hidden states, and
+    a batch drafter inside a merge still gets one call per step."""
+    from agentspec.drafting import FallbackDrafter, MergedDrafter
+
+    ids = engine.encode(REPEAT)
+    want = plain_greedy(ids, 40)
+    n = engine.args.n_layers
+    head = RecordingHeadDrafter((2, n - 1))
+    g = engine.generate(ids, max_tokens=40, drafter=FallbackDrafter(SuffixDrafter(), head))
+    assert g.token_ids == want.token_ids
+    (calls,) = head.seen.values()
+    assert [t for tokens, _ in calls for t in tokens] == ids + g.token_ids[:-1]
+    assert all(sorted(h) == [2, n - 1] for _, h in calls)
+    batch = BatchRecordingDrafter()
+    with BatchEngine(engine, background=False, step_costs=COSTS) as be:
+        out = be.generate_many([ids, ids], max_tokens=40, drafter=MergedDrafter(PromptLookupDrafter(), batch))
+    assert all(o.token_ids == want.token_ids for o in out) and max(batch.batches) == 2
+    assert batch.layers_seen == {-1}
+
+
+class FailingStartDrafter(PromptLookupDrafter):
+    def start(self, req_id, prompt, *, tenant="default"):
+        raise ValueError("index unavailable")
+
+
+def test_a_failing_drafter_start_reports_its_own_error(engine):
+    import pytest
+
+    with pytest.raises(ValueError, match="index unavailable"):
+        engine.generate("Hi", max_tokens=4, drafter=FailingStartDrafter())
+    with BatchEngine(engine, background=False, step_costs=COSTS) as be:
+        with pytest.raises(ValueError, match="index unavailable"):
+            be.generate_many(["Hi"], max_tokens=4, drafter=FailingStartDrafter())
+
+
+def test_one_requests_failure_is_its_own_and_reported_once(engine, plain_greedy):
+    """A request whose ``should_stop`` raises mid-run fails alone, with one ``on_done``; the
+    requests decoding next to it finish as plain decoding would."""
+    from agentspec.errors import BackendClosedError
+
+    ids = engine.encode(REPEAT)
+    want = plain_greedy(ids, 32)
+    calls = {"n": 0}
+
+    def bad_stop():
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("client bookkeeping broke")
+        return False
+
+    done: dict[str, list] = {"bad": [], "good": []}
+    be = BatchEngine(engine, background=False, step_costs=COSTS)
+    be.submit(ids, max_tokens=32, should_stop=bad_stop, on_done=lambda g, e: done["bad"].append((g, e)))
+    for _ in range(2):
+        be.submit(ids, max_tokens=32, on_done=lambda g, e: done["good"].append((g, e)))
+    be.run_until_idle()
+    be.close()
+    assert len(done["bad"]) == 1 and isinstance(done["bad"][0][1], RuntimeError)
+    assert len(done["good"]) == 2 and all(e is None and g.token_ids == want.token_ids for g, e in done["good"])
+    import pytest
+
+    with pytest.raises(BackendClosedError):
+        be.submit(ids, max_tokens=4)

@@ -10,7 +10,6 @@ import torch
 from agentspec import Draft, SpecConfig
 from agentspec.drafting import EMPTY_DRAFT
 from agentspec.engine.batch import BatchEngine
-from agentspec.engine.model import KVCache
 from agentspec.verify import process_logits
 
 pytestmark = pytest.mark.slow

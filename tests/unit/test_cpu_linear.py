@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentspec.kernels import cpu_attention, cpu_linear
+from agentspec.kernels import cpu_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.linear_supported(torch.bfloat16, torch.device("cpu")),
                                 reason="agentspec.kernels._cpu not built")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from agentspec.verify import greedy_verify, noise_key, process_logits, seeded_target
+from agentspec.verify import greedy_verify, gumbel_noise, process_logits, seeded_target
 from test_tree_sampling import _chi2_pvalue
 
 N = 3000
@@ -48,8 +48,10 @@ def test_a_function_of_seed_and_position_alone():
     b = [seeded_target(logits, seed=99, position=i, temperature=1.0) for i in range(20)]
     c = [seeded_target(logits, seed=100, position=i, temperature=1.0) for i in range(20)]
     assert a == b and a != c
-    assert len({noise_key(s, p) for s in range(50) for p in range(50)}) == 2500
-    assert noise_key(-1, 0) == noise_key(2**64 - 1, 0)  # negative seeds map onto the 64-bit range
+    # the full 64-bit seed keys the noise (a torch CPU generator would keep only its low 32 bits)
+    assert not torch.equal(gumbel_noise(5, 0, 64), gumbel_noise(5 + 2**32, 0, 64))
+    assert torch.equal(gumbel_noise(-1, 3, 64), gumbel_noise(2**64 - 1, 3, 64))  # negative seeds wrap
+    assert not torch.equal(gumbel_noise(5, 0, 64), gumbel_noise(5, 1, 64))
 
 
 def test_verifier_accepts_siblings_with_their_summed_probability():
