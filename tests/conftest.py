@@ -94,7 +94,6 @@ def rewrite_records() -> list[dict]:
 
 @pytest.fixture(scope="session")
 def engine():
-
     return agentspec.Engine.embedded(quiet=True)
 
 
