@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 
@@ -32,7 +32,19 @@ from .threads import ThreadGovernor
 from .tokenizer import Tokenizer
 from .weights import load_checkpoint
 
-__all__ = ["EmbeddedEngine"]
+__all__ = ["EmbeddedEngine", "GenerateOptions"]
+
+
+class GenerateOptions(TypedDict, total=False):
+    """``EmbeddedEngine.generate``'s keyword options beyond ``max_tokens``, ``temperature`` and ``spec``."""
+
+    top_p: float                    # nucleus sampling mass in (0, 1]
+    top_k: int                      # 0: no top-k cut
+    seed: int | None                # sampled requests: same seed, same tokens
+    stop: str | Sequence[str] | None
+    drafter: Drafter | None         # default: the engine's drafter
+    tenant: str                     # whose history and workspace drafts come from
+    should_stop: Callable[[], bool] | None
 
 
 class EmbeddedEngine(Engine):
@@ -285,11 +297,16 @@ class EmbeddedEngine(Engine):
     # generation
 
     def generate(self, prompt: str | Sequence[int] | Sequence[dict], *, max_tokens: int = 256,
-                 temperature: float = 0.0, spec: SpecConfig | None = DEFAULT_SPEC, **options: Any) -> Generation:
-        """Generate up to ``max_tokens`` tokens. ``spec=None`` is plain decoding. Options as
-        ``generate_stream`` (top_p, top_k, seed, stop, drafter, tenant). A seeded sampled
-        request's tokens are a function of the prompt and the seed alone: the same with or
-        without speculation, whatever drafted for it."""
+                 temperature: float = 0.0, spec: SpecConfig | None = DEFAULT_SPEC,
+                 **options: Unpack[GenerateOptions]) -> Generation:
+        """Generate up to ``max_tokens`` tokens. ``spec=None`` is plain decoding. ``options``:
+        ``top_p``, ``top_k``, ``seed``, ``stop``, ``drafter``, ``tenant`` (``GenerateOptions``; as
+        ``generate_stream``). A seeded sampled request's tokens are a function of the prompt and
+        the seed alone: the same with or without speculation, whatever drafted for it."""
+        unknown = sorted(set(options) - set(GenerateOptions.__annotations__))
+        if unknown:
+            raise TypeError(f"generate() got unexpected keyword argument(s) {', '.join(map(repr, unknown))} "
+                            f"(options: {', '.join(GenerateOptions.__annotations__)})")
         stream = self.generate_stream(prompt, max_tokens=max_tokens, temperature=temperature, spec=spec, **options)
         while True:
             try:

@@ -221,3 +221,10 @@ def test_one_requests_failure_is_its_own_and_reported_once(engine, plain_greedy)
 
     with pytest.raises(BackendClosedError):
         be.submit(ids, max_tokens=4)
+
+
+def test_generate_names_an_unknown_option(engine):
+    import pytest
+
+    with pytest.raises(TypeError, match="generate\\(\\) got unexpected keyword argument.*'max_token'"):
+        engine.generate("Hi", max_token=4)
