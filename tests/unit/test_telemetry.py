@@ -291,24 +291,23 @@ def test_close_drains_the_queue_and_later_writes_are_synchronous(tmp_path):
 
 
 def test_a_write_racing_close_lands_after_what_was_queued(tmp_path, monkeypatch):
-    """close() while the writer is still in a group's fsync, then a write: the late record is
-    written synchronously, but only after everything queued before it (the log stays in order)."""
+    """close() while the writer is still busy, then a write: the late record is written
+    synchronously, but only after everything queued before it (each log stays in write order)."""
     sink = TenantLogSink(tmp_path)
     fs = _BlockedFsync(monkeypatch)
-    sink.write(make_record(0, ts=1.0))
-    assert fs.entered.wait(60)                    # the writer holds record 0's group in fsync
+    sink.write(make_record(0, tenant="b", ts=1.0))
+    assert fs.entered.wait(60)                    # the writer is in tenant b's fsync
     for i in range(1, 4):
-        sink.write(make_record(i, ts=1.0 + i))    # queued behind it
+        sink.write(make_record(i, tenant="a", ts=1.0 + i))   # queued behind it, for tenant a
     closer = threading.Thread(target=sink.close)
     closer.start()                                # closed; joins the writer, which is still blocked
-    late_done = threading.Event()
-    late = threading.Thread(target=lambda: (sink.write(make_record(99, ts=99.0)), late_done.set()))
+    late = threading.Thread(target=sink.write, args=(make_record(99, tenant="a", ts=99.0),))
     late.start()
-    late_done.wait(0.2)   # (time for a wrong implementation to write out of order: the order check below fails then)
+    late.join(0.2)   # (time for a wrong implementation to append to a.jsonl now: the order check fails then)
     fs.release.set()
     closer.join(60)
     late.join(60)
-    assert [r.request_id for r in read_records(tmp_path)] == ["req-0", "req-1", "req-2", "req-3", "req-99"]
+    assert [r.request_id for r in read_records(tmp_path, tenant="a")] == ["req-1", "req-2", "req-3", "req-99"]
 
 
 def test_a_full_queue_makes_writers_wait_and_loses_nothing(tmp_path, monkeypatch):
