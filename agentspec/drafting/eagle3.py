@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.model import ModelArgs, apply_rope
+from ..engine.model import ModelArgs, apply_rope, rope_cos_sin
 from ..errors import ConfigError, ModelLoadError
 
 __all__ = [
@@ -315,12 +315,7 @@ class Eagle3Head(nn.Module):
         return self.fc(torch.cat([h_low, h_mid, h_high], dim=-1))
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hd = self.config.head_dim
-        inv = 1.0 / (self.config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-        freqs = torch.outer(positions.detach().to("cpu", torch.float64), inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        dev = self.fc.weight.device
-        return emb.cos().float().to(dev), emb.sin().float().to(dev)
+        return rope_cos_sin(self.config.rope_theta, self.config.head_dim, positions, device=self.fc.weight.device)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 kv: Eagle3KV | None = None, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -115,13 +115,18 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_tables(args: ModelArgs, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin ``[max_seq_len, head_dim]`` in float32 (Hugging Face ``rotate_half`` layout)."""
-    inv = 1.0 / (args.rope_base ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
-    t = torch.arange(args.max_seq_len, dtype=torch.float64)
-    freqs = torch.outer(t, inv)
+def rope_cos_sin(base: float, head_dim: int, positions: torch.Tensor, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[len(positions), head_dim]`` in float32 (Hugging Face ``rotate_half`` layout),
+    computed in float64."""
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = torch.outer(positions.detach().to("cpu", torch.float64), inv)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().float().to(device), emb.sin().float().to(device)
+
+
+def rope_tables(args: ModelArgs, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[max_seq_len, head_dim]`` in float32 (Hugging Face ``rotate_half`` layout)."""
+    return rope_cos_sin(args.rope_base, args.head_dim, torch.arange(args.max_seq_len), device=device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -165,23 +165,21 @@ class Decoder:
         added: list[int] = []
         eos = self.engine.tokenizer.eos_token_ids
         out = seq.out
+        done = False
         for t in new:
             if t in eos:
-                seq.finish = "stop"
-                seq.new = added
-                return added, True
+                seq.finish, done = "stop", True
+                break
             out.append(t)
             added.append(t)
             if seq.stops and self._hit_stop(out, seq.stops):
-                seq.finish = "stop"
-                seq.new = added
-                return added, True
+                seq.finish, done = "stop", True
+                break
             if len(out) >= seq.max_tokens:
-                seq.finish = "length"
-                seq.new = added
-                return added, True
+                seq.finish, done = "length", True
+                break
         seq.new = added
-        return added, False
+        return added, done
 
     def propose(self, seq: SeqState, *, cost_cut: bool = True) -> Draft:
         """Tell the drafter last step's tokens; its draft, shaped by the request's policy."""
@@ -198,12 +196,12 @@ class Decoder:
                 s.drafter.extend(s.req_id, s.new)
                 groups.setdefault(id(s.drafter), []).append(i)
         for idx in groups.values():
-            live = [i for i in idx if seqs[i].policy.budget_for(seqs[i].remaining) > 0]
+            live = [(i, b) for i in idx if (b := seqs[i].policy.budget_for(seqs[i].remaining)) > 0]
             if not live:
                 continue
-            budgets = [seqs[i].policy.budget_for(seqs[i].remaining) for i in live]
-            for i, b, d in zip(live, budgets, propose_all(seqs[live[0]].drafter, [seqs[i].req_id for i in live],
-                                                          budgets)):
+            budgets = [b for _, b in live]
+            for (i, b), d in zip(live, propose_all(seqs[live[0][0]].drafter, [seqs[i].req_id for i, _ in live],
+                                                   budgets)):
                 d.validate(b)
                 drafts[i] = d
         share = (time.perf_counter() - td) / max(sum(len(v) for v in groups.values()), 1)
@@ -347,8 +345,7 @@ class Decoder:
         # decode a tail wide enough for the longest stop string (tokens are >= 1 char, but a
         # multi-byte char can span tokens: add slack)
         width = max(len(s) for s in stops) + 8
-        tail = self.engine.tokenizer.decode(out[-width:])
-        return any(s in tail for s in stops)
+        return stop_index(self.engine.tokenizer.decode(out[-width:]), stops) >= 0
 
     def _verify_greedy_batch(self, seqs, segs, layout, logits) -> dict[int, tuple[list[int], int]]:
         """Greedy requests verified at once with ``agentspec.kernels`` (Triton on CUDA, the torch
@@ -373,20 +370,16 @@ class Decoder:
 
 
 class _LazyTargets:
-    """``target[i]`` computed on first use: a sampled step needs the target's token only on the
-    rows its accepted path visits."""
+    """``target[i]`` computed when asked: a sampled step needs the target's token only on the
+    rows its accepted path visits (``greedy_verify`` reads each of them once)."""
 
-    __slots__ = ("_fn", "_memo")
+    __slots__ = ("_fn",)
 
     def __init__(self, fn: Callable[[int], int]) -> None:
         self._fn = fn
-        self._memo: dict[int, int] = {}
 
     def __getitem__(self, i: int) -> int:
-        v = self._memo.get(i)
-        if v is None:
-            v = self._memo[i] = self._fn(i)
-        return v
+        return self._fn(i)
 
 
 def run_single(decoder: Decoder, seq: SeqState, should_stop: Callable[[], bool] | None = None):
