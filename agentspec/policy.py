@@ -74,7 +74,7 @@ class DraftPolicy:
 
 
 def main_chain(draft: Draft) -> Draft:
-    """The first root-to-leaf chain of a tree."""
+    """The first root-to-leaf chain of a tree (its nodes keep their sources)."""
     if not draft.token_ids:
         return EMPTY_DRAFT
     keep: list[int] = []
@@ -83,4 +83,4 @@ def main_chain(draft: Draft) -> Draft:
         if p == last:
             keep.append(i)
             last = i
-    return Draft.chain([draft.token_ids[i] for i in keep], [draft.probs[i] for i in keep], source=draft.source)
+    return draft.select(keep)

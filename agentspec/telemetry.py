@@ -8,6 +8,10 @@ Per-position counts: draft position ``i`` (1-based depth in the verified draft t
 ``i - 1``) is *drafted* in a step whose verified draft reached depth >= i, and *accepted* in a step
 that accepted >= i draft tokens. ``acceptance_per_pos[i - 1]`` = accepted / drafted at depth i.
 
+Per-source counts (``by_source``): steps, draft tokens and accepted tokens by the drafter that
+proposed each draft node (``Draft.source_of``), so a merged draft ("suffix:request+eagle3")
+credits each of its drafters with its own tokens.
+
 Counters and reporting stay apart (STYLE.md 11): ``record_from_stats`` builds a record,
 ``TenantLogSink`` writes it, ``Metrics`` counts it, ``read_records`` / ``summarize`` report.
 
@@ -88,6 +92,8 @@ class AcceptanceRecord(msgspec.Struct, kw_only=True):
     accepted_per_pos: list[int] = []    # index i-1: steps that accepted >= i draft tokens
     acceptance_per_pos: list[float] = []  # accepted_per_pos / drafted_per_pos
     draft_sources: dict[str, int] = {}  # steps whose draft came from each source
+    # node source -> [steps with its nodes, draft tokens, accepted tokens] (absent in older logs)
+    by_source: dict[str, list[int]] = {}
     finish_reason: str = "stop"    # "stop" | "length" | "cancelled" | "error"
     status_code: int = 200
     error: str | None = None
@@ -149,6 +155,8 @@ def record_from_stats(stats: GenerationStats, **fields: Any) -> AcceptanceRecord
         accepted_per_pos=accepted,
         acceptance_per_pos=_ratios(accepted, drafted),
         draft_sources=dict(stats.draft_sources),
+        by_source={src: [stats.source_steps.get(src, 0), n, stats.source_accepted.get(src, 0)]
+                   for src, n in stats.source_drafted.items()},
     )
     derived.update(fields)
     return AcceptanceRecord(**derived)
@@ -469,6 +477,7 @@ class _Group:
         self.e2e: list[float] = []
         self.drafted: list[int] = []
         self.accepted: list[int] = []
+        self.sources: dict[str, list[int]] = {}  # source -> [steps, draft tokens, accepted tokens]
 
     def add(self, r: AcceptanceRecord) -> None:
         self.requests += 1
@@ -485,6 +494,10 @@ class _Group:
             acc.extend([0] * (len(per) - len(acc)))
             for i, n in enumerate(per):
                 acc[i] += n
+        for src, counts in _by_source(r).items():
+            total = self.sources.setdefault(src, [0, 0, 0])
+            for i, n in enumerate(counts[:3]):
+                total[i] += n
 
     def row(self, **keys: str) -> dict[str, Any]:
         return {
@@ -503,14 +516,30 @@ class _Group:
             "e2e_ms_p95": _percentile(self.e2e, 95),
             "tokens_per_s": self.completion_tokens / self.e2e_s if self.e2e_s > 0 else None,
             "acceptance_per_pos": _ratios(self.accepted, self.drafted),
+            "by_source": [
+                {"source": src, "steps": steps, "draft_tokens": drafted, "accepted_tokens": accepted,
+                 "acceptance_rate": accepted / drafted if drafted else None}
+                for src, (steps, drafted, accepted) in sorted(self.sources.items(), key=lambda kv: (-kv[1][1], kv[0]))
+            ],
         }
+
+
+def _by_source(r: AcceptanceRecord) -> dict[str, list[int]]:
+    """``r.by_source``; for a record from before it existed, its one draft source (``draft_sources``)
+    credited with all its draft and accepted tokens, or nothing when it had several."""
+    if r.by_source or len(r.draft_sources) != 1:
+        return r.by_source
+    [(src, steps)] = r.draft_sources.items()
+    return {src: [steps, r.draft_tokens, r.accepted_tokens]}
 
 
 def summarize(records: Iterable[AcceptanceRecord]) -> dict[str, list[dict[str, Any]]]:
     """``{"routes": [row per (tenant, route)], "tenants": [row per tenant], "by_route": [row per
     route, all tenants]}``. A row: requests, spec_on_pct, completion_tokens, steps, mat,
     draft/accepted tokens, acceptance_rate (accepted / draft tokens), p50/p95 of ttft_ms and e2e_ms,
-    tokens_per_s (completion tokens per second of request time), acceptance_per_pos."""
+    tokens_per_s (completion tokens per second of request time), acceptance_per_pos, and by_source:
+    per draft node source (most draft tokens first) its steps, draft/accepted tokens and
+    acceptance_rate."""
     routes: dict[tuple[str, str], _Group] = {}
     tenants: dict[str, _Group] = {}
     by_route: dict[str, _Group] = {}
@@ -534,8 +563,26 @@ _COLUMNS = [  # header, key, format
 ]
 
 
+_SOURCE_COLUMNS = [  # the by-source table: header, key, format
+    ("tenant", "tenant", "{}"), ("route", "route", "{}"), ("source", "source", "{}"), ("steps", "steps", "{}"),
+    ("drafted", "draft_tokens", "{}"), ("accepted", "accepted_tokens", "{}"), ("accept", "acceptance_rate", "{:.1%}"),
+]
+
+
+def _aligned(columns: list[tuple[str, str, str]], rows: list[dict[str, Any]], left: int) -> list[str]:
+    """``rows`` as text lines under a header, the first ``left`` columns left-aligned."""
+    cells = [[h for h, _, _ in columns]]
+    for r in rows:
+        cells.append(["-" if r[k] is None else fmt.format(r[k]) for _, k, fmt in columns])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    return ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+            for row in cells]
+
+
 def format_table(summary: dict[str, list[dict[str, Any]]]) -> str:
-    """Rows per (tenant, route), plus a ``*`` row per tenant with more than one route; times in ms."""
+    """Rows per (tenant, route), plus a ``*`` row per tenant with more than one route; times in ms.
+    Then, when any row has per-source counts, a second table after a blank line: the same rows
+    broken down by draft source (steps, drafted and accepted tokens, acceptance rate)."""
     totals = {r["tenant"]: r for r in summary["tenants"]}
     rows: list[dict[str, Any]] = []
     for tenant, group in itertools.groupby(summary["routes"], key=lambda r: r["tenant"]):
@@ -543,12 +590,10 @@ def format_table(summary: dict[str, list[dict[str, Any]]]) -> str:
         rows += group
         if len(group) > 1:
             rows.append({**totals[tenant], "route": "*"})
-    cells = [[h for h, _, _ in _COLUMNS]]
-    for r in rows:
-        cells.append(["-" if r[k] is None else fmt.format(r[k]) for _, k, fmt in _COLUMNS])
-    widths = [max(len(c[i]) for c in cells) for i in range(len(_COLUMNS))]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-             for row in cells]
+    lines = _aligned(_COLUMNS, rows, 2)
+    by_source = [{"tenant": r["tenant"], "route": r["route"], **src} for r in rows for src in r["by_source"]]
+    if by_source:
+        lines += ["", *_aligned(_SOURCE_COLUMNS, by_source, 3)]
     return "\n".join(lines)
 
 

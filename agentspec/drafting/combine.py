@@ -3,7 +3,9 @@ and a fallback, the fallback's draft used, or merged in, when the primary's is w
 
 ``merge_drafts`` is the merging both use: the same token under the same parent is one node, a
 node's survival is the best any draft gave it, and the likeliest nodes are kept within the
-budget, best first (so every prefix is a tree, as ``cut_for_cost`` needs).
+budget, best first (so every prefix is a tree, as ``cut_for_cost`` needs). Each node keeps the
+source of the draft that gave it that survival (``Draft.node_sources``), so acceptance is
+counted by the drafter that earned the node.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ __all__ = ["FallbackDrafter", "MergedDrafter", "merge_drafts"]
 
 def merge_drafts(drafts: Sequence[Draft], budget: int, *, source: str = "merged") -> Draft:
     """One tree from several drafts (each rooted at the last committed token), at most ``budget``
-    nodes. Empty drafts are ignored; a single non-empty draft is returned as it is (cut to the
-    budget)."""
+    nodes, named ``source``. Empty drafts are ignored; a single non-empty draft is returned as it
+    is (cut to the budget). A merged node's own source (``Draft.source_of``) is that of the draft
+    that gave it its best survival, the earliest such draft on ties (the primary's, in a
+    ``FallbackDrafter``)."""
     drafts = [d for d in drafts if d.token_ids]
     if budget <= 0 or not drafts:
         return EMPTY_DRAFT
@@ -32,9 +36,10 @@ def merge_drafts(drafts: Sequence[Draft], budget: int, *, source: str = "merged"
     parent_of: list[int] = []
     tok_of: list[int] = []
     surv: list[float] = []
+    src_of: list[str] = []
     for d in drafts:
         local: list[int] = []
-        for t, p, s in zip(d.token_ids, d.parents, d.survival()):
+        for i, (t, p, s) in enumerate(zip(d.token_ids, d.parents, d.survival())):
             par = local[p] if p >= 0 else -1
             node = key_of.get((par, t))
             if node is None:
@@ -42,8 +47,10 @@ def merge_drafts(drafts: Sequence[Draft], budget: int, *, source: str = "merged"
                 parent_of.append(par)
                 tok_of.append(t)
                 surv.append(s)
-            else:
-                surv[node] = max(surv[node], s)
+                src_of.append(d.source_of(i))
+            elif s > surv[node]:
+                surv[node] = s
+                src_of[node] = d.source_of(i)
             local.append(node)
     # best first by survival, a node only after its parent (children join the heap then)
     kids: dict[int, list[int]] = {}
@@ -65,7 +72,7 @@ def merge_drafts(drafts: Sequence[Draft], budget: int, *, source: str = "merged"
         probs.append(min(1.0, surv[n] / ps) if ps > 0 else 0.0)
         for c in kids.get(n, ()):
             heapq.heappush(heap, (-surv[c], c))
-    return Draft(tokens, parents, probs, float(sum(surv[n] for n in chosen)), source)
+    return Draft(tokens, parents, probs, float(sum(surv[n] for n in chosen)), source, [src_of[n] for n in chosen])
 
 
 class _Composite:
@@ -144,7 +151,8 @@ class FallbackDrafter(_Composite):
       primary's on ties), its ``source`` that drafter's own (or "primary" / "fallback" when the
       drafter set none);
     - ``mode="merge"``: both trees merged as siblings under the root within the budget
-      (``merge_drafts``), ``source`` "<primary source>+<fallback source>".
+      (``merge_drafts``), ``source`` "<primary source>+<fallback source>", each node's own source
+      the drafter's (or "primary" / "fallback").
 
     ``start`` / ``extend`` / ``stop`` go to both drafters, so the fallback's state (an n-gram
     pool, a draft model's KV cache) is current whenever it is asked.
@@ -202,13 +210,15 @@ class FallbackDrafter(_Composite):
         if not p.token_ids:
             return _labelled(f, "fallback")
         if self.mode == "merge":
-            return merge_drafts([p, f], budget, source=f"{p.source or 'primary'}+{f.source or 'fallback'}")
+            p, f = _labelled(p, "primary"), _labelled(f, "fallback")
+            return merge_drafts([p, f], budget, source=f"{p.source}+{f.source}")
         if f.expected() > p.expected():
             return _labelled(f, "fallback")
         return _labelled(p, "primary")
 
 
 def _labelled(d: Draft, default: str) -> Draft:
+    """``d`` named ``default`` when its drafter set no source (its node sources, if any, kept)."""
     if d.source:
         return d
-    return Draft(d.token_ids, d.parents, d.probs, d.score, default)
+    return Draft(d.token_ids, d.parents, d.probs, d.score, default, d.node_sources)

@@ -22,6 +22,11 @@ class Draft(msgspec.Struct, frozen=True):
     ``parents[i]`` is the index of token i's parent in ``token_ids`` (always < i), or -1 for the
     last committed token. ``probs[i]`` is the drafter's confidence that token i survives given
     its parent survived; a token's survival estimate is the product along its path.
+
+    ``source`` names the drafter of the whole draft. A draft merged from several drafters
+    (``merge_drafts``) also names each node's own drafter in ``node_sources``, so the engine
+    counts drafted and accepted tokens by the drafter that proposed them; None (one drafter)
+    means every node's source is ``source``. ``source_of(i)`` reads either.
     """
 
     token_ids: list[int]
@@ -29,9 +34,24 @@ class Draft(msgspec.Struct, frozen=True):
     probs: list[float]
     score: float = 0.0   # expected accepted tokens (sum of survival estimates)
     source: str = ""     # "prompt_lookup", "suffix:request", "suffix:workspace", ...
+    node_sources: list[str] | None = None  # per node, when nodes came from different drafters
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def source_of(self, i: int) -> str:
+        """The drafter that proposed node ``i``."""
+        return self.source if self.node_sources is None else self.node_sources[i]
+
+    def select(self, keep: Sequence[int]) -> Draft:
+        """The nodes ``keep`` (ascending indices; a kept node's parent is kept too, or is the root)
+        as a draft, with their sources; ``score`` recomputed from their survival."""
+        surv = self.survival()
+        new_index = {i: k for k, i in enumerate(keep)}
+        ns = self.node_sources
+        return Draft([self.token_ids[i] for i in keep], [new_index.get(self.parents[i], -1) for i in keep],
+                     [self.probs[i] for i in keep], float(sum(surv[i] for i in keep)), self.source,
+                     None if ns is None else [ns[i] for i in keep])
 
     def survival(self) -> list[float]:
         """Per-node survival estimate: the product of ``probs`` along the node's path from the root
@@ -57,7 +77,7 @@ class Draft(msgspec.Struct, frozen=True):
         if k <= 0:
             return EMPTY_DRAFT
         return Draft(self.token_ids[:k], self.parents[:k], self.probs[:k], float(sum(self.survival()[:k])),
-                     self.source)
+                     self.source, None if self.node_sources is None else self.node_sources[:k])
 
     def validate(self, budget: int) -> None:
         """Raise ValueError if this is not a well-formed tree of at most ``budget`` tokens."""
@@ -67,6 +87,8 @@ class Draft(msgspec.Struct, frozen=True):
                 f"draft from {self.source!r}: token_ids, parents and probs differ in length "
                 f"({n}, {len(self.parents)}, {len(self.probs)})"
             )
+        if self.node_sources is not None and len(self.node_sources) != n:
+            raise ValueError(f"draft from {self.source!r} has {len(self.node_sources)} node sources for {n} tokens")
         if n > budget:
             raise ValueError(f"draft from {self.source!r} has {n} tokens, over the budget of {budget}")
         for i, p in enumerate(self.parents):
@@ -167,15 +189,14 @@ def drop_unlikely(draft: Draft, min_survival: float) -> Draft:
         return draft
     surv = draft.survival()
     keep: list[int] = []
-    new_index: dict[int, int] = {}
+    kept: set[int] = set()
     for i, p in enumerate(draft.parents):
-        if surv[i] >= min_survival and (p < 0 or p in new_index):
-            new_index[i] = len(keep)
+        if surv[i] >= min_survival and (p < 0 or p in kept):
+            kept.add(i)
             keep.append(i)
     if len(keep) == len(draft.token_ids):
         return draft
-    return Draft([draft.token_ids[i] for i in keep], [new_index.get(draft.parents[i], -1) for i in keep],
-                 [draft.probs[i] for i in keep], float(sum(surv[i] for i in keep)), draft.source)
+    return draft.select(keep)
 
 
 def cut_for_cost(draft: Draft, row_cost: float, trust: float = 1.0) -> Draft:

@@ -32,7 +32,12 @@ class GenerationStats(msgspec.Struct, kw_only=True):
     acceptance_lengths: list[int] = []  # per step: accepted + 1 (the bonus token)
     draft_depths: list[int] = []   # per step: depth of the verified draft tree (0: no draft)
     mean_acceptance_length: float = 0.0  # MAT over steps
-    draft_sources: dict[str, int] = {}   # steps whose draft came from each source
+    draft_sources: dict[str, int] = {}   # steps whose draft came from each source (``Draft.source``)
+    # by the source of each draft node (``Draft.source_of``: a merged draft's nodes name their own
+    # drafter, e.g. "suffix:request" and "eagle3" under "suffix:request+eagle3"):
+    source_steps: dict[str, int] = {}    # steps whose verified draft had nodes from the source
+    source_drafted: dict[str, int] = {}  # draft tokens proposed and verified
+    source_accepted: dict[str, int] = {}  # draft tokens that passed verification (same keys)
     prefill_seconds: float = 0.0   # time to first token
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0     # time inside the drafter (propose + extend)

@@ -100,6 +100,9 @@ class Decoder:
         self.engine = engine
         self.model = engine.model
         self.device = engine.device
+        # seconds per request of a decode step (decayed mean over steps): a draft head's gate
+        # weighs its own cost against it (``drafting.eagle3_drafter.Eagle3Gate``)
+        self.step_seconds: float | None = None
         a = engine.args
         # batched forwards without the native attention pad every request to 2 rows (below)
         self.native_attention = (cpu_attention.available() and engine.device.type == "cpu"
@@ -237,6 +240,7 @@ class Decoder:
         """One forward over every request's ``[last token] + draft``; verify; commit. The new
         committed tokens per request (accepted draft tokens, then the bonus token)."""
         self.engine.governor.update()
+        t_step = time.perf_counter()
         model, dev = self.model, self.device
         single = len(seqs) == 1
         # Rows per request. One request: at least 2 rows unless the forward is row-invariant by
@@ -303,8 +307,10 @@ class Decoder:
                 self._observe(s, [tokens[i] for i in path], hidden,
                               torch.tensor([sg.offset + i for i in path], device=dev))
             new = [tokens[i] for i in path[1:]] + [bonus]
-            self._count(s, d, depths, len(path) - 1)
+            self._count(s, d, depths, path)
             news.append(new)
+        per = (time.perf_counter() - t_step) / len(seqs)
+        self.step_seconds = per if self.step_seconds is None else 0.9 * self.step_seconds + 0.1 * per
         return news
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -329,8 +335,12 @@ class Decoder:
                              top_p=seq.top_p, top_k=seq.top_k)
 
     @staticmethod
-    def _count(seq: SeqState, draft: Draft, depths: list[int], n_acc: int) -> None:
+    def _count(seq: SeqState, draft: Draft, depths: list[int], path: list[int]) -> None:
+        """Count one verified step in ``seq``'s stats. ``path``: the accepted rows (row 0 the root,
+        row i draft node i - 1); tokens are also counted by the source of their node, so a merged
+        draft credits each drafter with the tokens it proposed."""
         stats = seq.stats
+        n_acc = len(path) - 1
         stats.steps += 1
         stats.draft_depths.append(max(depths) if draft.token_ids else 0)
         if draft.token_ids:
@@ -338,6 +348,16 @@ class Decoder:
             stats.accepted_tokens += n_acc
             src = draft.source or "unknown"
             stats.draft_sources[src] = stats.draft_sources.get(src, 0) + 1
+            names = draft.node_sources if draft.node_sources is not None else [draft.source] * len(draft.token_ids)
+            drafted: dict[str, int] = {}
+            for name in names:
+                drafted[name or "unknown"] = drafted.get(name or "unknown", 0) + 1
+            for name, n in drafted.items():
+                stats.source_steps[name] = stats.source_steps.get(name, 0) + 1
+                stats.source_drafted[name] = stats.source_drafted.get(name, 0) + n
+                stats.source_accepted.setdefault(name, 0)
+            for row in path[1:]:
+                stats.source_accepted[names[row - 1] or "unknown"] += 1
             seq.tracker.update(draft.score, n_acc)
         stats.acceptance_lengths.append(n_acc + 1)
 
