@@ -13,7 +13,7 @@ from .drafting.registry import drafter_names, parse_drafters
 from .errors import ConfigError
 
 __all__ = ["RouteRule", "RouteWhen", "ServerConfig", "ServerSection", "SpecConfig", "TenantConfig",
-           "load_server_config"]
+           "check_drafters", "load_server_config"]
 
 
 class SpecConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -29,6 +29,12 @@ class SpecConfig(msgspec.Struct, frozen=True, kw_only=True):
     # speculation does not make steps slower than it gains. None: the engine's own figure,
     # profiled at start-up (``engine.row_cost``); 0: always verify the whole draft.
     row_cost: float | None = None
+    # Which drafters propose, by name (``agentspec.drafting.registry``; the same list a route's
+    # ``drafters`` takes): e.g. ("suffix", "eagle3") is the suffix index backed by the EAGLE-3
+    # head. None: the engine's own drafter. The engine builds each list once and reuses it
+    # (drafters keep per-request state and share the suffix index across requests); an explicit
+    # ``drafter=`` on the call wins. A list is stored as a tuple, so the config stays hashable.
+    drafters: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget < 0:
@@ -40,6 +46,24 @@ class SpecConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"SpecConfig.row_cost must be None or a number in [0, 10], got {self.row_cost!r}")
         if not 0.0 <= float(self.min_prob) <= 1.0:
             raise ConfigError(f"SpecConfig.min_prob must be in [0, 1], got {self.min_prob!r}")
+        if self.drafters is not None:
+            msgspec.structs.force_setattr(self, "drafters", check_drafters(self.drafters, "SpecConfig.drafters"))
+
+
+def check_drafters(names: object, what: str = "drafters") -> tuple[str, ...]:
+    """``names`` checked against the drafter registry, as a tuple; ConfigError naming the bad
+    value (unknown names list the known ones), so a typo fails where it is written."""
+    if isinstance(names, str):
+        names = (names,)
+    if not isinstance(names, (list, tuple)):
+        raise ConfigError(f"{what} must be a list of drafter names, got {names!r}")
+    if not names:
+        raise ConfigError(f"{what} must not be empty (None: the engine's own drafter; spec=None: no speculation)")
+    try:
+        parse_drafters(list(names))
+    except ValueError as e:
+        raise ConfigError(f"{what}: {e}") from None
+    return tuple(names)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,9 +130,14 @@ class RouteRule(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # max draft tokens per step (None: SpecConfig's default)
     budget: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
     # which drafters propose (names from agentspec.drafting.registry): "suffix" (default), "lookahead"
-    # (the lookahead n-gram pool alone), "prompt_lookup". Several names: those drafters merged into one
-    # tree (["suffix", "lookahead"] is suffix + lookahead). "a>b": drafter a backed by drafter b (b's
-    # draft is used when it expects more accepted tokens). Each drafter at most once per route.
+    # (the lookahead n-gram pool alone), "prompt_lookup", "eagle3" (the EAGLE-3 draft head over the
+    # target's hidden states: `agentspec serve --eagle3 DIR`, $AGENTSPEC_EAGLE3, or the head shipped
+    # for the bundled model). Several names: those drafters merged into one tree (["suffix",
+    # "lookahead"] is suffix + lookahead), except that "eagle3" beside others backs them: ["suffix",
+    # "eagle3"] asks the head only when the suffix draft expects few accepted tokens, and verifies both
+    # trees together. "a>b": drafter a backed by drafter b (b's draft is used when it expects more
+    # accepted tokens). Each drafter at most once per route. A route's head is loaded and checked
+    # against the model at server start-up: a missing or mismatched head refuses to start.
     drafters: list[str] | None = None
 
     def __post_init__(self) -> None:

@@ -22,7 +22,8 @@ class Route(msgspec.Struct, frozen=True, kw_only=True):
     name: str                   # the matched rule, or "default"
     spec: SpecConfig | None     # None: speculation off
     reason: str                 # why speculation is off ("" when on)
-    drafters: tuple[str, ...]   # which drafters propose (agentspec.drafting.registry.build_drafter)
+    drafters: tuple[str, ...]   # which drafters propose (agentspec.drafting.registry.build_drafter;
+                                # e.g. ("suffix", "eagle3"): the suffix index backed by the EAGLE-3 head)
 
 
 def _matches(value, want) -> bool:
@@ -34,6 +35,11 @@ def _matches(value, want) -> bool:
 class Router:
     def __init__(self, rules: Sequence[RouteRule] = ()) -> None:
         self.rules = list(rules)
+
+    def configured(self) -> list[Route]:
+        """Every rule's route, in config order (a server builds their drafters at start-up, so a
+        route naming a draft head that is missing or does not fit the model refuses to start)."""
+        return [self._route(rule) for rule in self.rules]
 
     def resolve(self, *, endpoint: str, tenant: str, model: str, temperature: float) -> Route:
         for rule in self.rules:

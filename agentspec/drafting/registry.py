@@ -6,14 +6,16 @@ A route (``[[routes]] drafters = [...]`` in the server config) names its drafter
   default. It drafts from the index the server shares between requests (tenants stay isolated).
 - ``"lookahead"``: the lookahead n-gram pool alone (the request's and its tenant's outputs).
 - ``"prompt_lookup"``: prompt lookup over the request's own context alone.
+- ``"eagle3"``: the EAGLE-3 draft head (``eagle3_drafter``), gated per request by its
+  break-even; beside other drafters it is their fallback (see ``build_drafter``).
 
 A list of several entries means those drafters merged into one tree (``MergedDrafter``):
 ``["suffix", "lookahead"]`` is suffix + lookahead. An entry ``"A>B"`` is drafter A backed by
 drafter B (``FallbackDrafter``, mode "switch": B's draft replaces A's when B expects more accepted
 tokens); ``"A>B>C"`` is A backed by (B backed by C). Each drafter may appear once per route.
 
-``build_drafter(names, index=...)`` builds what a route names; ``register`` adds a drafter (a
-draft model such as EAGLE-3 will register here, then be named e.g. ``"suffix>eagle3"``).
+``build_drafter(names, index=..., engine=...)`` builds what a route names; ``register`` adds a
+drafter.
 Importing this module loads no drafter: the factories import their modules when called.
 """
 
@@ -25,7 +27,7 @@ from typing import Any
 
 from .draft import Drafter
 
-__all__ = ["DEFAULT_DRAFTERS", "FALLBACK_SEP", "DrafterEntry", "build_drafter", "drafter_names", "get_entry",
+__all__ = ["DEFAULT_DRAFTERS", "FALLBACK_MIN_EXPECTED", "FALLBACK_SEP", "DrafterEntry", "build_drafter", "drafter_names", "get_entry",
            "parse_drafters", "register", "registered"]
 
 FALLBACK_SEP = ">"
@@ -41,19 +43,21 @@ class DrafterEntry:
     description: str
     make: Callable[..., Drafter]
     uses_index: bool = False
+    needs_engine: bool = False   # make(engine=...) reads the target model (a draft head)
+    fallback: bool = False       # in a list with others, it backs them (FallbackDrafter, merge)
 
 
 _REGISTRY: dict[str, DrafterEntry] = {}
 
 
 def register(name: str, description: str, make: Callable[..., Drafter], *, uses_index: bool = False,
-             replace: bool = False) -> DrafterEntry:
+             needs_engine: bool = False, fallback: bool = False, replace: bool = False) -> DrafterEntry:
     """Add a drafter under ``name`` (letters, digits, ``_``, ``-``, ``.``; no ``>`` or ``+``)."""
     if not name or not all(c.isalnum() or c in "_-." for c in name):
         raise ValueError(f"drafter name must be letters, digits, '_', '-' or '.', got {name!r}")
     if name in _REGISTRY and not replace:
         raise ValueError(f"drafter {name!r} is already registered")
-    entry = DrafterEntry(name, description, make, uses_index)
+    entry = DrafterEntry(name, description, make, uses_index, needs_engine, fallback)
     _REGISTRY[name] = entry
     return entry
 
@@ -99,20 +103,47 @@ def parse_drafters(names: Sequence[str] | str) -> tuple[tuple[str, ...], ...]:
     return tuple(chains)
 
 
-def build_drafter(names: Sequence[str] | str, *, index: Any = None) -> Drafter:
+def build_drafter(names: Sequence[str] | str, *, index: Any = None, engine: Any = None) -> Drafter:
     """The drafter a route names (see the module docstring): one name -> that drafter; several
-    -> ``MergedDrafter`` of them; ``"a>b"`` -> ``FallbackDrafter(a, b)``. ``index``: the shared
-    ``SuffixIndex`` for drafters that use one (None: they build their own)."""
+    -> ``MergedDrafter`` of them; ``"a>b"`` -> ``FallbackDrafter(a, b)``. A draft head (an entry
+    registered with ``fallback=True``, e.g. ``"eagle3"``) listed beside others backs them:
+    ``["suffix", "eagle3"]`` -> ``FallbackDrafter(suffix, eagle3, mode="merge",
+    min_expected=FALLBACK_MIN_EXPECTED)``: the head is asked only when the suffix draft expects
+    fewer accepted tokens, and then both trees are siblings under the root. ``index``: the
+    shared ``SuffixIndex`` for drafters that use one (None: they build their own); ``engine``:
+    the embedded engine, for drafters that read the target (a draft head)."""
     from .combine import FallbackDrafter, MergedDrafter
 
+    def make(name: str) -> Drafter:
+        entry = _REGISTRY[name]
+        if entry.needs_engine:
+            if engine is None:
+                raise ValueError(f"drafter {name!r} reads the target model: build it with engine=...")
+            return entry.make(index=index, engine=engine)
+        return entry.make(index=index)
+
     def chain(parts: tuple[str, ...]) -> Drafter:
-        d = _REGISTRY[parts[-1]].make(index=index)
+        d = make(parts[-1])
         for name in reversed(parts[:-1]):
-            d = FallbackDrafter(_REGISTRY[name].make(index=index), d)
+            d = FallbackDrafter(make(name), d)
         return d
 
-    parts = [chain(c) for c in parse_drafters(names)]
+    chains = parse_drafters(names)
+    heads = [c for c in chains if len(c) == 1 and _REGISTRY[c[0]].fallback]
+    rest = [c for c in chains if c not in heads]
+    if heads and rest:
+        primary = [chain(c) for c in rest]
+        backing = [chain(c) for c in heads]
+        p = primary[0] if len(primary) == 1 else MergedDrafter(*primary)
+        b = backing[0] if len(backing) == 1 else MergedDrafter(*backing)
+        return FallbackDrafter(p, b, mode="merge", min_expected=FALLBACK_MIN_EXPECTED)
+    parts = [chain(c) for c in chains]
     return parts[0] if len(parts) == 1 else MergedDrafter(*parts)
+
+
+# A draft head backing index drafters is asked when their draft expects fewer accepted tokens
+# than this (``FallbackDrafter.min_expected``): a strong suffix match is verified alone.
+FALLBACK_MIN_EXPECTED = 3.0
 
 
 # ---- the built-in drafters ------------------------------------------------------------------
@@ -135,10 +166,19 @@ def _prompt_lookup(index: Any = None, **options: Any) -> Drafter:
     return PromptLookupDrafter(**options)
 
 
+def _eagle3(index: Any = None, engine: Any = None, **options: Any) -> Drafter:
+    from .eagle3_drafter import for_engine
+
+    return for_engine(engine, **options)
+
+
 register("suffix", "suffix index over the request's context, its tenant's outputs and workspace (default)",
          _suffix, uses_index=True)
 register("lookahead", "lookahead n-gram pool of the request's and its tenant's generated text", _lookahead)
 register("prompt_lookup", "prompt lookup: copies what followed the recent tokens in the request's own context",
          _prompt_lookup)
+
+register("eagle3", "EAGLE-3 draft head over the target's hidden states (the fallback for text no index holds)",
+         _eagle3, needs_engine=True, fallback=True)
 
 DEFAULT_DRAFTERS: tuple[str, ...] = ("suffix",)

@@ -3,8 +3,10 @@
 It owns what the server used to reach into the engine for: the continuous-batching scheduler
 (``BatchEngine``) and its queue limit, the drafters each route names (built once per drafter
 list on the shared suffix index, passed per request: the engine's own ``drafter`` is left as it
-is), a request's prediction (a tenant-scoped document in the index while the request runs),
-the tokenizer and chat template, the context length and the model name.
+is; a server's routes are built at construction, so a draft head that is missing or does not
+fit the model stops the start, not the first request), a request's prediction (a tenant-scoped
+document in the index while the request runs), the tokenizer and chat template, the context
+length and the model name.
 
 The scheduler runs either on a thread of its own, started on the first ``submit`` (``background
 =True``), or on the thread that calls ``run()`` (``agentspec serve`` runs it on the main thread:
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..backend import GenerationRequest, OnDone, OnTokens, stream_via_submit
-from ..errors import BackendClosedError, ConfigError, InvalidRequestError, QueueFullError
+from ..errors import AgentSpecError, BackendClosedError, ConfigError, InvalidRequestError, QueueFullError
 
 __all__ = ["EmbeddedBackend", "model_name_for", "prediction_doc_id"]
 
@@ -49,10 +51,14 @@ class EmbeddedBackend:
     new one. ``model_name``: the id to report (default: from the engine's model path).
     ``max_queue``: requests waiting beyond this many raise QueueFullError. ``max_batch`` and
     ``budget_policy``: ``BatchEngine``'s ``max_batch`` and ``budget``. ``background``: run the
-    scheduler on its own thread once a request comes (False: only ``run()`` runs it)."""
+    scheduler on its own thread once a request comes (False: only ``run()`` runs it).
+    ``drafters``: drafter lists to build now, by what names them (a server passes ``{"route
+    'x'": ("suffix", "eagle3"), ...}``): one that cannot be built (a draft head missing, or not
+    fitting the model) raises ``ConfigError`` naming it, its list and the problem."""
 
     def __init__(self, engine: Any, *, index: Any = None, model_name: str | None = None, max_queue: int = 256,
-                 max_batch: int = 16, budget_policy: str = "load_aware", background: bool = True) -> None:
+                 max_batch: int = 16, budget_policy: str = "load_aware", background: bool = True,
+                 drafters: Mapping[str, Sequence[str]] | None = None) -> None:
         from .batch import BatchEngine
 
         if getattr(engine, "deterministic", False):
@@ -71,9 +77,11 @@ class EmbeddedBackend:
         self.budget_policy = budget_policy
         self.background = background
         self._index = index
+        self._drafters: dict[tuple[str, ...], Any] = {}
+        for label, names in (drafters or {}).items():   # before the scheduler: nothing to close on failure
+            self._prebuild(label, names)
         self._batch = BatchEngine(engine, max_batch=max_batch, budget=budget_policy, background=False)
         self._lock = threading.Lock()
-        self._drafters: dict[tuple[str, ...], Any] = {}
         self._active: dict[str, threading.Event] = {}   # request id -> its cancel flag
         self._thread: threading.Thread | None = None    # the background scheduler
         self._foreground = False                        # run() is running the scheduler
@@ -131,18 +139,33 @@ class EmbeddedBackend:
     def drafter_for(self, names: Sequence[str] | str) -> Any:
         """The drafter a drafter list names (``agentspec.drafting.registry``), built once per list
         on the shared index. Unknown names raise InvalidRequestError (param "drafters")."""
-        from ..drafting.registry import build_drafter, parse_drafters
+        from ..drafting.registry import build_drafter
 
-        key = (names,) if isinstance(names, str) else tuple(names)
+        key = self._check_drafters(names)
         d = self._drafters.get(key)
         if d is None:
-            try:
-                parse_drafters(key)   # the request's fault: unknown names (a 400)
-            except (ValueError, KeyError) as e:
-                raise InvalidRequestError(str(e).strip("'\""), param="drafters") from None
-            d = build_drafter(key, index=self._index)   # a failure here is the server's (a 500)
+            d = build_drafter(key, index=self._index, engine=self.engine)   # a failure here is the server's (a 500)
             d = self._drafters.setdefault(key, d)
         return d
+
+    @staticmethod
+    def _check_drafters(names: Sequence[str] | str) -> tuple[str, ...]:
+        from ..drafting.registry import parse_drafters
+
+        key = (names,) if isinstance(names, str) else tuple(names)
+        try:
+            parse_drafters(key)   # the request's fault: unknown names (a 400)
+        except (ValueError, KeyError) as e:
+            raise InvalidRequestError(str(e).strip("'\""), param="drafters") from None
+        return key
+
+    def _prebuild(self, label: str, names: Sequence[str]) -> None:
+        """Build ``names`` now (``drafters=`` at construction); ConfigError naming ``label``."""
+        try:
+            self.drafter_for(names)
+        except (AgentSpecError, ValueError, OSError) as e:   # a bug elsewhere keeps its traceback
+            shown = [names] if isinstance(names, str) else list(names)
+            raise ConfigError(f"{label}: drafters {shown}: {e}") from e
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -157,7 +180,13 @@ class EmbeddedBackend:
         if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Sequence):
             raise InvalidRequestError(f"prompt_ids must be a list of token ids, got {type(ids).__name__}",
                                       param="prompt")
-        drafter = self.drafter_for(request.drafters)
+        spec = request.spec
+        # the request's own spec.drafters, when set, over its route's list; a request that does
+        # not speculate builds nothing (its route's draft head is not loaded for it)
+        names = spec.drafters if spec is not None and spec.drafters is not None else request.drafters
+        drafter = self.drafter_for(names) if spec is not None else None
+        if drafter is None:
+            self._check_drafters(names)
         prediction = self._check_prediction(request.prediction_ids)
         rid = request.request_id or f"embedded-{next(_ids)}-{secrets.token_hex(6)}"
         doc = prediction_doc_id(rid) if prediction else None

@@ -201,15 +201,19 @@ class BatchEngine:
                should_stop: Callable[[], bool] | None = None) -> None:
         """Queue a request (validated now: bad input raises here). ``on_tokens(new)`` is called
         from the scheduler thread after each step that committed tokens; ``on_done(generation,
-        error)`` once at the end."""
+        error)`` once at the end. The drafter: ``drafter`` when given, else what ``spec.drafters``
+        names (built once per list by the engine, ``EmbeddedEngine.drafter_for``), else the
+        engine's own."""
         e = self.engine
         v = e.validate_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                seed=seed, stop=stop, spec=spec)
+        if drafter is None and spec is not None and spec.drafters is not None:
+            drafter = e.drafter_for(spec.drafters)   # here, not in a step: a head that cannot load fails the call
         off = "batch budget policy 'off'" if self.budget == "off" else None
         seq = self.decoder.sequence(v["ids"], max_tokens=max_tokens, temperature=v["temperature"], top_p=v["top_p"],
                                     top_k=top_k, seed=seed, stops=v["stops"], spec=spec,
-                                    drafter=drafter or e.drafter, tenant=tenant, off_reason=off,
-                                    note=f", batched ({self.budget})")
+                                    drafter=drafter if drafter is not None else e.drafter, tenant=tenant,
+                                    off_reason=off, note=f", batched ({self.budget})")
         req = _Request(seq=seq, on_tokens=on_tokens, on_done=on_done, should_stop=should_stop)
         with self._cv:
             if self._closed:

@@ -17,7 +17,7 @@ from typing import Any, TypedDict, Unpack
 
 import torch
 
-from ..config import SpecConfig
+from ..config import SpecConfig, check_drafters
 from ..drafting import Drafter, default_drafter
 from ..errors import ContextLengthError, InvalidRequestError
 from ..kernels import cpu_attention, cpu_linear
@@ -42,7 +42,7 @@ class GenerateOptions(TypedDict, total=False):
     top_k: int                      # 0: no top-k cut
     seed: int | None                # sampled requests: same seed, same tokens
     stop: str | Sequence[str] | None
-    drafter: Drafter | None         # default: the engine's drafter
+    drafter: Drafter | None         # default: what spec.drafters names, else the engine's drafter
     tenant: str                     # whose history and workspace drafts come from
     should_stop: Callable[[], bool] | None
 
@@ -76,6 +76,8 @@ class EmbeddedEngine(Engine):
         the prefix that maximises expected tokens per step cost (``cut_for_cost``). Default:
         profiled at start-up on this machine (~0.07 on 2 CPU cores; near 0 on a GPU).
       quiet: no progress or log lines on stderr.
+      eagle3: an EAGLE-3 head directory (SGLang layout) for the ``"eagle3"`` drafter; default
+        ``$AGENTSPEC_EAGLE3``, else the head shipped for the bundled model.
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class EmbeddedEngine(Engine):
         row_cost: float | None = None,
         quiet: bool = False,
         cpu_isa: str | None = None,
+        eagle3: str | os.PathLike | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -122,6 +125,7 @@ class EmbeddedEngine(Engine):
         self.dtype = dtype
         self.kv_dtype = torch.float32 if kv_dtype is None else _dtype(kv_dtype, "kv_dtype")
         self.quiet = quiet
+        self.eagle3 = None if eagle3 is None else str(eagle3)
         t0 = time.perf_counter()
         ckpt = load_checkpoint(model, quiet=quiet)
         self.args = ckpt.args
@@ -153,6 +157,8 @@ class EmbeddedEngine(Engine):
         self.drafter: Drafter = drafter if drafter is not None else default_drafter(workspace=workspace)
         self._cache: KVCache | None = None
         self._lock = threading.Lock()
+        self._named_drafters: dict[tuple[str, ...], Drafter] = {}   # SpecConfig.drafters -> built once
+        self._named_lock = threading.Lock()
         self._row_cost_note = ""  # " (cached)" when the profile came from disk
         self.row_cost = float(row_cost) if row_cost is not None else self._cached_row_cost()
         self.decoder = Decoder(self)
@@ -299,10 +305,12 @@ class EmbeddedEngine(Engine):
     def generate(self, prompt: str | Sequence[int] | Sequence[dict], *, max_tokens: int = 256,
                  temperature: float = 0.0, spec: SpecConfig | None = DEFAULT_SPEC,
                  **options: Unpack[GenerateOptions]) -> Generation:
-        """Generate up to ``max_tokens`` tokens. ``spec=None`` is plain decoding. ``options``:
-        ``top_p``, ``top_k``, ``seed``, ``stop``, ``drafter``, ``tenant`` (``GenerateOptions``; as
-        ``generate_stream``). A seeded sampled request's tokens are a function of the prompt and
-        the seed alone: the same with or without speculation, whatever drafted for it."""
+        """Generate up to ``max_tokens`` tokens. ``spec=None`` is plain decoding;
+        ``spec.drafters`` names the drafters (e.g. ``SpecConfig(drafters=["suffix", "eagle3"])``;
+        ``request_drafter``). ``options``: ``top_p``, ``top_k``, ``seed``, ``stop``, ``drafter``,
+        ``tenant`` (``GenerateOptions``; as ``generate_stream``). A seeded sampled request's tokens
+        are a function of the prompt and the seed alone: the same with or without speculation,
+        whatever drafted for it."""
         unknown = sorted(set(options) - set(GenerateOptions.__annotations__))
         if unknown:
             raise TypeError(f"generate() got unexpected keyword argument(s) {', '.join(map(repr, unknown))} "
@@ -338,8 +346,44 @@ class EmbeddedEngine(Engine):
         req = self.validate_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                     top_k=top_k, seed=seed, stop=stop, spec=spec)
         return self._run(req["ids"], max_tokens=max_tokens, temperature=req["temperature"], top_p=req["top_p"],
-                         top_k=top_k, seed=seed, stops=req["stops"], spec=spec, drafter=drafter or self.drafter,
-                         tenant=tenant, should_stop=should_stop)
+                         top_k=top_k, seed=seed, stops=req["stops"], spec=spec,
+                         drafter=self.request_drafter(drafter, spec), tenant=tenant, should_stop=should_stop)
+
+    # ------------------------------------------------------------------------------------------
+    # drafters named by a request
+
+    def request_drafter(self, drafter: Drafter | None, spec: SpecConfig | None) -> Drafter:
+        """The drafter one request drafts with: ``drafter`` when given (an explicit drafter
+        wins), else what ``spec.drafters`` names (``drafter_for``), else the engine's own. Called
+        when the request is submitted, so a draft head that cannot be loaded fails the call, not
+        a step."""
+        if drafter is not None:
+            return drafter
+        if spec is not None and spec.drafters is not None:
+            return self.drafter_for(spec.drafters)
+        return self.drafter
+
+    def drafter_for(self, names: Sequence[str] | str) -> Drafter:
+        """The drafter a list of drafter names builds (``agentspec.drafting.registry``:
+        ``build_drafter``), built once per list for this engine and reused: drafters keep
+        per-request state by request id, and a draft head is loaded (and checked against this
+        model) once. Drafters that use a suffix index draft from the engine's own drafter's index
+        when it has one (a workspace's, or the default suffix drafter's), so a tenant's history
+        and workspace serve these requests as they serve the default ones. Unknown names raise
+        ``ConfigError``; a head that is missing or does not fit the model ``ModelLoadError``."""
+        from ..drafting.registry import build_drafter
+
+        key = (names,) if isinstance(names, str) else tuple(names)
+        d = self._named_drafters.get(key)
+        if d is not None:
+            return d
+        key = check_drafters(key)   # ConfigError naming a bad name and listing the known ones
+        with self._named_lock:   # one build per list, even when two threads submit it at once
+            d = self._named_drafters.get(key)
+            if d is None:
+                d = build_drafter(key, index=getattr(self.drafter, "index", None), engine=self)
+                self._named_drafters[key] = d
+        return d
 
     def validate_request(self, prompt, *, max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
                          spec=DEFAULT_SPEC) -> dict:

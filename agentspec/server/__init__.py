@@ -55,8 +55,14 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
     if engine is None:
         engine = Engine.embedded(quiet=quiet, **opts)
     cfg = config.server
+    router = Router(config.routes)
+    # every speculating route's drafters, built now: a draft head ("eagle3") that is missing or
+    # does not fit the model stops the start with a ConfigError naming the route and the problem,
+    # instead of failing its first request; routes that do not name a head load none
+    route_drafters = {f"route {r.name!r}": r.drafters for r in router.configured() if r.spec is not None}
     backend = EmbeddedBackend(engine, model_name=cfg.model_name or model_id_for(opts.get("model")),
-                              max_queue=cfg.max_queue, max_batch=cfg.max_batch, budget_policy=cfg.budget_policy)
+                              max_queue=cfg.max_queue, max_batch=cfg.max_batch, budget_policy=cfg.budget_policy,
+                              drafters=route_drafters)
     tenants: dict[str, Tenant] = {}
     specs = config.tenants or []
     names = [(t.name, t.workspace) for t in specs] or [("default", None)]
@@ -78,7 +84,7 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
     sink = TenantLogSink(config.server.log_dir, max_bytes=config.server.log_max_bytes,
                          backups=config.server.log_backups)
     metrics = Metrics(max_tenants=config.server.metrics_max_tenants)
-    return ServerState(backend=backend, config=config, tenants=tenants, router=Router(config.routes), sink=sink,
+    return ServerState(backend=backend, config=config, tenants=tenants, router=router, sink=sink,
                        metrics=metrics, model_id=backend.model_name, require_key=bool(specs), keys=keys)
 
 

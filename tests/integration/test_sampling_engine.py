@@ -137,3 +137,30 @@ def test_batched_speculative_sampling_matches_target(engine, target, verify):
     assert len(results) == N and not any(isinstance(r, BaseException) for r in results)
     assert all(r.stats.draft_tokens > 0 and r.stats.spec_enabled for r in results)
     _check([_pair(r) for r in results], joint)
+
+
+def test_speculative_sampling_with_eagle3_head_matches_target(engine, target):
+    """Sampled requests drafted by an EAGLE-3 head (a chain with top-k leaves: trees), through the
+    single-request path, follow the target distribution."""
+    from agentspec.drafting.eagle3 import Eagle3Config, Eagle3Head, build_vocab_map
+    from agentspec.drafting.eagle3_drafter import Eagle3Drafter
+
+    prompt, joint, _ = target
+    cfg = Eagle3Config.for_target(engine.args, draft_vocab_size=1024)
+    torch.manual_seed(0)
+    head = Eagle3Head(cfg)
+    counts = torch.zeros(engine.args.vocab_size)
+    for t1, t2 in joint:   # the draft vocabulary holds the tokens the target can say here
+        counts[t1] += 1
+        counts[max(t2, 0)] += 1
+    head.set_vocab_map(*build_vocab_map(counts, 1024))
+    drafter = Eagle3Drafter(head.to(torch.bfloat16).eval(), engine.model.embed.weight, topk=3, depth=3,
+                            min_survival=0.0, min_prob=0.0)
+    samples, drafted = [], 0
+    for seed in range(N):
+        g = engine.generate(prompt, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, top_k=TOP_K, seed=50_000 + seed,
+                            spec=SpecConfig(budget=8, row_cost=0), drafter=drafter)
+        drafted += g.stats.draft_tokens > 0
+        samples.append(_pair(g))
+    assert drafted == N
+    _check(samples, joint)
