@@ -1,4 +1,4 @@
-"""Command line: ``agentspec serve | generate | demo | index | stats``."""
+"""Command line: ``agentspec serve | generate | demo | index | stats | train-eagle3``."""
 
 from __future__ import annotations
 
@@ -62,6 +62,9 @@ def _engine_args(p: argparse.ArgumentParser, *, deterministic: bool = True) -> N
                    help="CPU threads (default: the cores this process may use: affinity and cgroup quota)")
     p.add_argument("--cpu-isa", choices=["avx512bf16", "avx512", "avx2", "neon", "scalar"],
                    help="cap the native CPU kernels at this ISA (default: $AGENTSPEC_CPU_ISA or the best the CPU runs)")
+    p.add_argument("--eagle3", metavar="DIR",
+                   help="EAGLE-3 head for the 'eagle3' drafter (default: $AGENTSPEC_EAGLE3 or the head shipped "
+                        "for the bundled model)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +117,33 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--since", type=_since, help="only records from then on: ISO date/time or 15m, 2h, 7d")
     st.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
     st.add_argument("--plot", metavar="PNG", help="also draw acceptance by position and MAT by route to PNG")
+    tr = sub.add_parser("train-eagle3", help="train an EAGLE-3 draft head for a target model (SGLang layout)")
+    tr.add_argument("--target", help="the target model: .gguf file or Hugging Face folder (default: bundled)")
+    tr.add_argument("--data", nargs="+", default=[], metavar="FILE",
+                    help="JSON-lines prompts (records with 'prompt' or 'messages'); the target answers them")
+    tr.add_argument("--distilled", nargs="+", default=[], metavar="FILE",
+                    help="already distilled records (training.distill output) to train on as well")
+    tr.add_argument("--out", required=True, help="head directory to write (config.json + model.safetensors)")
+    tr.add_argument("--work", help="folder for distilled data and resumable state (default: OUT.work)")
+    tr.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    tr.add_argument("--skip", type=_nonneg_int("--skip"), default=0,
+                    help="leave out the first N records of each --data file and their conversations (held out)")
+    tr.add_argument("--max-prompt", type=_positive_int("--max-prompt"), default=1536)
+    tr.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=192, help="response tokens")
+    tr.add_argument("--samples", type=_nonneg_int("--samples"), default=1,
+                    help="sampled responses per prompt besides the greedy one (default 1)")
+    tr.add_argument("--temperature", type=_nonneg_float("--temperature"), default=0.8)
+    tr.add_argument("--concurrency", type=_positive_int("--concurrency"), default=8)
+    tr.add_argument("--draft-vocab", type=_positive_int("--draft-vocab"), default=8192)
+    tr.add_argument("--epochs", type=_nonneg_float("--epochs"), default=4.0)
+    tr.add_argument("--max-len", type=_positive_int("--max-len"), default=1024)
+    tr.add_argument("--ttt-steps", type=_positive_int("--ttt-steps"), default=7)
+    tr.add_argument("--lr", type=_nonneg_float("--lr"), default=6e-4)
+    tr.add_argument("--batch-rows", type=_positive_int("--batch-rows"), default=8192)
+    tr.add_argument("--eval-fraction", type=_nonneg_float("--eval-fraction"), default=0.05)
+    tr.add_argument("--time-limit", type=_nonneg_float("--time-limit"), help="stop training after this many seconds")
+    tr.add_argument("--init", metavar="DIR", help="start from this head (continue training) instead of from scratch")
+    tr.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -147,7 +177,7 @@ def cmd_serve(args) -> int:
         state = build_state(config, repo=args.repo,
                             engine_options={"model": args.model, "device": args.device, "dtype": args.dtype,
                                             "threads": args.threads,
-                                            "cpu_isa": args.cpu_isa})
+                                            "cpu_isa": args.cpu_isa, "eagle3": args.eagle3})
         serve(state, host=args.host, port=args.port, log_level=args.log_level, sock=sock, started=started)
     finally:
         sock.close()
@@ -173,7 +203,13 @@ def _since(text: str) -> float:
 
 
 def cmd_stats(args) -> int:
-    from .telemetry import ReadReport, format_table, plot_summary, read_records, summarize
+    from .telemetry import (
+        ReadReport,
+        format_table,
+        plot_summary,
+        read_records,
+        summarize,
+    )
 
     report = ReadReport()
     try:
@@ -309,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_serve(args)
         if args.command == "stats":
             return cmd_stats(args)
+        if args.command == "train-eagle3":
+            from .training.cli import cmd_train_eagle3
+
+            return cmd_train_eagle3(args)
     except AgentSpecError as e:
         print(f"agentspec {args.command}: {e}", file=sys.stderr)
         return 2
