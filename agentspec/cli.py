@@ -65,6 +65,8 @@ def _engine_args(p: argparse.ArgumentParser, *, deterministic: bool = True) -> N
     p.add_argument("--eagle3", metavar="DIR",
                    help="EAGLE-3 head for the 'eagle3' drafter (default: $AGENTSPEC_EAGLE3 or the head shipped "
                         "for the bundled model)")
+    p.add_argument("--no-eagle3-gate", action="store_true",
+                   help="let the EAGLE-3 head draft whenever asked (no break-even gate; $AGENTSPEC_EAGLE3_GATE=0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--budget", type=_nonneg_int("--budget"), default=32, help="max draft tokens per step")
     g.add_argument("--no-spec", action="store_true", help="plain decoding, no speculation")
+    g.add_argument("--drafters", help="comma-separated drafter names, e.g. suffix,eagle3 (default: suffix)")
     g.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
     g.add_argument("--json", action="store_true", help="print text, token ids and stats as one JSON object")
     _engine_args(g)
@@ -177,7 +180,8 @@ def cmd_serve(args) -> int:
         state = build_state(config, repo=args.repo,
                             engine_options={"model": args.model, "device": args.device, "dtype": args.dtype,
                                             "threads": args.threads,
-                                            "cpu_isa": args.cpu_isa, "eagle3": args.eagle3})
+                                            "cpu_isa": args.cpu_isa, "eagle3": args.eagle3,
+                                            "eagle3_gate": False if args.no_eagle3_gate else None})
         serve(state, host=args.host, port=args.port, log_level=args.log_level, sock=sock, started=started)
     finally:
         sock.close()
@@ -276,20 +280,26 @@ def _make_engine(args):
     from . import Engine
 
     return Engine.embedded(model=args.model, device=args.device, dtype=args.dtype, deterministic=args.deterministic,
-                           threads=args.threads, cpu_isa=args.cpu_isa)
+                           threads=args.threads, cpu_isa=args.cpu_isa, eagle3=args.eagle3,
+                           eagle3_gate=False if args.no_eagle3_gate else None)
 
 
 def cmd_generate(args) -> int:
     import msgspec
 
     from . import SpecConfig
+    from .errors import ConfigError
 
     text = _read_prompt(args.prompt_file)
     if not text.strip():
         raise SystemExit("agentspec generate: the prompt is empty")
     engine = _make_engine(args)
     prompt = engine.tokenizer.encode(text) if args.raw else text
-    spec = None if args.no_spec else SpecConfig(budget=args.budget)
+    drafters = None if not args.drafters else tuple(x.strip() for x in args.drafters.split(","))
+    try:
+        spec = None if args.no_spec else SpecConfig(budget=args.budget, drafters=drafters)
+    except ConfigError as e:
+        raise SystemExit(f"agentspec generate: --drafters: {e}") from None
     g = engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, seed=args.seed, stop=args.stop, spec=spec)
     if args.json:
@@ -299,7 +309,8 @@ def cmd_generate(args) -> int:
         s = g.stats
         print(f"[agentspec] {s.completion_tokens} tokens in {s.seconds:.2f}s ({s.tokens_per_second:.1f} tok/s), "
               f"spec {'on' if s.spec_enabled else 'off'} ({s.spec_reason}), steps {s.steps}, "
-              f"MAT {s.mean_acceptance_length:.2f}", file=sys.stderr)
+              f"MAT {s.mean_acceptance_length:.2f}"
+              + (f", accepted by source {s.source_accepted}" if s.source_accepted else ""), file=sys.stderr)
     return 0
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from .draft import EMPTY_DRAFT, Draft, Drafter
-from .protocols import propose_all, wants_hidden_states
+from .protocols import hidden_wanted, propose_all, wants_hidden_states
 
 __all__ = ["FallbackDrafter", "MergedDrafter", "merge_drafts"]
 
@@ -86,6 +86,9 @@ class _Composite:
     @property
     def hidden_layers(self) -> tuple[int, ...]:
         return tuple(sorted({i for d in self.drafters for i in wants_hidden_states(d)}))
+
+    def wants_hidden_for(self, req_id: str) -> bool:
+        return any(hidden_wanted(d, req_id) for d in self.drafters if wants_hidden_states(d))
 
     def observe_hidden(self, req_id: str, tokens: Sequence[int], hidden) -> None:
         for d in self.drafters:

@@ -102,7 +102,7 @@ class Eagle3Gate:
     _seen: bool = field(default=False, repr=False)
     _probing: bool = field(default=False, repr=False)
 
-    def clone(self, prior: "Eagle3Gate | None" = None) -> Eagle3Gate:
+    def clone(self, prior: Eagle3Gate | None = None) -> Eagle3Gate:
         """A fresh per-request gate with this one's settings. ``prior``: what earlier requests
         measured (``learn``): the new request starts from their estimates and their decision,
         so a head that does not pay on this machine costs a new request nothing but probes
@@ -265,6 +265,7 @@ class _Req:
     observed: bool = False
     head_seconds: float = 0.0
     gate: Eagle3Gate | None = None
+    dormant: bool = False                              # the head sits this request out entirely
 
 
 class Eagle3Drafter:
@@ -275,8 +276,10 @@ class Eagle3Drafter:
     chain's maximum length; ``topk``: candidates kept per depth (the best continues the chain, the
     others are leaves); ``min_survival``: stop the chain below this estimate; ``min_prob``: leaves
     below this probability are dropped; ``context_window``: at most this many of the latest
-    committed positions are run through the head when it (re)starts (a long prompt's head prefill
-    is bounded); ``gate``: an ``Eagle3Gate`` template (None: always on).
+    committed positions are run through the head when it starts (a long prompt's head prefill is
+    bounded), ``resume_window`` when the gate turns it back on; ``gate``: an ``Eagle3Gate``
+    template (None: always on); ``probe_requests``: while finished requests say the head does not
+    pay, only one new request in this many tries it (the others skip it, features included).
     """
 
     name = SOURCE
@@ -286,7 +289,7 @@ class Eagle3Drafter:
     # 0.62; a 256-token head context drafts as well as 1024 at a quarter of the head's prefill
     def __init__(self, head: Eagle3Head, embed: torch.Tensor, *, depth: int = 6, topk: int = 4,
                  min_survival: float = 0.02, min_prob: float = 0.02, context_window: int = 256,
-                 resume_window: int = 64, gate: Eagle3Gate | None = None) -> None:
+                 resume_window: int = 32, probe_requests: int = 4, gate: Eagle3Gate | None = None) -> None:
         config: Eagle3Config = head.config
         if config.feature_layers is None or len(config.feature_layers) != 3:
             raise ValueError(f"EAGLE-3 head needs 3 feature layers, got {config.feature_layers}")
@@ -302,6 +305,8 @@ class Eagle3Drafter:
         self.min_survival, self.min_prob = float(min_survival), float(min_prob)
         self.context_window = int(context_window)
         self.resume_window = int(resume_window)
+        self.probe_requests = max(int(probe_requests), 1)
+        self._started = 0
         self.gate = gate
         self.hidden_layers = tuple(config.feature_layers)
         self.runner = _Runner(head)
@@ -315,7 +320,13 @@ class Eagle3Drafter:
     def start(self, req_id: str, prompt: Sequence[int], *, tenant: str = "default") -> None:
         with self._lock:
             gate = self.gate.clone(self._prior) if self.gate else None
-            self._reqs[req_id] = _Req(tokens=list(prompt), gate=gate)
+            # while earlier requests found that the head does not pay, only one request in
+            # probe_requests tries it (probes); the others skip it entirely, features included
+            dormant = False
+            if gate is not None and not gate.on:
+                self._started += 1
+                dormant = self._started % self.probe_requests != 0
+            self._reqs[req_id] = _Req(tokens=list(prompt), gate=gate, dormant=dormant)
 
     def stop(self, req_id: str) -> None:
         with self._lock:
@@ -323,9 +334,13 @@ class Eagle3Drafter:
             if r is not None and r.gate is not None:
                 self._prior.learn(r.gate)
 
+    def wants_hidden_for(self, req_id: str) -> bool:
+        r = self._reqs.get(req_id)
+        return r is not None and not r.dormant
+
     def observe_hidden(self, req_id: str, tokens: Sequence[int], hidden: Mapping[int, Any]) -> None:
         r = self._reqs.get(req_id)
-        if r is None or not len(tokens):
+        if r is None or r.dormant or not len(tokens):
             return
         lo, mid, hi = (hidden[i] for i in self.hidden_layers)
         f = torch.cat([lo, mid, hi], dim=-1).to(self.runner.dtype)   # a copy: the engine reuses its arrays
@@ -345,7 +360,7 @@ class Eagle3Drafter:
 
     def extend(self, req_id: str, tokens: Sequence[int]) -> None:
         r = self._reqs.get(req_id)
-        if r is None:
+        if r is None or r.dormant:
             return
         tokens = list(tokens)
         if r.proposed:
@@ -364,7 +379,7 @@ class Eagle3Drafter:
 
     def propose(self, req_id: str, budget: int) -> Draft:
         r = self._reqs.get(req_id)
-        if r is None or budget <= 0:
+        if r is None or r.dormant or budget <= 0:
             return EMPTY_DRAFT
         if r.gate is not None and not r.gate.wants():
             return EMPTY_DRAFT
@@ -520,10 +535,11 @@ def head_path_for(engine, path=None):
                          f"or train one with `agentspec train-eagle3 --target MODEL --data FILES --out DIR`")
 
 
-def for_engine(engine, *, path=None, gate: bool = True, **options) -> Eagle3Drafter:
+def for_engine(engine, *, path=None, gate: bool | None = None, **options) -> Eagle3Drafter:
     """An ``Eagle3Drafter`` on ``engine``'s model: the head loaded (once per engine and path) and
     checked against the target (a mismatch raises ``ModelLoadError`` naming it), the target's
-    embedding shared, the gate fed by the engine's measured step time and ``row_cost``."""
+    embedding shared, the gate fed by the engine's measured step time and ``row_cost`` (``gate``:
+    None = the engine's ``eagle3_gate``)."""
     from .eagle3 import load_eagle3
 
     if engine is None:
@@ -542,7 +558,7 @@ def for_engine(engine, *, path=None, gate: bool = True, **options) -> Eagle3Draf
         cache[key] = head
     head = cache[key]
     g = None
-    if gate:
+    if gate if gate is not None else getattr(engine, "eagle3_gate", True):
         dec = engine.decoder
         g = Eagle3Gate(GateCosts(step_seconds=lambda: dec.step_seconds or 0.01, row_cost=float(engine.row_cost)))
     return Eagle3Drafter(head, engine.model.embed.weight, gate=g, **options)

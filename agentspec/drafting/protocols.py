@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from .draft import Draft
 
-__all__ = ["BatchDrafter", "HiddenStateDrafter", "propose_all", "wants_hidden_states"]
+__all__ = ["BatchDrafter", "HiddenStateDrafter", "hidden_wanted", "propose_all", "wants_hidden_states"]
 
 
 @runtime_checkable
@@ -58,6 +58,14 @@ class BatchDrafter(Protocol):
     """
 
     def propose_batch(self, req_ids: Sequence[str], budgets: Sequence[int]) -> list[Draft]: ...
+
+
+def hidden_wanted(drafter: Any, req_id: str) -> bool:
+    """Whether ``drafter`` wants hidden states for this (started) request: a ``HiddenStateDrafter``
+    may say no per request with an optional ``wants_hidden_for(req_id) -> bool`` (a gated draft
+    head sitting the request out); the engine then gathers none for it."""
+    f = getattr(drafter, "wants_hidden_for", None)
+    return True if f is None else bool(f(req_id))
 
 
 def wants_hidden_states(drafter: Any) -> tuple[int, ...]:

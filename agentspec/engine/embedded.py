@@ -78,6 +78,9 @@ class EmbeddedEngine(Engine):
       quiet: no progress or log lines on stderr.
       eagle3: an EAGLE-3 head directory (SGLang layout) for the ``"eagle3"`` drafter; default
         ``$AGENTSPEC_EAGLE3``, else the head shipped for the bundled model.
+      eagle3_gate: whether the head's per-request break-even gate runs (default True, or
+        ``$AGENTSPEC_EAGLE3_GATE=0``: off, the head drafts whenever it is asked: a machine where
+        it is known to pay, or a test that needs it to draft).
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class EmbeddedEngine(Engine):
         quiet: bool = False,
         cpu_isa: str | None = None,
         eagle3: str | os.PathLike | None = None,
+        eagle3_gate: bool | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -126,6 +130,8 @@ class EmbeddedEngine(Engine):
         self.kv_dtype = torch.float32 if kv_dtype is None else _dtype(kv_dtype, "kv_dtype")
         self.quiet = quiet
         self.eagle3 = None if eagle3 is None else str(eagle3)
+        self.eagle3_gate = (os.environ.get("AGENTSPEC_EAGLE3_GATE", "1") != "0") if eagle3_gate is None \
+            else bool(eagle3_gate)
         t0 = time.perf_counter()
         ckpt = load_checkpoint(model, quiet=quiet)
         self.args = ckpt.args

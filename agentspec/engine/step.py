@@ -30,7 +30,7 @@ import torch
 from ..config import SpecConfig
 from ..drafting import EMPTY_DRAFT, Draft, Drafter
 from ..drafting.base import AcceptanceTracker
-from ..drafting.protocols import propose_all, wants_hidden_states
+from ..drafting.protocols import hidden_wanted, propose_all, wants_hidden_states
 from ..kernels.tree import greedy_verify_batch, tree_depths, tree_mask, with_root
 from ..policy import MAX_STEP_ROWS, DraftPolicy
 from ..text import stop_index
@@ -148,6 +148,8 @@ class Decoder:
             td = time.perf_counter()
             seq.drafter.start(seq.req_id, seq.ids, tenant=seq.tenant)
             seq.started = True
+            if seq.hidden_layers and not hidden_wanted(seq.drafter, seq.req_id):
+                seq.hidden_layers = ()   # a draft head sits this request out: gather nothing
             seq.stats.draft_seconds += time.perf_counter() - td
         self.engine.governor.update()
         ids, dev = seq.ids, self.device

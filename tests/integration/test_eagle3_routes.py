@@ -84,7 +84,8 @@ def head_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def eagle_engine(head_dir) -> EmbeddedEngine:
     """The engine with its head given as the ``eagle3=`` option (what ``--eagle3 DIR`` passes)."""
-    return EmbeddedEngine(quiet=True, eagle3=head_dir)
+    # gate off: a random head never pays, and these tests need it to draft
+    return EmbeddedEngine(quiet=True, eagle3=head_dir, eagle3_gate=False)
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +267,8 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.stderr = open(cwd / "server.stderr", "w+")  # noqa: SIM115 - for the server's life; stop() closes it
         self.proc = subprocess.Popen(_serve_cmd(self.port, config, head), cwd=cwd, stdout=subprocess.DEVNULL,
-                                     stderr=self.stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     stderr=self.stderr,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "AGENTSPEC_EAGLE3_GATE": "0"})
         self.client: openai.OpenAI | None = None
         try:
             self._wait_healthy(180)
