@@ -144,7 +144,7 @@ class Eagle3Gate:
         return False
 
     def observe(self, accepted: int, rows: int, head_seconds: float, step_tokens: int) -> None:
-        """A proposal's outcome: ``accepted`` of the head's ``rows`` chain tokens matched what the
+        """A proposal's outcome: ``accepted`` of the head's ``rows`` draft tokens matched what the
         target committed, ``head_seconds`` spent, ``step_tokens`` committed by the step."""
         d = self.decay
         if not self._seen:
@@ -260,8 +260,10 @@ class _Req:
     done: int = 0                                      # positions run through the head (rows 0..done-1)
     h_last: torch.Tensor | None = None                 # h2 of the last extend row
     logits_last: torch.Tensor | None = None            # its draft-vocab logits
-    last_chain: list[int] = field(default_factory=list)   # the head's last proposed chain
+    last_tree: tuple[list[int], list[int]] = ([], [])   # the head's last proposal (tokens, parents)
     proposed: bool = False
+    declined: bool = False                             # the gate had the head sit out this step
+    skipped: bool = False                              # ... and its features waited (restart small)
     observed: bool = False
     head_seconds: float = 0.0
     gate: Eagle3Gate | None = None
@@ -352,7 +354,7 @@ class Eagle3Drafter:
         r.feats.append((pos, f))
         # bound what waits: the head's first catch-up reads at most context_window rows, a
         # restart after the gate had it off resume_window rows (older rows only cost memory)
-        cap = self.context_window if r.done == 0 else self.resume_window
+        cap = self.resume_window if r.skipped else self.context_window
         total = sum(x.shape[0] for _, x in r.feats)
         while len(r.feats) > 1 and total - r.feats[0][1].shape[0] >= cap:
             total -= r.feats[0][1].shape[0]
@@ -364,17 +366,21 @@ class Eagle3Drafter:
             return
         tokens = list(tokens)
         if r.proposed:
-            # how far the head's own chain matched what the target committed
-            acc = 0
-            for a, b in zip(r.last_chain, tokens[:-1]):
-                if a != b:
+            # how deep the head's own tree matched what the target committed (leaves count)
+            toks, parents = r.last_tree
+            acc, node = 0, -1
+            for t in tokens[:-1]:
+                nxt = next((i for i, (x, p) in enumerate(zip(toks, parents)) if p == node and x == t), None)
+                if nxt is None:
                     break
-                acc += 1
+                acc, node = acc + 1, nxt
             if r.gate is not None:
-                r.gate.observe(acc, len(r.last_chain), r.head_seconds, len(tokens))
-            r.proposed = False
-        elif r.gate is not None and tokens:
+                r.gate.observe(acc, len(toks), r.head_seconds, len(tokens))
+        elif r.declined and r.gate is not None and tokens:
+            # only steps the gate declined tell what a step yields without the head; steps where
+            # nobody asked (a confident suffix draft) are not the steps the head would be in
             r.gate.observe_plain(len(tokens))
+        r.proposed = r.declined = False
         r.tokens += tokens
 
     def propose(self, req_id: str, budget: int) -> Draft:
@@ -382,6 +388,7 @@ class Eagle3Drafter:
         if r is None or r.dormant or budget <= 0:
             return EMPTY_DRAFT
         if r.gate is not None and not r.gate.wants():
+            r.declined = r.skipped = True
             return EMPTY_DRAFT
         t0 = time.perf_counter()
         rows = self._catch_up(r)
@@ -418,7 +425,8 @@ class Eagle3Drafter:
         if end <= start:
             return ready
         feats = feats[:end - start]
-        window = self.context_window if r.done == 0 else self.resume_window
+        window = self.resume_window if r.skipped else self.context_window
+        r.skipped = False
         if end - start > window:                                   # bound the head's prefill
             feats = feats[-window:]
             start = end - window
@@ -445,7 +453,6 @@ class Eagle3Drafter:
         tokens: list[int] = []
         parents: list[int] = []
         probs: list[float] = []
-        chain: list[int] = []
         logits, h = r.logits_last, r.h_last
         pos = r.done            # the first draft row's position: after the last extend row
         survival, parent = 1.0, -1
@@ -466,7 +473,6 @@ class Eagle3Drafter:
                 tokens.append(best_t)
                 parents.append(parent)
                 probs.append(best_p)
-                chain.append(best_t)
                 me = len(tokens) - 1
                 for t, pr in zip(top_t[1:], top_p[1:]):        # leaves: the runner-up candidates
                     if len(tokens) >= budget or pr < self.min_prob or survival * pr < self.min_survival:
@@ -484,10 +490,19 @@ class Eagle3Drafter:
                 pos += 1
         finally:
             r.kv.truncate(base)
-        r.last_chain = chain
         if not tokens:
+            r.last_tree = ([], [])
             return EMPTY_DRAFT
-        return Draft(tokens, parents, probs, 0.0, SOURCE)
+        # best first by survival (a child never outranks its parent: probs <= 1, stable sort), as
+        # the cost cut and the batch's slot selection, which keep prefixes, expect
+        surv = Draft(tokens, parents, probs, 0.0, SOURCE).survival()
+        order = sorted(range(len(tokens)), key=lambda i: -surv[i])
+        where = {old: new for new, old in enumerate(order)}
+        tokens = [tokens[i] for i in order]
+        parents = [where[parents[i]] if parents[i] >= 0 else -1 for i in order]
+        probs = [probs[i] for i in order]
+        r.last_tree = (tokens, parents)
+        return Draft(tokens, parents, probs, float(sum(surv)), SOURCE)   # score: the expected accepted length
 
     # ---- introspection ------------------------------------------------------------------------
 

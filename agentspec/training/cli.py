@@ -35,7 +35,10 @@ def cmd_train_eagle3(args) -> int:
               file=sys.stderr, flush=True)
         distill(engine, items, work / "distilled.jsonl", max_tokens=args.max_tokens, samples=args.samples,
                 temperature=args.temperature, seed=args.seed, concurrency=args.concurrency)
-        records += read_distilled(work / "distilled.jsonl")
+        # only this run's prompts: a record left from an earlier run with other --data or --skip
+        # may be a prompt that is now held out
+        want = {it.id for it in items}
+        records += [r for r in read_distilled(work / "distilled.jsonl") if r["id"] in want]
     for f in args.distilled:
         records += read_distilled(f)
     records = [r for r in records if r.get("response_ids")]
@@ -44,16 +47,27 @@ def cmd_train_eagle3(args) -> int:
         return 2
     cfg = TrainConfig(draft_vocab_size=args.draft_vocab, epochs=args.epochs, max_len=args.max_len,
                       ttt_steps=args.ttt_steps, lr=args.lr, batch_rows=args.batch_rows, seed=args.seed)
-    # held-out evaluation: whole prompts (all their variants), chosen by the seed
-    ids = sorted({r["id"] for r in records})
-    random.Random(args.seed).shuffle(ids)
-    held = set(ids[:int(len(ids) * args.eval_fraction)])
-    train = [r for r in records if r["id"] not in held]
-    held_r = [r for r in records if r["id"] in held]
-    layers = engine.args.n_layers
-    from ..drafting.eagle3 import default_feature_layers
+    # held-out evaluation: whole conversations (records sharing the id before '#': later turns
+    # repeat earlier ones' history), chosen by the seed once and kept in the work folder, so a
+    # rerun or a continued head (--init) is evaluated on what it never trained on
+    from .distill import _group
 
-    fl = default_feature_layers(layers)
+    held_file = work / "heldout.json"
+    if held_file.exists():
+        held_groups = set(json.loads(held_file.read_text()))
+    else:
+        groups = sorted({_group(r["id"]) for r in records})
+        random.Random(args.seed).shuffle(groups)
+        held_groups = set(groups[:int(len(groups) * args.eval_fraction)])
+        held_file.write_text(json.dumps(sorted(held_groups)))
+    train = [r for r in records if _group(r["id"]) not in held_groups]
+    held_r = [r for r in records if _group(r["id"]) in held_groups]
+    from ..drafting.eagle3 import Eagle3Config, default_feature_layers
+
+    fl = default_feature_layers(engine.args.n_layers)
+    if args.init:   # a continued head reads the layers it was trained on
+        init_cfg = Eagle3Config.from_json((Path(args.init) / "config.json").read_text())
+        fl = init_cfg.feature_layers or fl
     print(f"[train-eagle3] features of layers {fl} for {len(train)} records (+{len(held_r)} held out) "
           f"on {engine.device}", file=sys.stderr, flush=True)
     # features stay on the device that trains (a GPU holds them all; on a CPU they are in RAM)

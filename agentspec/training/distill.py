@@ -137,6 +137,8 @@ def distill(engine, items: Iterable[PromptItem], out: str | os.PathLike, *, max_
     if out.exists():
         with open(out, "rb") as f:
             for line in f:
+                if not line.endswith(b"\n"):   # a torn last line: cut, appended again
+                    break
                 try:
                     done_keys.add(json.loads(line)["key"])
                     good += len(line)
