@@ -96,9 +96,7 @@ class Eagle3Gate:
     off_steps: int = 0
     probe: int = 8
     samples: int = 0
-    switches: int = 0
     head_steps: int = 0             # steps the head proposed in
-    off_total: int = 0              # steps it sat out
     _seen: bool = field(default=False, repr=False)
     _probing: bool = field(default=False, repr=False)
 
@@ -140,7 +138,6 @@ class Eagle3Gate:
         if self.off_steps >= self.probe:
             self.off_steps, self._probing = 0, True
             return True
-        self.off_total += 1
         return False
 
     def observe(self, accepted: int, rows: int, head_seconds: float, step_tokens: int) -> None:
@@ -161,10 +158,10 @@ class Eagle3Gate:
             return
         pays = self.a >= self.breakeven * self.margin
         if self.on and not pays and self.samples >= 3:
-            self.on, self.off_steps, self.switches = False, 0, self.switches + 1
+            self.on, self.off_steps = False, 0
         elif not self.on and probed:
             if pays:
-                self.on, self.probe, self.switches = True, self.first_probe, self.switches + 1
+                self.on, self.probe = True, self.first_probe
             else:
                 self.probe = min(self.probe * 2, self.max_probe)
 
@@ -503,12 +500,6 @@ class Eagle3Drafter:
         probs = [probs[i] for i in order]
         r.last_tree = (tokens, parents)
         return Draft(tokens, parents, probs, float(sum(surv)), SOURCE)   # score: the expected accepted length
-
-    # ---- introspection ------------------------------------------------------------------------
-
-    def gate_state(self, req_id: str) -> Eagle3Gate | None:
-        r = self._reqs.get(req_id)
-        return None if r is None else r.gate
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,9 +221,13 @@ class BatchEngine:
             self._waiting.append(req)
             self._cv.notify()
 
-    def generate_many(self, prompts: Sequence, **options) -> list[Generation]:
-        """Run ``prompts`` concurrently; their Generations in order (a convenience for tests and
-        benchmarks; errors are raised)."""
+    def generate_many(self, prompts: Sequence, *, per_prompt: Sequence[Mapping[str, Any]] | None = None,
+                      **options) -> list[Generation]:
+        """Run ``prompts`` concurrently; their Generations in order (a convenience for tests,
+        benchmarks and training-data distillation; errors are raised). ``per_prompt``: options
+        for each prompt (e.g. its sampling ``seed``), over ``options``."""
+        if per_prompt is not None and len(per_prompt) != len(prompts):
+            raise ValueError(f"per_prompt has {len(per_prompt)} entries for {len(prompts)} prompts")
         done = threading.Semaphore(0)
         results: list[Any] = [None] * len(prompts)
 
@@ -234,7 +238,7 @@ class BatchEngine:
             return on_done
 
         for i, p in enumerate(prompts):
-            self.submit(p, on_done=finisher(i), **options)
+            self.submit(p, on_done=finisher(i), **{**options, **(per_prompt[i] if per_prompt else {})})
         if self._thread is None:
             self._loop(until_idle=True)
         for _ in prompts:

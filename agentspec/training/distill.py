@@ -21,7 +21,6 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 __all__ = ["PromptItem", "distill", "load_prompt_items", "read_distilled"]
 
@@ -158,7 +157,8 @@ def distill(engine, items: Iterable[PromptItem], out: str | os.PathLike, *, max_
             for temp in sorted({j[2] for j in part}):
                 sub = [j for j in part if j[2] == temp]
                 # one drafter per group: greedy output is the target's whatever the drafts
-                res = _generate(be, sub, max_tokens, temp, default_drafter())
+                res = be.generate_many([j[1].ids for j in sub], per_prompt=[{"seed": j[3]} for j in sub],
+                                       max_tokens=max_tokens, temperature=temp, drafter=default_drafter())
                 gens += list(zip(sub, res))
             for (key, it, temp, s), g in gens:
                 f.write((json.dumps({"key": key, "id": it.id, "temperature": temp, "seed": s,
@@ -171,53 +171,19 @@ def distill(engine, items: Iterable[PromptItem], out: str | os.PathLike, *, max_
     return out
 
 
-def _generate(be, jobs, max_tokens: int, temperature: float, drafter) -> list[Any]:
-    done: list[Any] = [None] * len(jobs)
-    import threading
-
-    sem = threading.Semaphore(0)
-
-    def finisher(i):
-        def on_done(g, err):
-            done[i] = err if err is not None else g
-            sem.release()
-        return on_done
-
-    for i, (_, it, temp, s) in enumerate(jobs):
-        be.submit(it.ids, max_tokens=max_tokens, temperature=temp, seed=s, drafter=drafter, on_done=finisher(i))
-    be.run_until_idle()
-    for _ in jobs:
-        sem.acquire()
-    for r in done:
-        if isinstance(r, BaseException):
-            raise r
-    return done
-
-
 class _Progress:
-    """A progress line on stderr (tqdm when installed)."""
+    """A progress bar on stderr (tqdm) with the generation rate; none when not ``enabled`` (not
+    even tqdm's monitor thread)."""
 
     def __init__(self, total: int, initial: int, *, enabled: bool, desc: str = "distill") -> None:
-        self.enabled = enabled
-        self._bar = None
-        if not enabled:
-            return
-        try:
-            from tqdm import tqdm
+        from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, desc=desc, unit="resp", file=sys.stderr)
-        except ImportError:
-            self.total, self.n, self.desc = total, initial, desc
+        self._bar = tqdm(total=total, initial=initial, desc=desc, unit="resp", file=sys.stderr) if enabled else None
 
     def update(self, n: int, rate: float) -> None:
-        if not self.enabled:
-            return
         if self._bar is not None:
             self._bar.update(n)
             self._bar.set_postfix_str(f"{rate:.0f} tok/s")
-        else:
-            self.n += n
-            print(f"[{self.desc}] {self.n}/{self.total} ({rate:.0f} tok/s)", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

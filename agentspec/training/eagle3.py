@@ -254,14 +254,9 @@ def train_head(engine, samples: list[Sample], out: str | os.PathLike, cfg: Train
         step, epoch, pos, history = st["step"], st["epoch"], st["pos"], st["history"]
         _log(f"resumed at step {step}/{total_steps} from {state_file}")
     use_amp = dev.type == "cuda"
-    bar = None
-    if progress:
-        try:
-            from tqdm import tqdm
+    from tqdm import tqdm
 
-            bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", file=sys.stderr)
-        except ImportError:
-            bar = None
+    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", file=sys.stderr) if progress else None
     t_start = time.perf_counter()
     head.train()
 

@@ -7,17 +7,13 @@ start-up with a message naming the problem."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
 import torch
+from serve_helper import Server, free_port
 
 from agentspec import SpecConfig
 from agentspec.drafting import SuffixDrafter
@@ -248,75 +244,22 @@ drafters = ["suffix", "eagle3"]
 # ---- the server: a real `agentspec serve` on loopback ------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve_cmd(port: int, config: Path, head: Path) -> list[str]:
     return [sys.executable, "-m", "agentspec", "serve", "--port", str(port), "--config", str(config),
             "--eagle3", str(head)]
 
 
-class Server:
-    """``agentspec serve`` in a subprocess, up once ``/health`` answers."""
-
-    def __init__(self, cwd: Path, config: Path, head: Path) -> None:
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.stderr = open(cwd / "server.stderr", "w+")  # noqa: SIM115 - for the server's life; stop() closes it
-        self.proc = subprocess.Popen(_serve_cmd(self.port, config, head), cwd=cwd, stdout=subprocess.DEVNULL,
-                                     stderr=self.stderr,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "AGENTSPEC_EAGLE3_GATE": "0"})
-        self.client: openai.OpenAI | None = None
-        try:
-            self._wait_healthy(180)
-            self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=1) as http:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    self.stderr.seek(0)
-                    raise RuntimeError(f"server exited with {self.proc.returncode}: {self.stderr.read()[-3000:]}")
-                try:
-                    if http.get(self.base + "/health").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
-        raise RuntimeError(f"server did not become healthy in {timeout:.0f} s")
-
-    def stop(self) -> None:
-        if self.client is not None:
-            self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.stderr.close()
-
-
 def test_server_route_suffix_eagle3_equals_plain(head_dir, eagle_engine, plain, tmp_path):
-    cfg = tmp_path / "server.toml"
-    cfg.write_text(ROUTE_CONFIG)
-    server = Server(tmp_path, cfg, head_dir)
+    server = Server(tmp_path, config=ROUTE_CONFIG, args=["--eagle3", str(head_dir)],
+                    env={"AGENTSPEC_EAGLE3_GATE": "0"}, timeout=180)
     try:
         head_steps = 0
         for p in PROMPTS:
             msgs = [{"role": "user", "content": p}]
             want = plain(eagle_engine.encode(msgs), 48)
-            out = server.client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=48,
+            out = server.client().chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=48,
                                                         extra_body={"spec_stats": True})
-            off = server.client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=48,
+            off = server.client().chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=48,
                                                         extra_body={"spec_stats": True, "speculation": False})
             spec = out.model_extra["spec"]
             assert spec["enabled"] and spec["route"] == "chat-eagle"
@@ -333,7 +276,7 @@ def test_serve_refuses_a_mismatched_head_at_start_up(eagle_engine, tmp_path):
     bad = write_head(eagle_engine.args, tmp_path / "bad-head", hidden_size=64)
     cfg = tmp_path / "server.toml"
     cfg.write_text(ROUTE_CONFIG)
-    r = subprocess.run(_serve_cmd(_free_port(), cfg, bad), cwd=tmp_path, capture_output=True, text=True,
+    r = subprocess.run(_serve_cmd(free_port(), cfg, bad), cwd=tmp_path, capture_output=True, text=True,
                        timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False)
     assert r.returncode == 2, r.stderr[-3000:]
     err = r.stderr

@@ -4,9 +4,6 @@ client and raw HTTP for what the client would refuse to send."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from serve_helper import Server  # tests/integration/serve_helper.py (pytest puts this folder on sys.path)
 
 pytestmark = pytest.mark.slow
 
@@ -40,70 +38,6 @@ def factorial(n):
         result *= i
     return result
 '''
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, tmp: Path, *, config: str | None, repo: Path | None = None, name: str = "server"):
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.cwd = tmp
-        cmd = [sys.executable, "-m", "agentspec", "serve", "--port", str(self.port)]
-        if config is not None:
-            cfg = tmp / f"{name}.toml"
-            cfg.write_text(config)
-            cmd += ["--config", str(cfg)]
-        if repo is not None:
-            cmd += ["--repo", str(repo)]
-        self._clients: dict[str, openai.OpenAI] = {}
-        self.stderr = open(tmp / f"{name}.stderr", "w+")
-        self.proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.DEVNULL, stderr=self.stderr,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            self._wait_healthy(120)
-        except BaseException:
-            self.stop()  # no process or log file left behind by a failed start
-            raise
-
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=1) as http:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    self.stderr.seek(0)
-                    raise RuntimeError(f"server exited with {self.proc.returncode}: {self.stderr.read()[-3000:]}")
-                try:
-                    if http.get(self.base + "/health").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
-        raise RuntimeError(f"server did not become healthy in {timeout:.0f} s")
-
-    def client(self, key: str = "unused") -> openai.OpenAI:
-        """One OpenAI client per key for the server's life (thread-safe; closed by ``stop``:
-        a client dropped unclosed leaves its pooled sockets to the garbage collector)."""
-        if key not in self._clients:
-            self._clients[key] = openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, timeout=120)
-        return self._clients[key]
-
-    def stop(self, sig=signal.SIGTERM) -> None:
-        for c in self._clients.values():
-            c.close()
-        self._clients.clear()
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.stderr.close()
 
 
 @pytest.fixture(scope="module")
