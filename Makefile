@@ -1,5 +1,5 @@
 # Quickstart: `make run` (set up, then run the main job) and `make test` (set up, then run the tests).
-.PHONY: setup run test bench
+.PHONY: setup run test bench test-sglang
 
 setup:
 	@bash scripts/setup.sh
@@ -12,3 +12,7 @@ test: setup
 
 bench: setup
 	.venv/bin/python benchmarks/bench_e2e.py
+
+# SGLang (CPU, NGRAM speculation) as test infrastructure: its own venv, see scripts/setup_sglang.sh
+test-sglang:
+	bash scripts/setup_sglang.sh && .venv-sglang/bin/python -m pytest tests/sglang -q
