@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--json", action="store_true", help="print the summary as one JSON object (last line)")
     x.add_argument("--model", help="tokenize for this model (default: bundled SmolLM2-135M-Instruct)")
 
-    sv = sub.add_parser("serve", help="run the OpenAI-compatible server (embedded engine, speculation on)")
+    sv = sub.add_parser("serve", help="run the OpenAI-compatible server (embedded engine or SGLang, speculation on)")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     sv.add_argument("--port", type=_port, default=8000, help="TCP port (default: 8000)")
     sv.add_argument("--repo", help="workspace to index and watch for drafting (default: none; `make run` passes .)")
@@ -113,6 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--insecure-no-auth", action="store_true",
                     help="allow binding a non-loopback address without API keys (no --config tenants)")
     _engine_args(sv, deterministic=False)
+    sv.set_defaults(device=None)   # embedded: cpu; sglang: SGLang's own choice
+    sv.add_argument("--backend", choices=["embedded", "sglang"], default="embedded",
+                    help="the engine: the embedded torch engine (default) or an in-process SGLang engine "
+                         "(pip install 'agentspec-serve[sglang]'; --model must be a Hugging Face folder)")
+    sv.add_argument("--tp", type=_positive_int("--tp"), help="sglang: tensor-parallel size (default 1)")
+    sv.add_argument("--dp", type=_positive_int("--dp"), help="sglang: data-parallel size (default 1)")
+    sv.add_argument("--speculative", choices=["agentspec", "ngram", "eagle3", "none"],
+                    help="sglang: the speculative algorithm: agentspec (default: drafts from the suffix index), "
+                         "SGLang's ngram or eagle3 (head: --eagle3 DIR), or none")
+    sv.add_argument("--draft-tokens", type=_draft_tokens, metavar="N",
+                    help="sglang: speculative_num_draft_tokens, the tokens verified per step (default 8)")
+    sv.add_argument("--sglang-arg", action="append", default=[], metavar="KEY=VALUE", type=_sglang_arg,
+                    help="sglang: another sglang.Engine argument, e.g. attention_backend=intel_amx or "
+                         "mem_fraction_static=0.3 (repeatable; ints, floats, true/false and none are parsed)")
 
     st = sub.add_parser("stats", help="acceptance statistics per tenant and route from the request logs")
     st.add_argument("--log-dir", default="logs", help="folder holding <tenant>.jsonl logs (default: logs)")
@@ -160,6 +174,89 @@ def _port(text: str) -> int:
     return v
 
 
+def _draft_tokens(text: str) -> int:
+    v = _positive_int("--draft-tokens")(text)
+    if v < 2:
+        raise argparse.ArgumentTypeError(f"--draft-tokens must be >= 2 (the verified token and one draft), got {v}")
+    return v
+
+
+# sglang.Engine arguments that have a flag of their own (--sglang-arg must not set them)
+_SGLANG_FLAGS = {"model_path": "--model", "tp_size": "--tp", "dp_size": "--dp", "device": "--device",
+                 "dtype": "--dtype", "speculative_algorithm": "--speculative",
+                 "speculative_num_draft_tokens": "--draft-tokens", "speculative_draft_model_path": "--eagle3"}
+
+
+def _sglang_arg(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` -> (key, value): dashes in KEY become underscores; VALUE true/false -> bool,
+    none/null -> None, an integer or a number -> int/float, JSON for lists and objects, else the
+    string."""
+    key, sep, raw = text.partition("=")
+    key = key.strip().lstrip("-").replace("-", "_")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"--sglang-arg must be KEY=VALUE with KEY an sglang.Engine argument, "
+                                         f"got {text!r}")
+    if key in _SGLANG_FLAGS:
+        raise argparse.ArgumentTypeError(f"--sglang-arg {key}: use {_SGLANG_FLAGS[key]} instead")
+    raw = raw.strip()
+    low = raw.lower()
+    if low in ("true", "false"):
+        return key, low == "true"
+    if low in ("none", "null"):
+        return key, None
+    for conv in (int, float):
+        try:
+            return key, conv(raw)
+        except ValueError:
+            pass
+    if raw[:1] in ("[", "{"):
+        try:
+            return key, json.loads(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--sglang-arg {key}: value is not valid JSON: {raw!r}") from None
+    return key, raw
+
+
+def _serve_backend_options(args) -> dict | None:
+    """The SGLang backend's options from the serve flags (None for the embedded backend); flags
+    that do not apply to the chosen backend raise ConfigError naming them."""
+    from .errors import ConfigError
+
+    if args.backend == "embedded":
+        given = [flag for flag, value in (("--tp", args.tp), ("--dp", args.dp), ("--speculative", args.speculative),
+                                          ("--draft-tokens", args.draft_tokens),
+                                          ("--sglang-arg", args.sglang_arg or None)) if value]
+        if given:
+            raise ConfigError(f"{', '.join(given)} {'need' if len(given) > 1 else 'needs'} --backend sglang (the embedded engine runs on one device "
+                              "and drafts with the routes' drafters)")
+        return None
+    given = [flag for flag, value in (("--threads", args.threads), ("--cpu-isa", args.cpu_isa),
+                                      ("--no-eagle3-gate", args.no_eagle3_gate)) if value]
+    if given:
+        raise ConfigError(f"{', '.join(given)} {'are options' if len(given) > 1 else 'is an option'} of the embedded "
+                          "engine, not of --backend sglang "
+                          "(pass SGLang's own with --sglang-arg KEY=VALUE)")
+    if not args.model:
+        raise ConfigError("--backend sglang needs --model PATH: a Hugging Face model folder")
+    speculative = args.speculative or "agentspec"
+    if speculative == "eagle3" and not args.eagle3:
+        raise ConfigError("--speculative eagle3 needs --eagle3 DIR: the EAGLE-3 head folder (SGLang layout)")
+    if args.eagle3 and speculative != "eagle3":
+        raise ConfigError(f"--eagle3 is the head of --speculative eagle3; with --speculative {speculative} "
+                          "SGLang would not use it")
+    if speculative == "none" and args.draft_tokens is not None:
+        raise ConfigError("--draft-tokens needs speculation (--speculative agentspec, ngram or eagle3)")
+    from .engine.sglang_backend import sglang_available
+
+    if not sglang_available():
+        raise ConfigError("--backend sglang needs SGLang, which is not installed here: "
+                          "pip install 'agentspec-serve[sglang]'")
+    return {"model": args.model, "speculative": None if speculative == "none" else speculative,
+            "draft_tokens": args.draft_tokens or 8, "eagle3": args.eagle3, "tp_size": args.tp or 1,
+            "dp_size": args.dp or 1, "device": args.device, "dtype": args.dtype,
+            "engine_kwargs": dict(args.sglang_arg)}
+
+
 def cmd_serve(args) -> int:
     import time
 
@@ -167,6 +264,7 @@ def cmd_serve(args) -> int:
     from .config import load_server_config
     from .server import bind_socket, build_state, is_loopback, serve
 
+    sglang_options = _serve_backend_options(args)
     config = load_server_config(args.config)
     if not config.tenants and not is_loopback(args.host) and not args.insecure_no_auth:
         raise SystemExit(f"agentspec serve: refusing to serve {args.host!r} without API keys: configure tenants "
@@ -177,11 +275,14 @@ def cmd_serve(args) -> int:
     # and the bound socket goes to uvicorn, so nothing can take the port in between
     sock = bind_socket(args.host, args.port)
     try:
-        state = build_state(config, repo=args.repo,
-                            engine_options={"model": args.model, "device": args.device, "dtype": args.dtype,
-                                            "threads": args.threads,
-                                            "cpu_isa": args.cpu_isa, "eagle3": args.eagle3,
-                                            "eagle3_gate": False if args.no_eagle3_gate else None})
+        if sglang_options is not None:
+            state = build_state(config, repo=args.repo, backend="sglang", sglang_options=sglang_options)
+        else:
+            state = build_state(config, repo=args.repo,
+                                engine_options={"model": args.model, "device": args.device or "cpu",
+                                                "dtype": args.dtype, "threads": args.threads,
+                                                "cpu_isa": args.cpu_isa, "eagle3": args.eagle3,
+                                                "eagle3_gate": False if args.no_eagle3_gate else None})
         serve(state, host=args.host, port=args.port, log_level=args.log_level, sock=sock, started=started)
     finally:
         sock.close()

@@ -1,7 +1,8 @@
-"""``agentspec serve``: the OpenAI-compatible server on the embedded engine.
+"""``agentspec serve``: the OpenAI-compatible server on the embedded engine or SGLang.
 
-``build_state`` loads the engine and wraps it in a backend (``agentspec.backend.Backend``, here
-``agentspec.engine.backend.EmbeddedBackend``: the server talks to nothing else), indexes each
+``build_state`` loads the engine and wraps it in a backend (``agentspec.backend.Backend``:
+``agentspec.engine.backend.EmbeddedBackend``, or ``agentspec.engine.sglang_backend.SGLangBackend``
+with ``backend="sglang"``: the server talks to nothing else), indexes each
 tenant's workspace into the backend's shared suffix index (tenants are isolated inside it) and
 opens the acceptance logs and metrics; ``create_app`` turns that into a Starlette app; ``serve``
 runs it under uvicorn.
@@ -32,24 +33,44 @@ def model_id_for(model: str | None) -> str:
 
 def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | Path | None = None,
                 engine: Any = None, engine_options: dict | None = None, watch: bool = True,
-                quiet: bool = False) -> ServerState:
+                quiet: bool = False, backend: str = "embedded", sglang_options: dict | None = None) -> ServerState:
     """Everything the server needs. ``repo``: the default workspace (tenants without their own).
-    ``engine``: an already loaded ``EmbeddedEngine`` (default: load one with ``engine_options``),
-    wrapped here in an ``EmbeddedBackend``."""
+
+    ``backend="embedded"`` (default): ``engine`` is an already loaded ``EmbeddedEngine``
+    (default: load one with ``engine_options``), wrapped here in an ``EmbeddedBackend``; each
+    tenant's workspace is indexed into its shared suffix index in this process.
+
+    ``backend="sglang"``: an in-process ``sglang.Engine`` behind ``SGLangBackend``, started
+    with ``sglang_options`` (its keyword arguments: ``model`` (a Hugging Face folder, required),
+    ``speculative``, ``draft_tokens``, ``eagle3``, ``tp_size``, ``dp_size``, ``device``,
+    ``dtype``, ``engine_kwargs``, ...; ``engine``: an engine already started, for tests). The
+    tenants' workspaces are indexed and watched inside SGLang's scheduler processes (the
+    ``SchedulerConfig`` the backend puts in ``$AGENTSPEC_SGLANG``), so tenants here have no
+    ``Workspace``, only their resolved ``root`` (``/v1/apply`` reads files from it). Routes may
+    not name drafters the engine's one algorithm does not provide
+    (``agentspec.engine.sglang_backend.check_route_drafters``)."""
+    if backend not in ("embedded", "sglang"):
+        raise ConfigError(f"backend must be 'embedded' or 'sglang', got {backend!r}")
+    if not isinstance(config, ServerConfig):
+        config = load_server_config(config)
+    if repo is not None and not Path(repo).is_dir():
+        raise ConfigError(f"--repo is not a directory: {str(repo)!r}")
+    for t in config.tenants:
+        if t.workspace is not None and not Path(t.workspace).is_dir():
+            raise ConfigError(f"tenant {t.name!r}: workspace is not a directory: {t.workspace!r}")
+    if backend == "sglang":
+        if engine_options:
+            raise ConfigError("engine_options are the embedded engine's; pass sglang_options with backend='sglang'")
+        return _build_sglang_state(config, repo=repo, engine=engine, options=sglang_options, watch=watch, quiet=quiet)
+    if sglang_options:
+        raise ConfigError("sglang_options need backend='sglang'")
     from ..engine import Engine
     from ..engine.backend import EmbeddedBackend
     from ..routing import Router
     from ..telemetry import Metrics, TenantLogSink
     from ..workspace import Workspace
 
-    if not isinstance(config, ServerConfig):
-        config = load_server_config(config)
     opts = dict(engine_options or {})
-    if repo is not None and not Path(repo).is_dir():
-        raise ConfigError(f"--repo is not a directory: {str(repo)!r}")
-    for t in config.tenants:
-        if t.workspace is not None and not Path(t.workspace).is_dir():
-            raise ConfigError(f"tenant {t.name!r}: workspace is not a directory: {t.workspace!r}")
     if opts.get("deterministic"):
         raise ConfigError("the server batches requests, which the deterministic mode does not support")
     if engine is None:
@@ -84,6 +105,46 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
     sink = TenantLogSink(config.server.log_dir, max_bytes=config.server.log_max_bytes,
                          backups=config.server.log_backups)
     metrics = Metrics(max_tenants=config.server.metrics_max_tenants)
+    return ServerState(backend=backend, config=config, tenants=tenants, router=router, sink=sink,
+                       metrics=metrics, model_id=backend.model_name, require_key=bool(specs), keys=keys)
+
+
+def _build_sglang_state(config: ServerConfig, *, repo: str | Path | None, engine: Any, options: dict | None,
+                        watch: bool, quiet: bool) -> ServerState:
+    from ..engine.sglang_backend import SGLangBackend
+    from ..routing import Router
+    from ..telemetry import Metrics, TenantLogSink
+
+    opts = dict(options or {})
+    model = opts.pop("model", None)
+    if model is None:
+        raise ConfigError("the SGLang backend needs a model: a Hugging Face folder (--model PATH)")
+    cfg = config.server
+    router = Router(config.routes)
+    route_drafters = {f"route {r.name!r}": r.drafters for r in router.configured() if r.spec is not None}
+    specs = config.tenants or []
+    names = [(t.name, t.workspace) for t in specs] or [("default", None)]
+    roots: dict[str, Path | None] = {}
+    for name, ws_path in names:
+        root = ws_path if ws_path is not None else repo
+        roots[name] = Path(root).resolve() if root is not None else None
+    opts.setdefault("max_queue", cfg.max_queue)
+    backend = SGLangBackend(model, tenants={n: (str(r) if r is not None else None) for n, r in roots.items()},
+                            watch=watch, model_name=cfg.model_name, drafters=route_drafters, engine=engine,
+                            quiet=quiet, **opts)
+    if not quiet:
+        for name, root in roots.items():
+            if root is not None:
+                print(f"[agentspec] tenant {name!r}: workspace {root} (indexed by SGLang's scheduler processes)",
+                      file=sys.stderr, flush=True)
+    tenants = {name: Tenant(name=name, workspace=None, root=root) for name, root in roots.items()}
+    keys = {k: t.name for t in specs for k in t.api_keys}
+    try:
+        sink = TenantLogSink(cfg.log_dir, max_bytes=cfg.log_max_bytes, backups=cfg.log_backups)
+        metrics = Metrics(max_tenants=cfg.metrics_max_tenants)
+    except BaseException:
+        backend.close()   # the engine's processes do not outlive a failed start
+        raise
     return ServerState(backend=backend, config=config, tenants=tenants, router=router, sink=sink,
                        metrics=metrics, model_id=backend.model_name, require_key=bool(specs), keys=keys)
 

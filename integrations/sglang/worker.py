@@ -271,7 +271,7 @@ class AgentSpecWorker(NGRAMWorker):
             d_tokens: list[int] = []
             d_parents: list[int] = []
             if r.spec and width > 1:
-                budget = width - 1 if r.budget is None else min(r.budget, width - 1)
+                budget = min(self.config.default_budget if r.budget is None else r.budget, width - 1)
                 if budget > 0:
                     d = self.index.propose(r.rid, budget)
                     d_tokens, d_parents = d.token_ids, d.parents
