@@ -221,10 +221,19 @@ class AgentSpecWorker(NGRAMWorker):
         sampled = sp.top_k > 1
         doc = None
         if self.index is not None:
-            self.index.start(req.rid, prompt, tenant=tenant)
+            try:
+                self.index.start(req.rid, prompt, tenant=tenant)
+            except ValueError as e:   # custom_params from a client other than agentspec serve
+                logger.warning("AGENTSPEC: request %s drafts nothing: %s", req.rid, e)
+                tenant, spec, prediction = "default", False, None
+                self.index.start(req.rid, prompt)
             if prediction and spec:
                 doc = prediction_doc_id(req.rid)
-                self.index.add_document(doc, prediction, tenant=tenant)
+                try:
+                    self.index.add_document(doc, prediction, tenant=tenant)
+                except ValueError as e:   # a token id outside the vocabulary: no prediction, no crash
+                    logger.warning("AGENTSPEC: request %s: prediction ignored: %s", req.rid, e)
+                    doc = None
         r = _Req(req.rid, req, tenant, spec, budget, doc, len(prompt), sampled)
         self._reqs[req.rid] = r
         return r
