@@ -270,6 +270,130 @@ def test_verify_tree_greedy(seed, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# EAGLE: draft tree -> verify metadata, and the multi-step draft decode's per-branch KV rows
+# ---------------------------------------------------------------------------------------------
+
+def _eagle_draft(bs, topk, steps, n, g):
+    """SGLang's own draft-tree bookkeeping (spec_utils.select_top_k_tokens, as draft_forward runs
+    it, then eagle_utils.organize_draft_results) on random draft probabilities: the
+    (parent_list, top_scores_index) that build_tree_kernel_efficient receives."""
+    from sglang.srt.speculative import spec_utils
+    from sglang.srt.speculative.eagle_utils import organize_draft_results
+
+    later = getattr(spec_utils._select_top_k_tokens_later, "_torchdynamo_orig_callable",
+                    spec_utils._select_top_k_tokens_later)  # skip torch.compile: same function
+    topk_p = torch.rand(bs, topk, generator=g).sort(-1, descending=True).values
+    topk_index = torch.randint(0, 50, (bs, topk), generator=g)
+    scores, score_list, token_list, parents_list = None, [], [], []
+    for i in range(steps):
+        if i == 0:
+            _, _, scores, info = spec_utils._select_top_k_tokens_first(topk_p, topk_index, None, topk)
+        else:
+            _, _, scores, info = later(i, topk_p, topk_index, None, scores, topk)
+        score_list.append(info[0])
+        token_list.append(info[1])
+        parents_list.append(info[2])
+        topk_p = torch.rand(bs * topk, topk, generator=g).sort(-1, descending=True).values
+        topk_index = torch.randint(0, 50, (bs * topk, topk), generator=g)
+    parent_list, top_scores_index, _ = organize_draft_results(score_list, token_list, parents_list, n)
+    return parent_list, top_scores_index
+
+
+def _build_tree(fn, parent_list, top_scores_index, seq_lens, topk, steps, n, mode):
+    bs = seq_lens.numel()
+    if mode == 2:
+        width = 4 if n > 16 else (2 if n > 8 else 1)
+        mask = torch.zeros(bs * n, dtype=[torch.uint8, torch.int16, torch.int32][width // 2])
+    elif mode == 1:
+        mask = torch.ones(bs * n * n, dtype=torch.bool)
+    else:
+        mask = torch.ones(int(seq_lens.sum()) * n + bs * n * n, dtype=torch.bool)
+    positions = torch.full((bs * n,), -9, dtype=torch.int64)
+    retrieve = torch.full((3, bs, n), -1, dtype=torch.int64)
+    fn(parent_list, top_scores_index, seq_lens, mask, positions, retrieve[0], retrieve[1], retrieve[2],
+       topk, steps, n, mode)
+    return mask, positions, retrieve[0], retrieve[1], retrieve[2]
+
+
+@pytest.mark.parametrize("topk,steps,n", [(1, 4, 5), (1, 1, 2), (2, 3, 6), (4, 4, 8), (4, 2, 3), (3, 5, 13)])
+def test_build_tree_kernel_efficient(topk, steps, n, monkeypatch):
+    from sglang.kernels.ops.speculative import spec_tree
+    from sglang.kernels.ops.speculative.spec_tree import TreeMaskMode, sgl_build_tree_kernel_triton
+
+    monkeypatch.setattr(spec_tree, "sgl_build_tree_kernel_efficient_triton",
+                        interpreted(spec_tree.sgl_build_tree_kernel_efficient_triton))
+    g = torch.Generator().manual_seed(100 * topk + 10 * steps + n)
+    seq_lens = torch.tensor([7, 1, 30], dtype=torch.int64)
+    bs = seq_lens.numel()
+    parent_list, top_scores_index = _eagle_draft(bs, topk, steps, n, g)
+    for mode in (TreeMaskMode.FULL_MASK, TreeMaskMode.QLEN_ONLY):
+        ours = _build_tree(sgl_kernel.build_tree_kernel_efficient_cpu, parent_list, top_scores_index,
+                           seq_lens, topk, steps, n, int(mode))
+        ref = _build_tree(sgl_build_tree_kernel_triton, parent_list, top_scores_index, seq_lens,
+                          topk, steps, n, mode)
+        for got, want in zip(ours, ref):
+            assert torch.equal(got, want)
+    # the QLEN_ONLY mask is the ancestor-or-self closure that NGRAM's reconstruct spec reads: it
+    # must give back the same positions and links (reconstruct_tree.py's docstring)
+    mask, positions, ridx, nxt, sib = ours
+    again = _reconstruct(reconstruct_indices_from_tree_mask, mask.view(bs, n, n), seq_lens, n)
+    for got, want in zip(again, (positions, ridx, nxt, sib)):
+        assert torch.equal(got, want.reshape(-1))
+    assert bool(mask.view(bs, n, n)[:, :, 0].all())  # every node sees the root (bonus token)
+    # QLEN_ONLY_BITPACKING (CUDA-only: build_tree_efficient_partial_packed): the same rows as bits
+    packed = _build_tree(sgl_kernel.build_tree_kernel_efficient_cpu, parent_list, top_scores_index,
+                         seq_lens, topk, steps, n, int(TreeMaskMode.QLEN_ONLY_BITPACKING))
+    bits = packed[0].view(torch.uint8).view(bs * n, -1).long()
+    rows = sum(bits[:, k] << (8 * k) for k in range(bits.shape[1]))
+    expected = (mask.view(bs * n, n).long() << torch.arange(n)).sum(-1)
+    assert torch.equal(rows, expected)
+    for got, want in zip(packed[1:], ours[1:]):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("topk,steps", [(1, 4), (4, 4), (2, 3), (3, 1)])
+def test_build_draft_decode_metadata(topk, steps):
+    """Row b*topk+k of the table, read up to seq_b + step + 1 at draft decode step `step`, must be
+    request b's prefix then the slots its branch k was written to at steps 0..step: the KV indices
+    the wheel's generate_draft_decode_kv_indices (Triton, interpreted) gives each (b, k) row, and
+    the slots assign_draft_cache_locs_contiguous + per_step_draft_out_cache_loc hand to the
+    draft forward."""
+    from sglang.kernels.ops.speculative.cache_locs import (
+        assign_draft_cache_locs_contiguous, generate_draft_decode_kv_indices)
+    from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
+    from sglang.srt.utils import next_power_of_2
+
+    req_to_token, rpi, _, _ = _pool()
+    pool_len = req_to_token.shape[1]
+    seq_lens = torch.tensor([3, 1, 17, 40], dtype=torch.int64)
+    bs = seq_lens.numel()
+    table = sgl_kernel.build_draft_decode_metadata_cpu(req_to_token, rpi, seq_lens, topk, steps, pool_len)
+    assert table.shape == (bs * topk, pool_len) and table.dtype == req_to_token.dtype
+
+    out_cache_loc = torch.empty(bs * topk * steps, dtype=torch.int64)
+    interpreted(assign_draft_cache_locs_contiguous)[(bs,)](rpi, req_to_token, seq_lens, out_cache_loc,
+                                                           pool_len, topk, steps, BS=4)
+    per_step = per_step_draft_out_cache_loc(out_cache_loc, bs, topk, steps)   # [steps, bs*topk]
+
+    kv_indices = torch.full((steps, int(seq_lens.sum()) * topk + bs * topk * steps), -7, dtype=torch.int64)
+    kv_indptr = torch.zeros((steps, bs * topk + 1), dtype=torch.int64)
+    interpreted(generate_draft_decode_kv_indices)[(steps, bs, topk)](
+        rpi, req_to_token, seq_lens, kv_indices, kv_indptr, seq_lens.repeat_interleave(topk),
+        pool_len, kv_indices.shape[1], kv_indptr.shape[1], next_power_of_2(bs),
+        next_power_of_2(steps), next_power_of_2(bs * topk), 1)
+    for step in range(steps):
+        lens = seq_lens.repeat_interleave(topk) + step + 1
+        for z in range(bs * topk):
+            b = z // topk
+            got = table[z, : int(lens[z])].long()
+            ref = kv_indices[step, int(kv_indptr[step, z]):int(kv_indptr[step, z + 1])]
+            assert torch.equal(got, ref)
+            written = per_step[: step + 1, z]
+            prefix = req_to_token[int(rpi[b]), : int(seq_lens[b])].long()
+            assert torch.equal(got, torch.cat([prefix, written]))
+
+
+# ---------------------------------------------------------------------------------------------
 # attention over the paged KV cache
 # ---------------------------------------------------------------------------------------------
 
@@ -394,7 +518,8 @@ def test_op_surface():
     for name in ("assign_extend_cache_locs_cpu", "assign_req_to_token_pool_cpu",
                  "assign_draft_cache_locs_contiguous_cpu", "fill_bonus_tokens_cpu",
                  "fill_accept_out_cache_loc_cpu", "verify_tree_greedy_cpu",
-                 "copy_all_layer_kv_cache_cpu", "build_tree_kernel_efficient_cpu"):
+                 "copy_all_layer_kv_cache_cpu", "build_tree_kernel_efficient_cpu",
+                 "build_draft_decode_metadata_cpu"):
         assert callable(getattr(sgl_kernel, name))
     assert hasattr(torch.ops.sgl_kernel, "extend_attention_cpu")
     assert hasattr(torch.ops.sgl_kernel, "decode_attention_cpu")

@@ -9,6 +9,10 @@ SGLang calls it (same positional order, same in-place outputs):
   (``assign_extend_cache_locs``, ``assign_draft_cache_locs_contiguous``, ``fill_bonus_tokens``,
   ``fill_accept_out_cache_loc``) and ``sglang.srt.mem_cache.allocation.assign_req_to_token_pool``;
 * ``verify_tree_greedy_cpu``: ``VerifyTreeGreedy`` in the wheel's jit ``speculative/eagle.cuh``;
+* ``build_tree_kernel_efficient_cpu`` (EAGLE): ``build_tree_efficient`` /
+  ``build_tree_efficient_partial_packed`` in the same file (Triton twin in spec_tree.py);
+* ``build_draft_decode_metadata_cpu`` (EAGLE multi-step draft): the KV rows of
+  ``generate_draft_decode_kv_indices`` in ``sglang.kernels.ops.speculative.cache_locs``;
 * ``copy_all_layer_kv_cache_cpu``: ``copy_all_layer_kv_cache_tiled`` (raw buffer pointers);
 * ``speculative.reconstruct_indices_from_tree_mask``: the spec in the docstring of
   ``sglang/kernels/ops/speculative/reconstruct_tree.py``;
@@ -124,10 +128,125 @@ def verify_tree_greedy_cpu(predicts, accept_index, accept_token_num, candidates,
         pred_flat[last] = target[last]
 
 
-def build_tree_kernel_efficient_cpu(*args, **kwargs):
-    # imported by name at module level in sglang.kernels.ops.speculative.spec_tree on CPU; only the
-    # EAGLE draft tree needs it, and this stand-in covers NGRAM (whose tree comes from its corpus)
-    raise NotImplementedError("agentspec sgl_kernel stand-in: EAGLE tree building is not provided")
+_FULL_MASK, _QLEN_ONLY, _QLEN_ONLY_BITPACKING = 0, 1, 2
+
+
+def build_tree_kernel_efficient_cpu(parent_list, selected_index, verified_seq_len, tree_mask,
+                                    positions, retrive_index, retrive_next_token,
+                                    retrive_next_sibling, topk, depth, draft_token_num,
+                                    tree_mask_mode):
+    """EAGLE draft tree -> verify metadata, in place: ``build_tree_efficient`` /
+    ``build_tree_efficient_partial_packed`` in the wheel's jit ``speculative/eagle.cuh`` (the
+    Triton twin: ``sgl_build_tree_kernel_efficient_triton`` in spec_tree.py). Per request b
+    (n = draft_token_num, node 0 = the bonus/root token, node i > 0 = selected_index[b, i-1]):
+    parent(i) = root when selected_index[b, i-1] // topk == 0, else the node whose
+    selected_index equals parent_list[b, selected_index[b, i-1] // topk] (searched among the
+    n-1 selected, as Triton does). retrive_index[b, i] = b*n + i; children are linked by
+    walking i = n-1 .. 1: each new child of p becomes retrive_next_token[p] and the previous one
+    its retrive_next_sibling (so the lists end up in increasing node order); positions = seq_len
+    + depth. tree_mask row i: column 0 (root), i itself and its ancestors set, other tree
+    columns cleared; FULL_MASK rows are seq_len + n wide after the previous requests' rows (the
+    prefix columns are not touched), QLEN_ONLY rows are n wide, QLEN_ONLY_BITPACKING rows are
+    1/2/4 little-endian bytes with bit j for column j (OR-ed in: the caller zero-fills)."""
+    bs = verified_seq_len.numel()
+    n = int(draft_token_num)
+    if bs == 0:
+        return
+    sel = selected_index.reshape(bs, -1).tolist() if n > 1 else [[] for _ in range(bs)]
+    par = parent_list.reshape(bs, -1).tolist()
+    seq = _ints(verified_seq_len)
+    pos_flat, ridx_flat = positions.view(-1), retrive_index.view(-1)
+    nxt_flat, sib_flat = retrive_next_token.view(-1), retrive_next_sibling.view(-1)
+
+    def parent_pos(b, cur):  # node index (1..n-1) of the parent of selected cur (0-based), 0 root
+        tb = sel[b][cur] // topk
+        if tb == 0:
+            return 0
+        tok = par[b][tb]
+        for pp in range(n - 1):
+            if sel[b][pp] == tok:
+                return pp + 1
+        return None  # "invalid eagle tree": ignored, as the kernels do
+
+    if tree_mask_mode == _QLEN_ONLY_BITPACKING:
+        width = 4 if n > 16 else (2 if n > 8 else 1)
+        mask_bytes = tree_mask.view(torch.uint8).view(-1)
+    else:
+        mask_bytes = tree_mask.view(-1)
+    seq_tree_idx = 0
+    for b in range(bs):
+        s = seq[b]
+        base = b * n
+        # links (thread 0 of the kernel)
+        pos_flat[base] = s
+        nxt = [int(x) for x in nxt_flat[base:base + n].tolist()]
+        sib = [int(x) for x in sib_flat[base:base + n].tolist()]
+        for i in range(n - 1, 0, -1):
+            ridx_flat[base + i] = base + i
+            p = parent_pos(b, i - 1)
+            if p is None:
+                continue
+            if nxt[p] != -1:
+                sib[i] = nxt[p]
+            nxt[p] = i
+        ridx_flat[base] = base
+        nxt_flat[base:base + n] = torch.tensor(nxt, dtype=nxt_flat.dtype)
+        sib_flat[base:base + n] = torch.tensor(sib, dtype=sib_flat.dtype)
+        # mask rows and depths (threads 1..n-1)
+        for t in range(n):
+            cols = [0]
+            position = 0
+            if t > 0:
+                cur = t - 1
+                for _ in range(depth):
+                    position += 1
+                    cols.append(cur + 1)
+                    p = parent_pos(b, cur)
+                    if p is None or p == 0:
+                        break
+                    cur = p - 1
+                pos_flat[base + t] = position + s
+            if tree_mask_mode == _QLEN_ONLY_BITPACKING:
+                start = (base + t) * width
+                bits = 0
+                for c in cols:
+                    bits |= 1 << c
+                for k in range(width):
+                    mask_bytes[start + k] |= (bits >> (8 * k)) & 0xFF
+            else:
+                if tree_mask_mode == _FULL_MASK:
+                    start = seq_tree_idx + (s + n) * t + s
+                else:
+                    start = n * n * b + n * t
+                row = torch.zeros(n, dtype=torch.bool)
+                row[cols] = True
+                mask_bytes[start:start + n] = row.to(mask_bytes.dtype)
+        seq_tree_idx += s * n + n * n
+
+
+def build_draft_decode_metadata_cpu(req_to_token, req_pool_indices, seq_lens, topk,
+                                    speculative_num_steps, pool_len):
+    """The per-branch req_to_token of EAGLE's multi-step draft decode, as
+    ``IntelAMXMultiStepDraftBackend`` uses it (row bs*topk, read with req_pool_indices =
+    arange(bs*topk) and seq_lens = seq_lens.repeat_interleave(topk) + step + 1): row b*topk + k
+    = request b's prefix req_to_token[pool_b, :seq_b], then its branch-k draft slots
+    req_to_token[pool_b, seq_b + k*num_steps + j] for j < num_steps (the layout
+    ``assign_draft_cache_locs_contiguous`` allocates and ``per_step_draft_out_cache_loc`` writes;
+    the kv-index semantics of ``generate_draft_decode_kv_indices`` in cache_locs.py with
+    page_size 1). Returns a new [bs*topk, pool_len] tensor of req_to_token's dtype (0 past the
+    used entries)."""
+    rows = req_to_token.view(-1, pool_len)
+    bs = req_pool_indices.numel()
+    steps = int(speculative_num_steps)
+    out = torch.zeros((bs * topk, pool_len), dtype=req_to_token.dtype, device=req_to_token.device)
+    for b, (r, s) in enumerate(zip(_ints(req_pool_indices), _ints(seq_lens))):
+        for k in range(topk):
+            row = out[b * topk + k]
+            row[:s] = rows[r, :s]
+            m = min(steps, pool_len - s)
+            if m > 0:
+                row[s:s + m] = rows[r, s + k * steps:s + k * steps + m]
+    return out
 
 
 def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
@@ -250,5 +369,6 @@ __all__ = [
     "assign_extend_cache_locs_cpu", "assign_req_to_token_pool_cpu",
     "assign_draft_cache_locs_contiguous_cpu", "fill_bonus_tokens_cpu",
     "fill_accept_out_cache_loc_cpu", "verify_tree_greedy_cpu", "build_tree_kernel_efficient_cpu",
+    "build_draft_decode_metadata_cpu",
     "copy_all_layer_kv_cache_cpu", "extend_attention", "decode_attention", "speculative",
 ]
