@@ -21,7 +21,8 @@ spec.json (keys marked * are optional):
       "prompt_lookup_max": 3,                 # * ngram: longest n-gram to match
       "prompt_lookup_min": 1,                 # * ngram: shortest n-gram to match
       "dtype": "bfloat16",                    # * model dtype on CPU
-      "max_model_len": 4096                   # * default: fits longest prompt + max_tokens
+      "max_model_len": 4096,                  # * default: fits longest prompt + max_tokens
+      "enable_prefix_caching": false          # * vLLM's automatic prefix caching (multi-turn replays)
     }
 
 Output: vLLM logs go to stderr; the LAST line on stdout is one JSON object:
@@ -137,7 +138,8 @@ def run_method(method, spec, max_model_len):
         max_model_len=max_model_len,
         speculative_config=spec_config(method, spec),
         disable_log_stats=False,    # needed for get_metrics()
-        enable_prefix_caching=False,  # no reuse between timed requests
+        # default off: no reuse between timed requests; on for multi-turn replays (bench_agent_loop)
+        enable_prefix_caching=bool(spec.get("enable_prefix_caching", False)),
         seed=0,
         **({"max_num_seqs": int(spec["max_num_seqs"])} if spec.get("max_num_seqs") else {}),
     )

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = Path(os.environ.get("AGENTSPEC_SGLANG_MODEL", ROOT / ".venv-sglang" / "models" / "SmolLM2-135M-Instruct"))
-DATA = ROOT.parent / "shared" / "data"
+DATA = Path(os.environ.get("AGENTSPEC_DATA", ROOT.parent / "shared" / "data"))
 D = 8
 MAX_TOKENS = 40
 
@@ -39,19 +39,17 @@ def engine_kwargs(**extra):
 
 def real_prompts() -> dict[str, list[list[int]]]:
     """4 file rewrites and 4 agent turns from the recorded traffic (held-out positions), tokenized
-    with the model's chat template; the test fixture's own rewrite sample when shared/data is absent."""
+    with the model's chat template. The traffic is read where it lies (``$AGENTSPEC_DATA``, default
+    ``../shared/data`` beside the checkout): its agent turns may not be copied into the repository."""
+    if not (DATA / "agent_turns.jsonl").exists():
+        pytest.skip(f"recorded traffic not found at {DATA} (set AGENTSPEC_DATA)")
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_throughput import agent_prompts, rewrite_prompts
+
     from agentspec.engine.embedded import EmbeddedEngine
 
     tok = EmbeddedEngine(quiet=True)
-    if (DATA / "README.md").exists():
-        from bench_throughput import agent_prompts, rewrite_prompts
-
-        return {"rewrites": rewrite_prompts(tok, DATA, 4, 700, 200), "agent": agent_prompts(tok, DATA, 4, 700, 150)}
-    import json
-
-    rows = [json.loads(x) for x in (ROOT / "tests" / "fixtures" / "file_rewrites_sample.jsonl").read_text().splitlines()]
-    return {"rewrites": [tok.encode(r["messages"]) for r in rows[:8]]}
+    return {"rewrites": rewrite_prompts(tok, DATA, 4, 700, 200), "agent": agent_prompts(tok, DATA, 4, 700, 150)}
 
 
 def gen(engine, ids, *, max_tokens=MAX_TOKENS, temperature=0.0, seed=None, **policy):
