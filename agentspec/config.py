@@ -98,6 +98,13 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     metrics_max_tenants: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 32
     # the model id clients pass; default: the checkpoint's file or folder name
     model_name: str | None = None
+    # memory for the embedded engine's prefix cache (prompt KV reused by requests sharing a
+    # prefix: agent loops); None: min(25% of RAM, 4 GiB); 0: off; less than one full-context
+    # prompt's KV refuses to start
+    prefix_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    # one prefix cache for every tenant (shared system prompts); default one per tenant, so a
+    # tenant's timing cannot probe another's prompts
+    prefix_cache_shared: bool = False
 
 
 class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

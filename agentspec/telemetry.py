@@ -78,6 +78,7 @@ class AcceptanceRecord(msgspec.Struct, kw_only=True):
     session: str | None = None
     model: str = ""
     prompt_tokens: int = 0
+    cached_tokens: int = 0         # prompt tokens served from the prefix cache (not prefilled)
     completion_tokens: int = 0
     ttft_ms: float = 0.0           # time to first token
     e2e_ms: float = 0.0            # request arrival to last token
@@ -141,6 +142,7 @@ def record_from_stats(stats: GenerationStats, **fields: Any) -> AcceptanceRecord
         drafts = sum(stats.draft_sources.values())
     derived: dict[str, Any] = dict(
         prompt_tokens=stats.prompt_tokens,
+        cached_tokens=getattr(stats, "cached_tokens", 0),
         completion_tokens=stats.completion_tokens,
         ttft_ms=stats.prefill_seconds * 1e3,
         e2e_ms=stats.seconds * 1e3,

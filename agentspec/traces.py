@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["load_records", "prompt_messages"]
+__all__ = ["conversation_turns", "load_records", "prompt_messages"]
 
 _ROLE = re.compile(r"<\|(system|user|assistant|tool)\|>\n")
 
@@ -31,6 +31,18 @@ def prompt_messages(prompt: str) -> list[dict[str, str]]:
     if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
         messages.pop()
     return messages
+
+
+def conversation_turns(messages: list[dict[str, str]]) -> list[list[dict[str, str]]]:
+    """The prompts of an agent loop's successive turns: ``messages`` up to and including each
+    user (or tool) message that an assistant message answers or that ends the list. Each turn's
+    prompt extends the one before (what a prefix cache reuses)."""
+    turns = []
+    for i, m in enumerate(messages):
+        nxt = messages[i + 1]["role"] if i + 1 < len(messages) else "assistant"
+        if m["role"] in ("user", "tool") and nxt == "assistant":
+            turns.append(messages[:i + 1])
+    return turns
 
 
 def load_records(path: str | Path, *, limit: int | None = None) -> Iterator[dict]:

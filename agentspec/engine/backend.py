@@ -281,6 +281,10 @@ class EmbeddedBackend:
             "running": self._batch.num_running, "waiting": self._batch.num_waiting,
             "scheduler": "foreground" if self._foreground else "background" if self._thread is not None else "idle",
         }
+        pc = getattr(e, "prefix_cache", None)
+        if pc is not None:
+            out["prefix_cache"] = {**pc.stats.to_dict(), "bytes": pc.bytes, "capacity_bytes": pc.capacity_bytes,
+                                   "chunks": len(pc), "chunk_tokens": pc.chunk_tokens, "shared": pc.shared}
         for key, name in (("hardware", "hardware_summary"), ("kernels", "kernel_info")):
             fn = getattr(e, name, None)
             if callable(fn):

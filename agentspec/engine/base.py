@@ -38,6 +38,7 @@ class GenerationStats(msgspec.Struct, kw_only=True):
     source_steps: dict[str, int] = {}    # steps whose verified draft had nodes from the source
     source_drafted: dict[str, int] = {}  # draft tokens proposed and verified
     source_accepted: dict[str, int] = {}  # draft tokens that passed verification (same keys)
+    cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache (not prefilled)
     prefill_seconds: float = 0.0   # time to first token
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0     # time inside the drafter (propose + extend)

@@ -19,7 +19,7 @@ import torch
 
 from ..config import SpecConfig, check_drafters
 from ..drafting import Drafter, default_drafter
-from ..errors import ContextLengthError, InvalidRequestError
+from ..errors import ConfigError, ContextLengthError, InvalidRequestError
 from ..kernels import cpu_attention, cpu_linear
 from ..kernels import cpu_isa as _cpu_isa
 from ..kernels.tree import tree_mask
@@ -27,6 +27,7 @@ from ..text import check_stop, stop_index  # noqa: F401 - stop_index re-exported
 from ..verify import sample  # noqa: F401 - re-exported for older imports
 from .base import DEFAULT_SPEC, Engine, Generation
 from .model import KVCache, Transformer, round_up
+from .prefix_cache import CHUNK_TOKENS, PrefixCache
 from .step import Decoder, run_single, spec_decision  # noqa: F401 - spec_decision re-exported
 from .threads import ThreadGovernor
 from .tokenizer import Tokenizer
@@ -78,6 +79,11 @@ class EmbeddedEngine(Engine):
       quiet: no progress or log lines on stderr.
       eagle3: an EAGLE-3 head directory (SGLang layout) for the ``"eagle3"`` drafter; default
         ``$AGENTSPEC_EAGLE3``, else the head shipped for the bundled model.
+      prefix_cache_bytes: memory for the prefix cache (``agentspec.engine.prefix_cache``): prompt
+        KV that later requests sharing a prefix reuse; None (default): min(25% of RAM, 4 GiB);
+        0: off. Less than one full-context prompt's KV raises ConfigError.
+      prefix_cache_shared: one prefix cache for every tenant (default False: one per tenant, so
+        a tenant's timing cannot probe another's prompts).
       eagle3_gate: whether the head's per-request break-even gate runs (default True, or
         ``$AGENTSPEC_EAGLE3_GATE=0``: off, the head drafts whenever it is asked: a machine where
         it is known to pay, or a test that needs it to draft).
@@ -101,6 +107,8 @@ class EmbeddedEngine(Engine):
         cpu_isa: str | None = None,
         eagle3: str | os.PathLike | None = None,
         eagle3_gate: bool | None = None,
+        prefix_cache_bytes: int | None = None,
+        prefix_cache_shared: bool = False,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -157,6 +165,8 @@ class EmbeddedEngine(Engine):
         self.max_context = min(max_context or min(ckpt.args.max_seq_len, 8192), ckpt.args.max_seq_len)
         self.deterministic = deterministic
         self.deterministic_width = deterministic_width
+        self.prefix_cache: PrefixCache | None = None
+        self.configure_prefix_cache(prefix_cache_bytes, shared=prefix_cache_shared)   # ConfigError: before warm-up
         if drafter is not None and workspace is not None:
             raise InvalidRequestError("pass either drafter or workspace, not both", param="workspace")
         self.workspace = workspace
@@ -174,6 +184,37 @@ class EmbeddedEngine(Engine):
             print(f"[agentspec] model ready: {n / 1e6:.0f}M parameters, {str(dtype).removeprefix('torch.')} "
                   f"on {self.device} ({self.hardware_summary()}), context {self.max_context}, row cost {self.row_cost:.3f}{self._row_cost_note} ({self.load_seconds:.1f}s)",
                   file=sys.stderr, flush=True)
+
+    @property
+    def prefix_cache_dtype(self) -> torch.dtype:
+        """The dtype the prefix cache stores KV in: the model's when it is narrower than the KV
+        cache's (prompt KV is computed in the model's dtype, so the round trip is exact)."""
+        if self.dtype.itemsize < self.kv_dtype.itemsize:
+            return self.dtype
+        return self.kv_dtype
+
+    def prefix_cache_chunk_bytes(self) -> int:
+        """Bytes one prefix-cache chunk (``CHUNK_TOKENS`` tokens' keys and values) takes."""
+        a = self.args
+        return 2 * a.n_layers * a.n_kv_heads * CHUNK_TOKENS * a.head_dim * self.prefix_cache_dtype.itemsize
+
+    def configure_prefix_cache(self, capacity_bytes: int | None = None, *, shared: bool = False) -> None:
+        """(Re)build the prefix cache, empty: ``capacity_bytes`` None sizes it to the machine
+        (min(25% of RAM, 4 GiB)), 0 turns it off. A budget smaller than one full-context
+        prompt's chunks raises ConfigError."""
+        need = (self.max_context // CHUNK_TOKENS) * self.prefix_cache_chunk_bytes()
+        if capacity_bytes is None:
+            capacity_bytes = min(_ram_bytes() // 4, 4 << 30)
+            if capacity_bytes < need:  # a small machine: no cache rather than a useless one
+                capacity_bytes = 0
+        elif isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ConfigError(f"prefix_cache_bytes must be an integer >= 0, got {capacity_bytes!r}")
+        elif 0 < capacity_bytes < need:
+            raise ConfigError(
+                f"prefix_cache_bytes={capacity_bytes} is smaller than one request: a {self.max_context}-token "
+                f"prompt's KV takes {need} bytes ({need / 2**20:.0f} MiB); give at least that, or 0 to turn "
+                f"the prefix cache off")
+        self.prefix_cache = PrefixCache(capacity_bytes, shared=shared) if capacity_bytes else None
 
     def hardware_summary(self) -> str:
         """One line: CPU, threads, decode kernels and prefill GEMM dtype (the "model ready" line)."""
@@ -431,6 +472,23 @@ class EmbeddedEngine(Engine):
             self._cache = None
             self._cache = self.new_cache(max(cap, need))
         return self._cache
+
+
+def _ram_bytes() -> int:
+    """Physical memory (the cgroup's limit when lower)."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 8 << 30
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            ram = min(ram, int(limit))
+    return ram
 
 
 def _dtype(value, name: str) -> torch.dtype:

@@ -93,6 +93,20 @@ class KVCache(nn.Module):
     def reset(self) -> None:
         self.length = 0
 
+    def read(self, start: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values of slots ``[start, end)``, every layer, in ``dtype``:
+        ``[n_layers, n_kv_heads, end - start, head_dim]`` each (a prefix cache's chunk)."""
+        return (self.k[:, :, start:end].to(dtype, copy=True).contiguous(),
+                self.v[:, :, start:end].to(dtype, copy=True).contiguous())
+
+    def load(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values ``[n_layers, n_kv_heads, T, head_dim]`` (a ``read`` copy) into slots
+        ``[start, start + T)``, packed copies included; commits nothing."""
+        end = start + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.sync(range(start, end))
+
     def commit(self, keep: list[int]) -> None:
         """Commit the uncommitted slots ``length + keep[i]`` (ascending) as the next tokens."""
         n = len(keep)
@@ -178,18 +192,25 @@ class Block(nn.Module):
         k = apply_rope(k.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1), cos, sin)
         return q, k, v.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1)
 
-    def forward(self, x, layer: int, cache: KVCache, start: int, cos, sin, mask, causal: bool, key_len: int):
-        # x: [T, dim]; cos/sin: [T, head_dim]; mask: [T, start + T] bool, or None with `causal`
+    def forward(self, x, layer: int, cache: KVCache, start: int, cos, sin, mask, causal: bool, key_len: int,
+                chunk: bool = False):
+        # x: [T, dim]; cos/sin: [T, head_dim]; mask: [T, start + T] bool, or None with `causal`;
+        # chunk: a prompt chunk after a prefix (T > SMALL_T rows, ``mask`` the plain causal one)
         T = x.shape[0]
-        rows = not causal and T <= SMALL_T  # decode / verify rows, not a prefill
+        rows = not causal and not chunk and T <= SMALL_T  # decode / verify rows, not a prefill
         q, k, v = self._qkv(x, cos, sin, rows)
         cache.write(layer, start, k, v)
-        if causal and q.dtype == torch.bfloat16 and not self.gemm_f32:
-            # prefill from an empty cache in bf16: blockwise causal attention skips the masked
-            # half and runs ~2x faster than SDPA's CPU flash kernel. Plain and speculative
-            # decoding share the prefill, so this cannot break their identity.
-            o = prefill_attention(q, k, v)
-        elif causal or T > SMALL_T:
+        if (causal or chunk) and q.dtype == torch.bfloat16 and not self.gemm_f32:
+            # prefill in bf16: blockwise causal attention skips the masked half and runs ~2x
+            # faster than SDPA's CPU flash kernel. Plain and speculative decoding share the
+            # prefill, so this cannot break their identity. A later chunk reads the prefix's keys
+            # back from the cache (float32 copies of bf16 values: the cast back is exact).
+            if causal:
+                o = prefill_attention(q, k, v)
+            else:
+                o = prefill_attention(q, cache.k[layer, :, :start + T].to(q.dtype),
+                                      cache.v[layer, :, :start + T].to(q.dtype), start=start)
+        elif causal or chunk or T > SMALL_T:
             qa = q.to(cache.k.dtype)  # attention runs in the cache's dtype (float32 by default)
             keys = cache.k[layer, :, :key_len]               # [Hkv, L, D]
             values = cache.v[layer, :, :key_len]
@@ -255,12 +276,14 @@ class Block(nn.Module):
 PREFILL_BLOCK = 128
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention over a whole prompt, blockwise: each block of PREFILL_BLOCK queries
-    attends to the keys up to its end only. q: [H, T, D]; k, v: [Hkv, T, D]; GQA groups are
-    folded into the query rows. Scores come out of the matmul in q's dtype (as SDPA's math
-    path would round them); the softmax accumulates in float32 and writes q's dtype, one pass
-    (no float32 copy of the scores)."""
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int = 0) -> torch.Tensor:
+    """Causal attention over a prompt (or a chunk of one), blockwise: each block of PREFILL_BLOCK
+    queries attends to the keys up to its end only. q: [H, T, D], the tokens at positions
+    ``[start, start + T)``; k, v: [Hkv, start + T, D], every key from position 0; GQA groups are
+    folded into the query rows. Blocks are aligned to absolute positions (multiples of
+    PREFILL_BLOCK), so a block's matmuls have the same shapes whichever chunk it sits in. Scores
+    come out of the matmul in q's dtype (as SDPA's math path would round them); the softmax
+    accumulates in float32 and writes q's dtype, one pass (no float32 copy of the scores)."""
     H, T, D = q.shape
     Hkv = k.shape[0]
     G = H // Hkv
@@ -268,14 +291,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     out = torch.empty(Hkv, G, T, D, dtype=q.dtype, device=q.device)
     B = PREFILL_BLOCK
     future = torch.ones(B, B, dtype=torch.bool, device=q.device).triu_(1)
-    for s in range(0, T, B):
-        e = min(s + B, T)
+    s = start
+    while s < start + T:
+        e = min((s // B + 1) * B, start + T)   # absolute positions [s, e)
         b = e - s
-        qb = qg[:, :, s:e].reshape(Hkv, G * b, D)
+        qb = qg[:, :, s - start:e - start].reshape(Hkv, G * b, D)
         scores = torch.bmm(qb, k[:, :e].transpose(1, 2)).view(Hkv, G, b, e)
         scores[..., s:e].masked_fill_(future[:b, :b], float("-inf"))
         p = torch.softmax(scores, dim=-1).view(Hkv, G * b, e)
-        out[:, :, s:e] = torch.bmm(p, v[:, :e]).view(Hkv, G, b, D)
+        out[:, :, s - start:e - start] = torch.bmm(p, v[:, :e]).view(Hkv, G, b, D)
+        s = e
     return out.view(H, T, D)
 
 
@@ -412,11 +437,17 @@ class Transformer(nn.Module):
         logits_rows: torch.Tensor | slice | None = None,  # which rows need logits (None: all)
         key_len: int | None = None,  # attend over cache slots [0, key_len) (default: start + T)
         hidden_layers: Sequence[int] = (),  # also return these layers' outputs (see below)
+        prefill: bool = False,     # prompt tokens (causal, ``mask`` None): the prefill kernels at any T
     ) -> torch.Tensor | tuple[torch.Tensor, dict[int, torch.Tensor]]:  # [rows, vocab] float32
         """Logits of ``logits_rows``. With ``hidden_layers`` (layer indices), returns
         ``(logits, {layer: [T, dim]})``: each named layer's output (the residual stream after the
         layer) for every row, as a draft head such as EAGLE-3 reads them. Nothing is kept or
-        copied when none is asked for."""
+        copied when none is asked for.
+
+        ``prefill``: the rows are a chunk of a prompt after ``cache.length`` prompt tokens
+        (``Decoder.prefill``'s canonical chunks): torch's GEMM and ``prefill_attention``
+        whatever the chunk's length, as for the first chunk; without it a short chunk after a
+        prefix would take the decode kernels."""
         start = cache.length
         if start + tokens.shape[0] > cache.capacity:
             raise RuntimeError(f"KV cache overflow: {start} + {tokens.shape[0]} > {cache.capacity}")
@@ -426,14 +457,18 @@ class Transformer(nn.Module):
         sin = self.rope_sin[positions].to(dtype)
         T = tokens.shape[0]
         causal = False
-        if mask is None and T > 1:
+        chunk = False  # a prompt chunk after a prefix (``Decoder.prefill``'s canonical chunks)
+        if mask is None and start > 0 and (prefill or T > SMALL_T):
+            mask = causal_mask(start, T, tokens.device)
+            chunk = True
+        elif mask is None and T > 1:
             if start == 0:
                 causal = True  # prefill from an empty cache: SDPA's own causal path
             else:
                 mask = causal_mask(start, T, tokens.device)
         key_len = start + T if key_len is None else key_len
         a = self.args
-        fused = (not causal and T <= SMALL_T
+        fused = (not causal and not chunk and T <= SMALL_T
                  and cpu_attention.fused_supported(cache, dtype, a.n_heads, a.n_kv_heads))
         want = _check_layers(hidden_layers, len(self.layers))
         hidden: dict[int, torch.Tensor] = {}
@@ -443,7 +478,7 @@ class Transformer(nn.Module):
             x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_native(x, i, attn))
         else:
             x = self._layers(x, want, hidden,
-                             lambda layer, x, i: layer(x, i, cache, start, cos, sin, mask, causal, key_len))
+                             lambda layer, x, i: layer(x, i, cache, start, cos, sin, mask, causal, key_len, chunk))
             cache.sync(range(start, start + T))
         if logits_rows is not None:
             x = x[logits_rows]

@@ -37,6 +37,7 @@ from ..text import stop_index
 from ..verify import greedy_verify, seeded_target
 from .base import Generation, GenerationStats
 from .model import SMALL_T, KVCache, Segment
+from .prefix_cache import CHUNK_TOKENS
 
 __all__ = ["MAX_STEP_ROWS", "Decoder", "SeqState", "run_single", "spec_decision"]
 
@@ -154,12 +155,37 @@ class Decoder:
         self.engine.governor.update()
         ids, dev = seq.ids, self.device
         layers = self._layers([seq])
-        out = self.model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), seq.cache,
-                         logits_rows=slice(-1, None), hidden_layers=layers)
-        logits, hidden = out if layers else (out, None)
-        seq.cache.commit(list(range(len(ids))))
-        if hidden is not None:
-            self._observe(seq, ids, hidden, None)
+        pc = self.engine.prefix_cache
+        C = CHUNK_TOKENS
+        start = 0
+        if pc is not None and not layers:  # (a draft head reads every prompt row's hidden states)
+            # a hit stops short of the last token: its row gives the first token
+            hit = pc.lookup(seq.tenant, ids, max_chunks=(len(ids) - 1) // C)
+            try:
+                for j, (k, v) in enumerate(hit.payloads):
+                    seq.cache.load(j * C, k, v)
+            finally:
+                pc.release(hit)
+            start = hit.tokens
+            seq.cache.commit(list(range(start)))
+            pc.stats.observe_lookup(start, len(ids) - start)
+        seq.stats.cached_tokens = start
+        tokens = torch.tensor(ids, device=dev)
+        hiddens: list[dict] = []
+        # the canonical prefill: chunks at absolute multiples of C (prefix_cache.py, "Exactness")
+        for a in range(start, len(ids), C):
+            b = min(a + C, len(ids))
+            out = self.model(tokens[a:b], torch.arange(a, b, device=dev), seq.cache, logits_rows=slice(-1, None),
+                             hidden_layers=layers, prefill=True)
+            logits, hidden = out if layers else (out, None)
+            seq.cache.commit(list(range(b - a)))
+            if hidden is not None:
+                hiddens.append(hidden)
+        if hiddens:
+            self._observe(seq, ids, {i: torch.cat([h[i] for h in hiddens]) for i in hiddens[0]}, None)
+        if pc is not None and len(ids) // C > start // C:
+            store = self.engine.prefix_cache_dtype
+            pc.insert(seq.tenant, ids, len(ids) // C, lambda j: _chunk(seq.cache, j * C, (j + 1) * C, store))
         first = self._target(seq, logits[0], len(ids))
         seq.stats.prefill_seconds = time.perf_counter() - seq.t_start
         return [first]
@@ -389,6 +415,12 @@ class Decoder:
                                               target, offsets)
         paths, n, bonus = paths.tolist(), n.tolist(), bonus.tolist()
         return {id(s): (paths[b][:n[b]], bonus[b]) for b, (s, _, _) in enumerate(group)}
+
+
+def _chunk(cache: KVCache, start: int, end: int, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+    """A prefix-cache payload: slots ``[start, end)`` of ``cache`` as (k, v) in ``dtype``, and its bytes."""
+    k, v = cache.read(start, end, dtype)
+    return (k, v), k.nbytes + v.nbytes
 
 
 class _LazyTargets:

@@ -73,9 +73,10 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
     opts = dict(engine_options or {})
     if opts.get("deterministic"):
         raise ConfigError("the server batches requests, which the deterministic mode does not support")
-    if engine is None:
-        engine = Engine.embedded(quiet=quiet, **opts)
     cfg = config.server
+    if engine is None:   # (an engine passed in keeps the prefix cache its caller gave it)
+        engine = Engine.embedded(quiet=quiet, prefix_cache_bytes=cfg.prefix_cache_bytes,
+                                 prefix_cache_shared=cfg.prefix_cache_shared, **opts)
     router = Router(config.routes)
     # every speculating route's drafters, built now: a draft head ("eagle3") that is missing or
     # does not fit the model stops the start with a ConfigError naming the route and the problem,

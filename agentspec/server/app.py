@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from starlette.applications import Starlette
@@ -35,6 +35,9 @@ from ..routing import Route, Router
 from ..text import TextStream
 from .protocol import APIError, ApplyRequest, ChatCompletionRequest, CompletionRequest, decode_body
 from .worker import Job
+
+if TYPE_CHECKING:
+    from ..engine.base import GenerationStats
 
 __all__ = ["ServerState", "Tenant", "create_app"]
 
@@ -276,9 +279,11 @@ def spec_info(call: Call, stats) -> dict:
     }
 
 
-def usage(call: Call, completion_ids: Sequence[int]) -> dict:
+def usage(call: Call, completion_ids: Sequence[int], stats: GenerationStats | None = None) -> dict:
     u: dict[str, Any] = {"prompt_tokens": len(call.ids), "completion_tokens": len(completion_ids),
-                         "total_tokens": len(call.ids) + len(completion_ids)}
+                         "total_tokens": len(call.ids) + len(completion_ids),
+                         # prompt tokens whose KV the prefix cache served (OpenAI's field)
+                         "prompt_tokens_details": {"cached_tokens": getattr(stats, "cached_tokens", 0)}}
     if call.prediction is not None:
         acc, rej = prediction_usage(call.prediction, completion_ids)
         u["completion_tokens_details"] = {"accepted_prediction_tokens": acc, "rejected_prediction_tokens": rej}
@@ -327,7 +332,7 @@ def _final_chunks(call: Call, gen, head: dict, choice: dict):
     if not call.include_usage:
         return [last]
     last["usage"] = None
-    return [last, {**head, "choices": [], "usage": usage(call, gen.token_ids)}]
+    return [last, {**head, "choices": [], "usage": usage(call, gen.token_ids, gen.stats)}]
 
 
 def _sse(obj: Any) -> bytes:
@@ -402,7 +407,7 @@ async def chat_completions(request: Request) -> Response:
         body = {**base, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
                              "logprobs": None, "finish_reason": _finish_reason(gen.finish_reason)}],
-                "usage": usage(call, gen.token_ids)}
+                "usage": usage(call, gen.token_ids, gen.stats)}
         if call.want_stats:
             body["spec"] = spec_info(call, gen.stats)
         return Response(_json.encode(body), media_type="application/json")
@@ -459,7 +464,7 @@ async def completions(request: Request) -> Response:
         gen = await _collect(request, job)
         body = {**base, "choices": [{"index": 0, "text": gen.text, "logprobs": None,
                                      "finish_reason": _finish_reason(gen.finish_reason)}],
-                "usage": usage(call, gen.token_ids)}
+                "usage": usage(call, gen.token_ids, gen.stats)}
         if call.want_stats:
             body["spec"] = spec_info(call, gen.stats)
         return Response(_json.encode(body), media_type="application/json")
@@ -517,7 +522,7 @@ async def apply(request: Request) -> Response:
         gen = await _collect(request, job)
         return Response(_json.encode({**base, "merged_code": plan.finish(gen.text),
                                       "finish_reason": _finish_reason(gen.finish_reason),
-                                      "usage": usage(call, gen.token_ids), "spec": spec_info(call, gen.stats)}),
+                                      "usage": usage(call, gen.token_ids, gen.stats), "spec": spec_info(call, gen.stats)}),
                         media_type="application/json")
 
     def chunk(delta: str) -> dict:
@@ -525,7 +530,7 @@ async def apply(request: Request) -> Response:
 
     def final(gen, tail: str):
         yield {**base, "object": "apply.chunk", "delta": tail, "merged_code": plan.finish(gen.text),
-               "finish_reason": _finish_reason(gen.finish_reason), "usage": usage(call, gen.token_ids),
+               "finish_reason": _finish_reason(gen.finish_reason), "usage": usage(call, gen.token_ids, gen.stats),
                "spec": spec_info(call, gen.stats)}
 
     return StreamingResponse(_stream_events(job, call, state.backend.tokenizer, chunk, final),

@@ -212,6 +212,9 @@ def test_apply_code_path_and_morph_style_messages(server, workspaces, engine):
     # the deltas are the model's raw text (fences and all), exactly; merged_code comes at the end
     assert "".join(e["delta"] for e in events) == plain.text
     assert events[-1]["merged_code"] == body["merged_code"]
+    # the same usage, but for the prompt tokens the prefix cache served the second time
+    cached = events[-1]["usage"].pop("prompt_tokens_details")["cached_tokens"]
+    assert cached >= body["usage"].pop("prompt_tokens_details")["cached_tokens"]
     assert events[-1]["usage"] == body["usage"] and events[-1]["finish_reason"] == body["finish_reason"]
     assert all("merged_code" not in e for e in events[:-1])
     # outside the workspace: 403; another tenant's workspace is outside too
