@@ -16,6 +16,7 @@ from .errors import AgentSpecError, ConfigError, ContextLengthError, InvalidRequ
 
 if TYPE_CHECKING:
     from .config import SpecConfig
+    from .sdk import AsyncClient, Client
     from .drafting import Draft, Drafter, PromptLookupDrafter, SuffixDrafter, default_drafter
     from .engine import Engine, Generation, GenerationStats
     from .workspace import Workspace
@@ -24,6 +25,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AgentSpecError",
+    "AsyncClient",
+    "Client",
     "ConfigError",
     "ContextLengthError",
     "Draft",
@@ -55,6 +58,8 @@ _LAZY = {
     "Generation": ".engine",
     "GenerationStats": ".engine",
     "Workspace": ".workspace",
+    "Client": ".sdk",            # the SDK (httpx; torch only once it runs the engine in-process)
+    "AsyncClient": ".sdk",
 }
 
 

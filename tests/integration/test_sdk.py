@@ -1,0 +1,193 @@
+"""The SDK against a real `agentspec serve` process and in-process (the embedded engine in this
+process): the same calls, the same result types and fields, the same exceptions. The real
+bundled model; one server and one in-process engine for the module."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+from serve_helper import Server  # tests/integration/serve_helper.py
+
+import agentspec
+from agentspec.sdk import (
+    ApplyResult,
+    AsyncClient,
+    BadRequestError,
+    ChatResult,
+    Client,
+    CompletionResult,
+    NotFoundError,
+    PermissionDeniedError,
+)
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+CODE = '''def add(a, b):
+    return a + b
+
+
+def sub(a, b):
+    return a - b
+'''
+PROMPT = "Name one prime number."
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sdk_repo")
+    (root / "calc.py").write_text(CODE)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(repo, tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("sdk_server"), config=None, repo=repo, name="sdk")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def clients(server, repo):
+    remote = Client(server.base + "/v1", max_retries=0, timeout=120)
+    local = Client(repo=repo)
+    local.chat("hi", max_tokens=1, temperature=0)   # load the engine, start its scheduler thread (module-owned)
+    yield {"server": remote, "inproc": local}
+    remote.close()
+    local.close()
+
+
+@pytest.fixture(params=["server", "inproc"])
+def client(request, clients) -> Client:
+    return clients[request.param]
+
+
+def fields(result) -> dict:
+    """A result's fields and their types, values aside."""
+    return {k: type(v).__name__ for k, v in msgspec.structs.asdict(result).items()
+            if k not in ("usage", "spec")} | {"usage": sorted(msgspec.structs.asdict(result.usage)),
+                                              "spec": sorted(msgspec.structs.asdict(result.spec))}
+
+
+def test_both_modes_return_the_same_greedy_text_and_the_same_shape(clients):
+    out = {mode: c.chat(PROMPT, max_tokens=12, temperature=0) for mode, c in clients.items()}
+    a, b = out["server"], out["inproc"]
+    assert isinstance(a, ChatResult) and isinstance(b, ChatResult)
+    assert a.text == b.text and a.text and a.model == b.model == MODEL
+    assert a.usage == b.usage and a.usage.completion_tokens == 12 and a.finish_reason == "length"
+    assert fields(a) == fields(b)
+    for r in (a, b):
+        assert r.spec.enabled and r.spec.steps > 0 and r.spec.mean_acceptance_length >= 1.0
+        assert r.spec.tokens_per_second > 0 and r.latency_ms > 0 and r.id.startswith("chatcmpl-")
+
+
+def test_stream_matches_the_plain_call(client):
+    plain = client.chat(PROMPT, max_tokens=12, temperature=0, speculation=False)
+    with client.chat(PROMPT, max_tokens=12, temperature=0, stream=True) as s:
+        parts = list(s)
+    r = s.result
+    assert "".join(parts) == r.text == plain.text and len(parts) > 1
+    assert 0 < r.ttft_ms <= r.latency_ms and r.usage.completion_tokens == 12 and r.spec.steps > 0
+    assert not plain.spec.enabled and "speculation = false" in plain.spec.reason
+
+
+def test_complete_with_text_and_token_ids(client):
+    r = client.complete("def fibonacci(n):", max_tokens=8, temperature=0)
+    assert isinstance(r, CompletionResult) and r.usage.completion_tokens == 8 and r.text
+    s = client.complete([1, 9690, 198], max_tokens=4, temperature=0, stream=True)
+    assert s.final().usage.prompt_tokens == 3
+
+
+def test_apply_code_and_workspace_path(client):
+    r = client.apply(code=CODE, instruction="Rename sub to subtract.", temperature=0, max_tokens=48)
+    assert isinstance(r, ApplyResult) and r.merged_code and r.spec.draft_tokens > 0
+    assert r.usage.accepted_prediction_tokens is not None
+    p = client.apply(path="calc.py", instruction="Rename sub to subtract.", max_tokens=48, stream=True).final()
+    assert p.path == "calc.py" and p.merged_code and p.ttft_ms > 0 and p.usage.completion_tokens <= 48
+    with pytest.raises(PermissionDeniedError) as e:
+        client.apply(path="../outside.py", instruction="x")
+    assert e.value.status == 403 and e.value.code == "path_outside_workspace"
+    with pytest.raises(NotFoundError):
+        client.apply(path="missing.py", instruction="x")
+
+
+def test_rewrite_writes_atomically_and_returns_a_diff(client, tmp_path):
+    f = tmp_path / "calc.py"
+    f.write_text(CODE)
+    r = client.rewrite(f, "Rename sub to subtract.", write=True, max_tokens=64)
+    assert r.written == (r.diff != "" and r.result.finish_reason == "stop")
+    assert f.read_text() == (r.merged_code if r.written else CODE)
+    if r.diff:
+        assert r.diff.startswith("--- a/calc.py\n+++ b/calc.py\n")
+
+
+def test_session_keeps_the_conversation_and_its_id(client):
+    with client.session(system="You answer in one short sentence.", temperature=0, max_tokens=8) as s:
+        a = s.chat("What is 2 + 2?")
+        s.add("user", "Observation: the command printed 4.")
+        b = s.chat("And 3 + 3?", stream=True).final()
+    assert a.session_id == b.session_id == s.id
+    assert [m["role"] for m in s.messages] == ["system", "user", "assistant", "user", "user", "assistant"]
+    assert s.messages[-1]["content"] == b.text and b.usage.prompt_tokens > a.usage.prompt_tokens
+
+
+def test_bad_input_raises_the_same_exceptions(client):
+    with pytest.raises(BadRequestError) as e:
+        client.chat("hi " * 9000, max_tokens=4)
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded" and "8192" in str(e.value)
+    with client.session() as s:
+        s.chat("hi", max_tokens=1, temperature=0)
+        before = list(s.messages)
+        with pytest.raises(BadRequestError, match="context window of 8192"):
+            s.chat("hi " * 9000, max_tokens=4)
+        assert s.messages == before
+    with pytest.raises(BadRequestError) as e:
+        client.chat("hi", max_tokens=0)
+    assert e.value.param == "max_tokens"
+    with pytest.raises(NotFoundError) as e:
+        client.chat("hi", model="gpt-4")
+    assert e.value.code == "model_not_found"
+    with pytest.raises(BadRequestError, match="tools"):
+        client.chat("hi", extra_body={"tools": []})
+    assert client.models()[0]["id"] == MODEL and client.health()["status"] == "ok"
+
+
+@pytest.mark.parametrize("mode", ["server", "inproc"])
+def test_async_client(mode, server, clients):
+    engine = clients["inproc"]._transport._state.backend.engine
+    expected = clients["server"].chat(PROMPT, max_tokens=8, temperature=0).text
+
+    async def main():
+        kw = {"engine": engine} if mode == "inproc" else {}
+        async with AsyncClient(server.base if mode == "server" else None, max_retries=0, **kw) as c:
+            r = await c.chat(PROMPT, max_tokens=8, temperature=0)
+            s = await c.chat(PROMPT, max_tokens=8, temperature=0, stream=True)
+            parts = [d async for d in s]
+            async with c.session(temperature=0, max_tokens=4) as sess:
+                await sess.chat("Hi")
+            with pytest.raises(BadRequestError):
+                await c.chat("hi", max_tokens=0)
+            return r, parts, s.result, sess
+
+    r, parts, final, sess = asyncio.run(main())
+    assert r.text == final.text == "".join(parts) == expected and final.ttft_ms > 0
+    assert len(sess.messages) == 2
+
+
+def test_minisweagent_adapter_real_call(server):
+    from agentspec.sdk.minisweagent import AgentSpecModel
+
+    m = AgentSpecModel(base_url=server.base, model_kwargs={"temperature": 0, "max_tokens": 8})
+    try:
+        out = m.query([{"role": "system", "content": "Reply with one bash command.", "extra": {}},
+                       {"role": "user", "content": "List the files."}])
+    finally:
+        m.close()
+    assert isinstance(out["content"], str) and out["content"]
+    assert m.n_calls == 1 and m.cost == 0.0 and out["extra"]["response"]["usage"]["completion_tokens"] == 8
+
+
+def test_top_level_names():
+    assert agentspec.Client is Client and agentspec.AsyncClient is AsyncClient
