@@ -24,7 +24,7 @@ from .config import SpecConfig
 from .engine.base import Generation
 from .errors import ContextLengthError, InvalidRequestError, QueueFullError
 
-__all__ = ["Backend", "ContextLengthError", "GenerationRequest", "InvalidRequestError", "OnDone", "OnTokens",
+__all__ = ["Backend", "ContextLengthError", "check_float", "check_int", "check_messages", "GenerationRequest", "InvalidRequestError", "OnDone", "OnTokens",
            "QueueFullError", "TokenizerLike", "collect", "stream_via_submit"]
 
 OnTokens = Callable[[list[int]], None]
@@ -172,3 +172,44 @@ def collect(stream: Iterator[list[int]]) -> Generation:
             next(stream)
         except StopIteration as done:
             return done.value
+
+
+def check_messages(messages: Any) -> list[dict]:
+    """Chat messages checked (a non-empty list of ``{"role": str, "content": str, ...}``) and
+    copied to plain dicts; InvalidRequestError (param "messages") naming what is wrong."""
+    if isinstance(messages, (str, bytes, bytearray, Mapping)):
+        raise InvalidRequestError(f"messages must be a list of messages, got {type(messages).__name__}",
+                                  param="messages")
+    try:
+        items = list(messages)
+    except TypeError:
+        raise InvalidRequestError(f"messages must be a list of messages, got {type(messages).__name__}",
+                                  param="messages") from None
+    if not items:
+        raise InvalidRequestError("messages must not be empty", param="messages")
+    for i, m in enumerate(items):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InvalidRequestError(f"messages[{i}] needs string 'role' and 'content', got {m!r}",
+                                      param="messages")
+    return [dict(m) for m in items]
+
+
+def check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
+    """``value`` as an int in [lo, hi]; InvalidRequestError with ``param=name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
+    if lo is not None and value < lo:
+        raise InvalidRequestError(f"{name} must be >= {lo}, got {value}", param=name)
+    if hi is not None and value > hi:
+        raise InvalidRequestError(f"{name} must be <= {hi}, got {value}", param=name)
+    return value
+
+
+def check_float(name: str, value: Any, *, lo: float, hi: float) -> float:
+    """``value`` as a float in [lo, hi] (NaN refused); InvalidRequestError with ``param=name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
+    v = float(value)
+    if not (lo <= v <= hi):  # also rejects NaN
+        raise InvalidRequestError(f"{name} must be in [{lo}, {hi}], got {value!r}", param=name)
+    return v

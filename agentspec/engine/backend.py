@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..backend import GenerationRequest, OnDone, OnTokens, stream_via_submit
+from ..backend import GenerationRequest, OnDone, OnTokens, check_messages, stream_via_submit
 from ..errors import AgentSpecError, BackendClosedError, ConfigError, InvalidRequestError, QueueFullError
 
 __all__ = ["EmbeddedBackend", "model_name_for", "prediction_doc_id"]
@@ -111,23 +111,9 @@ class EmbeddedBackend:
         return self._batch
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        if isinstance(messages, (str, bytes, bytearray, Mapping)):
-            raise InvalidRequestError(f"messages must be a list of messages, got {type(messages).__name__}",
-                                      param="messages")
+        items = check_messages(messages)
         try:
-            items = list(messages)
-        except TypeError:
-            raise InvalidRequestError(f"messages must be a list of messages, got {type(messages).__name__}",
-                                      param="messages") from None
-        if not items:
-            raise InvalidRequestError("messages must not be empty", param="messages")
-        for i, m in enumerate(items):
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(
-                    m.get("content"), str):
-                raise InvalidRequestError(f"messages[{i}] needs string 'role' and 'content', got {m!r}",
-                                          param="messages")
-        try:
-            return self.engine.encode([dict(m) for m in items])
+            return self.engine.encode(items)
         except ValueError as e:  # InvalidRequestError, or the chat template's raise_exception
             raise InvalidRequestError(str(e), param="messages") from None
 

@@ -26,6 +26,7 @@ from ..kernels.tree import tree_mask
 from ..text import check_stop, stop_index  # noqa: F401 - stop_index re-exported for older imports
 from ..verify import sample  # noqa: F401 - re-exported for older imports
 from .base import DEFAULT_SPEC, Engine, Generation
+from ..backend import check_float as _check_float, check_int as _check_int
 from .model import KVCache, Transformer, round_up
 from .prefix_cache import CHUNK_TOKENS, PrefixCache
 from .step import Decoder, run_single, spec_decision  # noqa: F401 - spec_decision re-exported
@@ -505,20 +506,3 @@ def cpu_has_fast_bf16() -> bool:
     return _cpu_isa.has_bf16_instructions()
 
 
-def _check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
-    if lo is not None and value < lo:
-        raise InvalidRequestError(f"{name} must be >= {lo}, got {value}", param=name)
-    if hi is not None and value > hi:
-        raise InvalidRequestError(f"{name} must be <= {hi}, got {value}", param=name)
-    return value
-
-
-def _check_float(name: str, value: Any, *, lo: float, hi: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
-    v = float(value)
-    if not (lo <= v <= hi):  # also rejects NaN
-        raise InvalidRequestError(f"{name} must be in [{lo}, {hi}], got {value!r}", param=name)
-    return v

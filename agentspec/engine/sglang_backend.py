@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..backend import GenerationRequest, OnDone, OnTokens, stream_via_submit
+from ..backend import GenerationRequest, OnDone, OnTokens, check_float as _check_float, check_int as _check_int, check_messages, stream_via_submit
 from ..errors import (
     BackendClosedError,
     ConfigError,
@@ -292,23 +292,9 @@ class SGLangBackend:
         return None   # the draft index lives in SGLang's scheduler processes
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        if isinstance(messages, (str, bytes, bytearray, Mapping)):
-            raise InvalidRequestError(f"messages must be a list of messages, got {type(messages).__name__}",
-                                      param="messages")
+        items = check_messages(messages)
         try:
-            items = list(messages)
-        except TypeError:
-            raise InvalidRequestError(f"messages must be a list of messages, got {type(messages).__name__}",
-                                      param="messages") from None
-        if not items:
-            raise InvalidRequestError("messages must not be empty", param="messages")
-        for i, m in enumerate(items):
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(
-                    m.get("content"), str):
-                raise InvalidRequestError(f"messages[{i}] needs string 'role' and 'content', got {m!r}",
-                                          param="messages")
-        try:
-            return self._tokenizer.encode(self._tokenizer.apply_chat_template([dict(m) for m in items]))
+            return self._tokenizer.encode(self._tokenizer.apply_chat_template(items))
         except ValueError as e:  # the chat template's raise_exception
             raise InvalidRequestError(str(e), param="messages") from None
 
@@ -752,25 +738,6 @@ def _check_drafter_names(names: Sequence[str] | str) -> None:
         parse_drafters(key)
     except (ValueError, KeyError) as e:
         raise InvalidRequestError(str(e).strip("'\""), param="drafters") from None
-
-
-def _check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
-    if lo is not None and value < lo:
-        raise InvalidRequestError(f"{name} must be >= {lo}, got {value}", param=name)
-    if hi is not None and value > hi:
-        raise InvalidRequestError(f"{name} must be <= {hi}, got {value}", param=name)
-    return value
-
-
-def _check_float(name: str, value: Any, *, lo: float, hi: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
-    v = float(value)
-    if not (lo <= v <= hi):  # also rejects NaN
-        raise InvalidRequestError(f"{name} must be in [{lo}, {hi}], got {value!r}", param=name)
-    return v
 
 
 def _int(v: Any) -> int:
