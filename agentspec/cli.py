@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--log-dir", default="logs", help="folder holding <tenant>.jsonl logs (default: logs)")
     st.add_argument("--tenant", type=_tenant_name, help="only this tenant")
     st.add_argument("--since", type=_since, help="only records from then on: ISO date/time or 15m, 2h, 7d")
+    st.add_argument("--by", choices=["route", "session"], default="route",
+                    help="rows per (tenant, route) (default) or per (tenant, session): requests, prompt, "
+                         "cached and completion tokens, MAT, accepted/drafted, total e2e seconds")
     st.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
     st.add_argument("--plot", metavar="PNG", help="also draw acceptance by position and MAT by route to PNG")
     tr = sub.add_parser("train-eagle3", help="train an EAGLE-3 draft head for a target model (SGLang layout)")
@@ -310,27 +313,33 @@ def _since(text: str) -> float:
 def cmd_stats(args) -> int:
     from .telemetry import (
         ReadReport,
+        format_session_table,
         format_table,
         plot_summary,
         read_records,
         summarize,
+        summarize_sessions,
     )
 
+    by_session = getattr(args, "by", "route") == "session"
+    if by_session and args.plot:
+        raise SystemExit("agentspec stats: --plot draws routes; it does not go with --by session")
     report = ReadReport()
     try:
-        summary = summarize(read_records(args.log_dir, tenant=args.tenant, since=args.since, report=report))
+        records = read_records(args.log_dir, tenant=args.tenant, since=args.since, report=report)
+        summary = summarize_sessions(records) if by_session else summarize(records)
     except FileNotFoundError as e:
         raise SystemExit(f"agentspec stats: {e}") from None
     if args.plot:
         plot_summary(summary, args.plot)
     if args.json:
         print(json.dumps({"log_dir": args.log_dir, "since": args.since, "records": report.records,
-                          "skipped_lines": report.skipped, **summary}))
+                          "skipped_lines": report.skipped, **({"by": "session"} if by_session else {}), **summary}))
         return 0
     if not report.records:
         print(f"no records in {args.log_dir!r}" + (f" for tenant {args.tenant!r}" if args.tenant else ""))
     else:
-        print(format_table(summary))
+        print(format_session_table(summary) if by_session else format_table(summary))
     if report.skipped:
         print(f"skipped {report.skipped} unparseable line(s), first at {report.skipped_at[0]}", file=sys.stderr)
     if args.plot:

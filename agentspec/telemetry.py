@@ -55,6 +55,7 @@ __all__ = [
     "read_records",
     "record_from_stats",
     "summarize",
+    "summarize_sessions",
     "validate_tenant",
 ]
 
@@ -472,6 +473,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 class _Group:
     def __init__(self) -> None:
         self.requests = self.spec_on = self.completion_tokens = self.steps = 0
+        self.prompt_tokens = self.cached_tokens = 0
         self.draft_tokens = self.accepted_tokens = 0
         self.length_sum = 0.0  # sum over steps of acceptance length
         self.e2e_s = 0.0
@@ -485,6 +487,8 @@ class _Group:
         self.requests += 1
         self.spec_on += r.spec_enabled
         self.completion_tokens += r.completion_tokens
+        self.prompt_tokens += r.prompt_tokens
+        self.cached_tokens += r.cached_tokens
         self.steps += r.steps
         self.length_sum += r.mat * r.steps
         self.draft_tokens += r.draft_tokens
@@ -554,6 +558,38 @@ def summarize(records: Iterable[AcceptanceRecord]) -> dict[str, list[dict[str, A
         "tenants": [g.row(tenant=t) for t, g in sorted(tenants.items())],
         "by_route": [g.row(route=rt) for rt, g in sorted(by_route.items())],
     }
+
+
+def summarize_sessions(records: Iterable[AcceptanceRecord]) -> dict[str, list[dict[str, Any]]]:
+    """``{"sessions": [row per (tenant, session)]}`` (``agentspec stats --by session``); records
+    without a session are one row with session None. A row: tenant, session, requests,
+    prompt_tokens, cached_tokens, completion_tokens, mat, draft/accepted tokens, acceptance_rate
+    and e2e_s (total request time in seconds)."""
+    groups: dict[tuple[str, str | None], _Group] = {}
+    for r in records:
+        groups.setdefault((r.tenant, r.session), _Group()).add(r)
+    rows = []
+    for (tenant, session), g in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] is not None, kv[0][1] or "")):
+        row = g.row(tenant=tenant, session=session)
+        rows.append({k: row[k] for k in ("tenant", "session", "requests")}
+                    | {"prompt_tokens": g.prompt_tokens, "cached_tokens": g.cached_tokens,
+                       "completion_tokens": g.completion_tokens, "mat": row["mat"], "draft_tokens": g.draft_tokens,
+                       "accepted_tokens": g.accepted_tokens, "acceptance_rate": row["acceptance_rate"],
+                       "e2e_s": g.e2e_s})
+    return {"sessions": rows}
+
+
+_SESSION_COLUMNS = [  # the --by session table: header, key, format
+    ("tenant", "tenant", "{}"), ("session", "session", "{}"), ("requests", "requests", "{}"),
+    ("prompt", "prompt_tokens", "{}"), ("cached", "cached_tokens", "{}"), ("tokens", "completion_tokens", "{}"),
+    ("MAT", "mat", "{:.2f}"), ("accepted", "accepted_tokens", "{}"), ("drafted", "draft_tokens", "{}"),
+    ("accept", "acceptance_rate", "{:.1%}"), ("e2e s", "e2e_s", "{:.2f}"),
+]
+
+
+def format_session_table(summary: dict[str, list[dict[str, Any]]]) -> str:
+    """``summarize_sessions``' rows as a table, one per (tenant, session); ``-`` for no session."""
+    return "\n".join(_aligned(_SESSION_COLUMNS, summary["sessions"], 2))
 
 
 _COLUMNS = [  # header, key, format

@@ -1,8 +1,12 @@
 """The ASGI app: OpenAI-compatible completions, fast apply, tenants, routes, logs and metrics.
 
 Endpoints (DESIGN.md section 8):
-  GET  /health, /metrics, /v1/models, /v1/models/{id}
-  POST /v1/chat/completions, /v1/completions, /v1/apply
+  GET  /health, /metrics, /v1/models, /v1/models/{id}, /v1/sessions/{id}
+  POST /v1/chat/completions, /v1/completions, /v1/apply, /v1/sessions
+
+Sessions (``prompt_cache_key``, ``user`` or the explicit ``session``) belong to the tenant that
+first used them; the rules (403 for another tenant's, 404 for an unknown explicit one) are in
+``agentspec/server/sessions.py``.
 
 Every error is an OpenAI envelope ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
 status for bad input; a request that got as far as the engine leaves one record in its tenant's
@@ -33,7 +37,15 @@ from ..config import ServerConfig
 from ..errors import BackendClosedError, ContextLengthError, InvalidRequestError, QueueFullError
 from ..routing import Route, Router
 from ..text import TextStream
-from .protocol import APIError, ApplyRequest, ChatCompletionRequest, CompletionRequest, decode_body
+from .protocol import (
+    APIError,
+    ApplyRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SessionCreateRequest,
+    decode_body,
+)
+from .sessions import SessionForbiddenError, SessionNotFoundError, SessionRegistry
 from .worker import Job
 
 if TYPE_CHECKING:
@@ -64,6 +76,7 @@ class ServerState:
     model_id: str
     require_key: bool
     keys: dict[str, str] = field(default_factory=dict)   # api key -> tenant
+    sessions: SessionRegistry = field(default_factory=SessionRegistry)   # session id -> owning tenant
     started: float = field(default_factory=time.time)
 
 
@@ -370,17 +383,46 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # ---- endpoints ---------------------------------------------------------------------------------------
 
 async def _parse(request: Request, body_type):
-    """What every generation endpoint starts with: (state, arrival time, tenant, body, model id)."""
+    """What every generation endpoint starts with: (state, arrival time, tenant, body, model id,
+    session id or None). A session of another tenant is a 403 here, before anything runs."""
     state: ServerState = request.app.state.agentspec
     t0 = time.monotonic()
     tenant = _authenticate(state, request)
     req = decode_body(await _read_body(request, state.config.server.max_body_bytes), body_type)
     req.check_unsupported()
-    return state, t0, tenant, req, _check_model(state, req.model)
+    model = _check_model(state, req.model)
+    return state, t0, tenant, req, model, _session(state, tenant, req)
+
+
+def _session_error(e: Exception, param: str) -> APIError:
+    if isinstance(e, SessionNotFoundError):
+        return APIError(404, str(e), type="not_found_error", param=param, code="session_not_found")
+    if isinstance(e, SessionForbiddenError):
+        return APIError(403, str(e), type="permission_error", param=param, code="session_forbidden")
+    return APIError(400, str(e), param=param, code="invalid_value")
+
+
+def _session(state: ServerState, tenant: Tenant, req) -> str | None:
+    """The request's session id, checked against (or bound to) ``tenant``: an explicit ``session``
+    must exist; ``prompt_cache_key`` is bound at first use. ``user`` (OpenAI's end-user id: two
+    tenants may well both have a "user-1") names the session only when neither is given, and is
+    never bound: it groups the tenant's own records and cannot be refused for another tenant's."""
+    for param in ("session", "prompt_cache_key"):
+        sid = getattr(req, param, None)
+        if not sid:
+            continue
+        try:
+            if param == "session":
+                return state.sessions.get(tenant.name, sid).id
+            return state.sessions.bind(tenant.name, sid).id
+        except (SessionNotFoundError, SessionForbiddenError, ValueError) as e:
+            raise _session_error(e, param) from None
+    user = getattr(req, "user", None)
+    return user or None
 
 
 async def chat_completions(request: Request) -> Response:
-    state, t0, tenant, req, model = await _parse(request, ChatCompletionRequest)
+    state, t0, tenant, req, model, session = await _parse(request, ChatCompletionRequest)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
                 for m in req.messages]
     prediction = _text(req.prediction.content) if req.prediction is not None else None
@@ -397,7 +439,7 @@ async def chat_completions(request: Request) -> Response:
     call = _resolve(state, endpoint=endpoint, tenant=tenant, model=model, ids=ids, temperature=temperature,
                     top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop,
                     max_tokens=req.max_completion_tokens or req.max_tokens, speculation=req.speculation,
-                    prediction=prediction, session=req.prompt_cache_key or req.user, stream=req.stream,
+                    prediction=prediction, session=session, stream=req.stream,
                     include_usage=bool(req.stream_options and req.stream_options.include_usage),
                     want_stats=req.spec_stats, t0=t0, prefix="chatcmpl")
     job = _submit(state, call)
@@ -434,7 +476,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def completions(request: Request) -> Response:
-    state, t0, tenant, req, model = await _parse(request, CompletionRequest)
+    state, t0, tenant, req, model, session = await _parse(request, CompletionRequest)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) != 1:
@@ -455,7 +497,7 @@ async def completions(request: Request) -> Response:
                     top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop, max_tokens=req.max_tokens,
                     speculation=req.speculation,
                     prediction=_text(req.prediction.content) if req.prediction is not None else None,
-                    session=req.prompt_cache_key or req.user, stream=req.stream,
+                    session=session, stream=req.stream,
                     include_usage=bool(req.stream_options and req.stream_options.include_usage),
                     want_stats=req.spec_stats, t0=t0, prefix="cmpl")
     job = _submit(state, call)
@@ -491,7 +533,7 @@ def _read_workspace_file(tenant: Tenant, path: str, limit: int) -> str:
 
 
 async def apply(request: Request) -> Response:
-    state, t0, tenant, req, model = await _parse(request, ApplyRequest)
+    state, t0, tenant, req, model, session = await _parse(request, ApplyRequest)
     if (req.code is None) == (req.path is None):
         raise APIError(400, "give exactly one of `code` or `path`", param="code", code="invalid_value")
     if not req.update and not req.instruction:
@@ -512,7 +554,7 @@ async def apply(request: Request) -> Response:
         max_tokens = plan.max_tokens(state.backend.max_context - len(ids))
     call = _resolve(state, endpoint="apply", tenant=tenant, model=model, ids=ids, temperature=req.temperature,
                     top_p=None, top_k=None, seed=req.seed, stop=None, max_tokens=max_tokens,
-                    speculation=req.speculation, prediction=code_ids, session=req.prompt_cache_key, stream=req.stream,
+                    speculation=req.speculation, prediction=code_ids, session=session, stream=req.stream,
                     include_usage=True, want_stats=True, t0=t0, prefix="apply")
     job = _submit(state, call)
     base = {"id": call.request_id, "object": "apply", "created": call.created, "model": model}
@@ -548,6 +590,35 @@ async def model_detail(request: Request) -> Response:
     _authenticate(state, request)
     _check_model(state, request.path_params["model"])
     return JSONResponse(_model_card(state))
+
+
+async def create_session(request: Request) -> Response:
+    """``POST /v1/sessions``: a session for the caller's tenant (body optional: ``{"id": ...}``)."""
+    state: ServerState = request.app.state.agentspec
+    tenant = _authenticate(state, request)
+    raw = b""
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > 4096:
+                raise APIError(413, "request body exceeds the limit of 4096 bytes", code="request_too_large")
+    except ClientDisconnect:
+        raise APIError(400, "client disconnected while sending the body", code="client_disconnect") from None
+    req = decode_body(raw, SessionCreateRequest) if raw.strip() else SessionCreateRequest()
+    try:
+        return JSONResponse(state.sessions.create(tenant.name, req.id).body())
+    except (SessionForbiddenError, ValueError) as e:
+        raise _session_error(e, "id") from None
+
+
+async def session_detail(request: Request) -> Response:
+    """``GET /v1/sessions/{id}``: the caller's own session; 404 unknown, 403 another tenant's."""
+    state: ServerState = request.app.state.agentspec
+    tenant = _authenticate(state, request)
+    try:
+        return JSONResponse(state.sessions.get(tenant.name, request.path_params["session"]).body())
+    except (SessionNotFoundError, SessionForbiddenError) as e:
+        raise _session_error(e, "id") from None
 
 
 def _model_card(state: ServerState) -> dict:
@@ -614,6 +685,8 @@ def create_app(state: ServerState) -> Starlette:
         HTTPRoute("/v1/chat/completions", wrap(chat_completions), methods=["POST"]),
         HTTPRoute("/v1/completions", wrap(completions), methods=["POST"]),
         HTTPRoute("/v1/apply", wrap(apply), methods=["POST"]),
+        HTTPRoute("/v1/sessions", wrap(create_session), methods=["POST"]),
+        HTTPRoute("/v1/sessions/{session:path}", wrap(session_detail), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error,

@@ -11,7 +11,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-__all__ = ["APIError", "ApplyRequest", "ChatCompletionRequest", "CompletionRequest", "error_body"]
+__all__ = ["APIError", "ApplyRequest", "ChatCompletionRequest", "CompletionRequest", "SessionCreateRequest",
+           "error_body"]
 
 
 class APIError(Exception):
@@ -62,6 +63,7 @@ class StreamOptions(_Strict):
 
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]   # sessions.MAX_SESSION_ID
 Stop = str | list[str] | None
 
 
@@ -84,6 +86,7 @@ class _Sampling(_Strict):
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None           # session id (cache affinity across an agent loop)
+    session: SessionId | None = None              # extension: an existing session's id (server/sessions.py)
     spec_stats: bool = False                      # extension: speculation stats in the response
     speculation: bool | None = None               # extension: false turns speculation off for this request
 
@@ -139,6 +142,13 @@ class ApplyRequest(_Strict, kw_only=True):
     seed: int | None = None
     speculation: bool | None = None
     prompt_cache_key: str | None = None
+    session: SessionId | None = None              # extension: an existing session's id (server/sessions.py)
+
+
+class SessionCreateRequest(_Strict, kw_only=True):
+    """``POST /v1/sessions`` (extension): an optional id of the caller's choosing."""
+
+    id: SessionId | None = None
 
 
 def decode_body(body: bytes, type: Any) -> Any:

@@ -259,6 +259,51 @@ def test_auth_and_tenants(server):
     assert out.id not in {r["request_id"] for r in _logs(server, "acme")}
 
 
+def test_sessions_belong_to_their_tenant(server):
+    acme, beta = ({"Authorization": f"Bearer {k}"} for k in (ACME_KEY, BETA_KEY))
+    hi = [{"role": "user", "content": "Say hi."}]
+    out = server.client(ACME_KEY).chat.completions.create(model=MODEL, messages=hi, temperature=0, max_tokens=2,
+                                                          prompt_cache_key="loop-acme-1")
+    assert _wait_for_record(server, "acme", out.id)["session"] == "loop-acme-1"
+    n_beta = len(_logs(server, "beta"))
+    for field, url, body in (("prompt_cache_key", "/v1/chat/completions", {"messages": hi}),
+                             ("session", "/v1/chat/completions", {"messages": hi}),
+                             ("prompt_cache_key", "/v1/apply", {"code": "x = 1\n", "update": "x = 2\n"})):
+        r = httpx.post(server.base + url, headers=beta, json={**body, "max_tokens": 2, field: "loop-acme-1"})
+        assert r.status_code == 403, (field, url, r.text)
+        assert r.json()["error"] | {"message": ""} == {"message": "", "type": "permission_error", "param": field,
+                                                        "code": "session_forbidden"}
+    assert httpx.get(server.base + "/v1/sessions/loop-acme-1", headers=beta).status_code == 403
+    time.sleep(0.3)
+    assert len(_logs(server, "beta")) == n_beta  # refused requests never ran
+    # `user` is OpenAI's end-user id, not a binding: beta's own "loop-acme-1" user is beta's business
+    r = httpx.post(server.base + "/v1/completions", headers=beta, json={"prompt": "a", "max_tokens": 2,
+                                                                       "user": "loop-acme-1"})
+    assert r.status_code == 200, r.text
+    assert _wait_for_record(server, "beta", r.json()["id"])["session"] == "loop-acme-1"
+    # explicit sessions: created by POST /v1/sessions (or an earlier prompt_cache_key), else 404
+    r = httpx.post(server.base + "/v1/sessions", headers=beta)
+    assert r.status_code == 200, r.text
+    sess = r.json()
+    assert sess["object"] == "session" and sess["id"] and sess["created"] > 0
+    assert httpx.get(server.base + f"/v1/sessions/{sess['id']}", headers=beta).json() == sess
+    assert httpx.get(server.base + f"/v1/sessions/{sess['id']}", headers=acme).status_code == 403
+    named = httpx.post(server.base + "/v1/sessions", headers=beta, json={"id": "beta-named"}).json()
+    assert named["id"] == "beta-named"
+    r = httpx.post(server.base + "/v1/completions", headers=beta,
+                   json={"prompt": "a", "max_tokens": 2, "session": sess["id"]})
+    assert r.status_code == 200, r.text
+    assert _wait_for_record(server, "beta", r.json()["id"])["session"] == sess["id"]
+    assert httpx.get(server.base + "/v1/sessions/loop-acme-1", headers=acme).json()["id"] == "loop-acme-1"
+    for url, kw in (("/v1/sessions/never-made", {}), ("/v1/chat/completions", {"json": {"messages": hi, "session": "never-made"}})):
+        r = (httpx.get(server.base + url, headers=acme) if not kw
+             else httpx.post(server.base + url, headers=acme, **kw))
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert err["type"] == "not_found_error" and err["code"] == "session_not_found"
+    assert err["param"] == "session"
+
+
 def test_route_budget_past_one_forward_is_clamped_and_exact(server, engine, plain_greedy):
     """A route's budget of 1000 (the config allows up to 1024) is more than one forward verifies
     (128 rows): the request is clamped, says so in its log record, and stays exact, also next to

@@ -25,6 +25,7 @@ from agentspec.telemetry import (
     read_records,
     record_from_stats,
     summarize,
+    summarize_sessions,
     validate_tenant,
 )
 
@@ -464,6 +465,22 @@ def test_summarize_groups_by_tenant_and_route():
     assert summarize([]) == {"routes": [], "tenants": [], "by_route": []}
 
 
+def test_summarize_sessions_totals_per_tenant_and_session():
+    recs = [make_record(0, tenant="a", session="s1", cached_tokens=64, e2e_ms=500.0),
+            make_record(1, tenant="a", session="s1", cached_tokens=96, e2e_ms=250.0),
+            make_record(2, tenant="b", session="s1", e2e_ms=100.0),   # the same id, another tenant
+            make_record(3, tenant="a", e2e_ms=1000.0,  # no session; no drafting
+                        steps=0, draft_tokens=0, accepted_tokens=0, mat=0.0, drafted_per_pos=[], accepted_per_pos=[])]
+    rows = summarize_sessions(recs)["sessions"]
+    assert [(r["tenant"], r["session"], r["requests"]) for r in rows] == [("a", None, 1), ("a", "s1", 2), ("b", "s1", 1)]
+    s1 = rows[1]
+    assert (s1["prompt_tokens"], s1["cached_tokens"], s1["completion_tokens"]) == (201, 160, 40)
+    assert (s1["accepted_tokens"], s1["draft_tokens"]) == (10, 18) and s1["acceptance_rate"] == pytest.approx(10 / 18)
+    assert s1["mat"] == pytest.approx(2.25) and s1["e2e_s"] == pytest.approx(0.75)
+    assert rows[0]["mat"] == 0.0 and rows[0]["acceptance_rate"] is None and rows[0]["e2e_s"] == pytest.approx(1.0)
+    assert summarize_sessions([]) == {"sessions": []}
+
+
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
     """Runs ``agentspec stats`` a few ways on one generated log dir, in parallel (each start imports torch)."""
@@ -472,7 +489,9 @@ def cli_runs(tmp_path_factory):
     now = time.time()
     for i in range(12):
         tenant, route = ("alpha", "apply" if i % 3 else "default") if i < 8 else ("beta", "chat")
-        sink.write(make_record(i, tenant=tenant, route=route, ts=now - 60 * (12 - i)))
+        session = ("s1" if i < 4 else "s2") if i < 8 else None
+        sink.write(make_record(i, tenant=tenant, route=route, ts=now - 60 * (12 - i), session=session,
+                               cached_tokens=10))
     sink.write(make_record(99, tenant="beta", route="old", ts=now - 30 * 86400))
     sink.close()
     with open(sink.path("beta"), "ab") as f:
@@ -480,6 +499,8 @@ def cli_runs(tmp_path_factory):
     runs = {
         "table": ["--log-dir", str(root / "logs")],
         "json": ["--log-dir", str(root / "logs"), "--json", "--since", "7d", "--plot", str(root / "plot.png")],
+        "sessions": ["--log-dir", str(root / "logs"), "--by", "session"],
+        "sessions_json": ["--log-dir", str(root / "logs"), "--by", "session", "--json", "--tenant", "alpha"],
         "bad_since": ["--log-dir", str(root / "logs"), "--since", "yesterdayish"],
         "missing": ["--log-dir", str(root / "nope")],
     }
@@ -521,3 +542,22 @@ def test_stats_cli_errors(cli_runs):
     assert rc == 2 and "'yesterdayish'" in stderr and "Traceback" not in stderr
     rc, stdout, stderr = cli_runs["missing"]
     assert rc != 0 and "log directory not found" in stderr and "nope" in stderr and "Traceback" not in stderr
+
+
+def test_stats_cli_by_session(cli_runs):
+    rc, stdout, stderr = cli_runs["sessions"]
+    assert rc == 0, stderr
+    lines = stdout.splitlines()
+    assert lines[0].split() == ["tenant", "session", "requests", "prompt", "cached", "tokens", "MAT", "accepted",
+                                "drafted", "accept", "e2e", "s"]
+    rows = {tuple(line.split()[:5]) for line in lines[1:]}
+    assert rows == {("alpha", "s1", "4", str(sum(100 + i for i in range(4))), "40"),
+                    ("alpha", "s2", "4", str(sum(100 + i for i in range(4, 8))), "40"),
+                    ("beta", "-", "5", str(sum(100 + i for i in (8, 9, 10, 11, 99))), "40")}  # 99: no cached_tokens
+    rc, stdout, stderr = cli_runs["sessions_json"]
+    assert rc == 0, stderr
+    data = json.loads(stdout)
+    assert data["by"] == "session" and data["records"] == 8
+    assert [(r["tenant"], r["session"], r["requests"], r["completion_tokens"]) for r in data["sessions"]] == [
+        ("alpha", "s1", 4, 80), ("alpha", "s2", 4, 80)]
+    assert data["sessions"][0]["mat"] == pytest.approx(2.25) and data["sessions"][0]["e2e_s"] > 0

@@ -1,0 +1,108 @@
+"""Sessions: a session id pins one tenant's conversation (issue 17).
+
+A session id names an agent loop's conversation. Its first use binds it to the tenant that used
+it; from then on only that tenant may use it. Where a request's session comes from, first found:
+
+* ``session`` (extension, body field of chat, completions and apply): an explicit id that must
+  already exist for the caller's tenant -- created by ``POST /v1/sessions`` or by an earlier
+  request that used the id as ``prompt_cache_key``. Unknown: 404 ``session_not_found``.
+* ``prompt_cache_key`` (OpenAI semantics): the id is created on first use.
+* ``user``, when neither is given: OpenAI's end-user id, which two tenants may both use; it names
+  the session of the tenant's own records and is never bound (nor refused).
+
+Whichever field it came from, an id bound to another tenant is refused with 403
+(``permission_error``, ``param`` naming the field) before anything runs: the request never reaches
+the engine, and its prefix cache stays the owner's (the engine's prefix cache is keyed by tenant
+as well, so no tenant can hit another's cache whatever the session says). A session id is at most
+``MAX_SESSION_ID`` characters (longer: 400).
+
+The registry is in memory and bounded: at most ``max_sessions`` ids (default 100,000), least
+recently used dropped first. A dropped (or pre-restart) id is forgotten: an explicit ``session``
+naming it gets 404, and ``prompt_cache_key`` binds it afresh to whoever uses it next.
+All methods are thread-safe (one lock).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+__all__ = ["MAX_SESSION_ID", "Session", "SessionForbiddenError", "SessionNotFoundError", "SessionRegistry"]
+
+MAX_SESSION_ID = 512
+
+
+class SessionNotFoundError(LookupError):
+    """No session with this id (never created, or dropped from the bounded registry)."""
+
+
+class SessionForbiddenError(PermissionError):
+    """The session is bound to another tenant."""
+
+
+@dataclass(frozen=True)
+class Session:
+    id: str
+    tenant: str
+    created: int   # unix time it was bound
+
+    def body(self) -> dict:
+        return {"id": self.id, "object": "session", "created": self.created}
+
+
+class SessionRegistry:
+    """Session id -> owning tenant, bound at first use; LRU-bounded to ``max_sessions`` ids
+    (default 100,000); thread-safe."""
+
+    def __init__(self, max_sessions: int = 100_000) -> None:
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        self.max_sessions = max_sessions
+        self._lock = threading.Lock()
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    @staticmethod
+    def _check_id(session_id: str) -> None:
+        if not session_id or len(session_id) > MAX_SESSION_ID:
+            raise ValueError(f"a session id is 1 to {MAX_SESSION_ID} characters, got {len(session_id)}")
+
+    def _owned(self, session: Session, tenant: str) -> Session:
+        if session.tenant != tenant:
+            raise SessionForbiddenError(f"session {session.id!r} belongs to another tenant")
+        self._sessions.move_to_end(session.id)
+        return session
+
+    def bind(self, tenant: str, session_id: str) -> Session:
+        """The session ``session_id`` of ``tenant``, created now if unknown (implicit sessions:
+        ``prompt_cache_key`` / ``user``). Raises SessionForbiddenError (another tenant's),
+        ValueError (a bad id)."""
+        self._check_id(session_id)
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is not None:
+                return self._owned(s, tenant)
+            s = self._sessions[session_id] = Session(session_id, tenant, int(time.time()))
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+            return s
+
+    def create(self, tenant: str, session_id: str | None = None) -> Session:
+        """A session for ``tenant``: a new random id, or ``session_id`` (the existing one when
+        ``tenant`` already has it). Raises as ``bind``."""
+        return self.bind(tenant, session_id if session_id is not None else f"sess_{secrets.token_hex(12)}")
+
+    def get(self, tenant: str, session_id: str) -> Session:
+        """The existing session ``session_id`` of ``tenant`` (explicit sessions). Raises
+        SessionNotFoundError (unknown), SessionForbiddenError (another tenant's)."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None:
+                raise SessionNotFoundError(f"unknown session {session_id[:MAX_SESSION_ID]!r}")
+            return self._owned(s, tenant)
