@@ -137,6 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "cached and completion tokens, MAT, accepted/drafted, total e2e seconds")
     st.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
     st.add_argument("--plot", metavar="PNG", help="also draw acceptance by position and MAT by route to PNG")
+    ls = sub.add_parser("lsp", help="run the language server for editors (stdio): rewrites and fast apply",
+                        description="The agentspec language server. Editors start it over stdio; settings come from "
+                                    "initializationOptions / workspace/configuration (section 'agentspec'); the "
+                                    "options here are defaults for them.")
+    ls.add_argument("--tcp", metavar="[HOST:]PORT", type=_tcp_address,
+                    help="listen on TCP instead of stdio (for debugging; default host 127.0.0.1)")
+    ls.add_argument("--url", help="an agentspec server to use (default: the embedded engine in this process)")
+    ls.add_argument("--model", help="remote: the model id; in-process: a .gguf file (default: the bundled model)")
+    ls.add_argument("--config", help="in-process: server TOML (routes)")
+
     tr = sub.add_parser("train-eagle3", help="train an EAGLE-3 draft head for a target model (SGLang layout)")
     tr.add_argument("--target", help="the target model: .gguf file or Hugging Face folder (default: bundled)")
     tr.add_argument("--data", nargs="+", default=[], metavar="FILE",
@@ -451,6 +461,17 @@ def cmd_demo(args) -> int:
     return 0 if same else 1
 
 
+def _tcp_address(value: str) -> str:
+    host, _, port = value.rpartition(":")
+    try:
+        n = int(port)
+    except ValueError:
+        n = -1
+    if not 0 < n < 65536:
+        raise argparse.ArgumentTypeError(f"--tcp wants [HOST:]PORT with a port in 1..65535, got {value!r}")
+    return f"{host or '127.0.0.1'}:{n}"
+
+
 def main(argv: list[str] | None = None) -> int:
     from .errors import AgentSpecError
 
@@ -466,6 +487,11 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_serve(args)
         if args.command == "stats":
             return cmd_stats(args)
+        if args.command == "lsp":
+            from .lsp.server import main as lsp_main
+
+            defaults = {k: v for k, v in (("url", args.url), ("model", args.model), ("config", args.config)) if v}
+            return lsp_main(tcp=args.tcp, defaults=defaults)
         if args.command == "train-eagle3":
             from .training.cli import cmd_train_eagle3
 

@@ -150,6 +150,7 @@ class Workspace:
         self._ignore = _Ignore(self.root, ignore)
         self._prefix = f"ws\x1f{tenant}\x1f{self.root}\x1f"
         self._files: dict[str, dict] = {}     # rel path -> {"size", "mtime_ns", "sha", "docs": [ids]}
+        self._overlays: dict[str, int] = {}   # rel path -> overlay generation (an editor's unsaved text)
         self._lock = threading.RLock()        # guards _files and index updates from this workspace
         self.skipped: Counter[str] = Counter()
         self.skipped_paths: dict[str, str] = {}
@@ -209,6 +210,57 @@ class Workspace:
         if not p.is_absolute():
             p = self.root / p
         self._apply({str(p)})
+
+    def overlay(self, path: str | os.PathLike, text: str) -> bool:
+        """Index ``text`` as the content of ``path`` (an editor's unsaved buffer) instead of the
+        file on disk, until ``drop_overlay(path)``: drafts come from what the user sees, and the
+        watcher leaves the path alone meanwhile. ``path``: absolute or relative to the root; it
+        need not exist on disk yet. Only the chunks that changed are tokenized again, so calling
+        this on every keystroke of a large file is cheap. Returns False (nothing indexed) for a
+        path the workspace ignores (``.gitignore``, the ignore list) or text over
+        ``max_file_bytes``; raises ``ValueError`` for a path outside the root."""
+        rel = self._overlay_rel(path)
+        if not isinstance(text, str):
+            raise TypeError(f"overlay text must be a str, got {type(text).__name__}")
+        if self._ignore.ignored(rel, False) or any(self._ignore.ignored(d, True) for d in _parents(rel)):
+            return False
+        data = text.encode("utf-8", "surrogatepass")
+        with self._lock:
+            self._overlays[rel] = self._overlays.get(rel, 0) + 1
+            if len(data) > self.max_file_bytes:
+                self._forget(rel)
+                return False
+            sha = hashlib.sha1(data).hexdigest()
+            old = self._files.get(rel)
+            if old is not None and old["sha"] == sha:
+                return True
+            chunks = chunk_text(text, rel, max_lines=self.max_chunk_lines)
+            self._replace_chunks(rel, chunks, size=len(data), mtime_ns=-1, sha=sha)
+            return True
+
+    def drop_overlay(self, path: str | os.PathLike) -> None:
+        """Stop shadowing ``path``: the file on disk is indexed again (or forgotten if gone)."""
+        rel = self._overlay_rel(path)
+        with self._lock:
+            if self._overlays.pop(rel, None) is None:
+                return
+            self._forget(rel)
+        self._apply({str(self.root / rel)})
+
+    def overlays(self) -> list[str]:
+        """Relative paths currently shadowed by ``overlay``."""
+        with self._lock:
+            return sorted(self._overlays)
+
+    def _overlay_rel(self, path: str | os.PathLike) -> str:
+        p = Path(path)
+        if not p.is_absolute():
+            p = self.root / p
+        p = Path(os.path.normpath(p))
+        rel = self._rel(p)
+        if not rel or rel.startswith("../") or rel.startswith("/") or Path(rel).is_absolute():
+            raise ValueError(f"{str(path)!r} is not a file under the workspace root {str(self.root)!r}")
+        return rel
 
     def save(self) -> None:
         """Write the snapshot (index + manifest) atomically, if ``snapshot`` was given."""
@@ -361,7 +413,8 @@ class Workspace:
             got = self._read(rel, path)
             if got is None:
                 with self._lock:
-                    self._forget(rel)
+                    if rel not in self._overlays:
+                        self._forget(rel)
                 continue
             text, st = got
             sha = hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()
@@ -385,6 +438,8 @@ class Workspace:
     def _replace(self, rel: str, st, sha: str, chunks: list[str], toks: list[list[int]]) -> None:
         """Swap a file's documents for its new chunks, keeping the chunks that did not change."""
         with self._lock:
+            if rel in self._overlays:
+                return   # an overlay arrived while the disk copy was read: the editor's text wins
             old = self._files.get(rel)
             old_docs = set(old["docs"]) if old else set()
             docs, seen = [], Counter()
@@ -398,7 +453,31 @@ class Workspace:
             for doc_id in old_docs - set(docs):
                 self.index.remove_document(doc_id)
             self._files[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha": sha, "docs": docs,
-                                "tokens": sum(len(t) for t in toks)}
+                                "doc_tokens": [len(t) for t in toks], "tokens": sum(len(t) for t in toks)}
+
+    def _replace_chunks(self, rel: str, chunks: list[str], *, size: int, mtime_ns: int, sha: str) -> None:
+        """``_replace`` for one file's text (overlays): chunks whose document is already indexed
+        keep it and are not tokenized again. Call with ``_lock`` held."""
+        old = self._files.get(rel)
+        old_docs = dict(zip(old["docs"], old.get("doc_tokens") or [None] * len(old["docs"]))) if old else {}
+        docs, counts, seen, new = [], [], Counter(), []
+        for chunk in chunks:
+            h = hashlib.sha1(chunk.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+            seen[h] += 1
+            doc_id = f"{self._prefix}{rel}\x1f{h}\x1f{seen[h]}"
+            docs.append(doc_id)
+            counts.append(old_docs.get(doc_id))
+            if doc_id not in old_docs:
+                new.append((len(docs) - 1, chunk))
+        ids = self.tokenizer.encode_batch([c for _, c in new]) if new else []
+        for (i, _), toks in zip(new, ids):
+            counts[i] = len(toks)
+            if toks:
+                self.index.add_document(docs[i], toks, tenant=self.tenant)
+        for doc_id in set(old_docs) - set(docs):
+            self.index.remove_document(doc_id)
+        self._files[rel] = {"size": size, "mtime_ns": mtime_ns, "sha": sha, "docs": docs,
+                            "doc_tokens": [c or 0 for c in counts], "tokens": sum(c or 0 for c in counts)}
 
     def _forget(self, rel: str) -> None:
         old = self._files.pop(rel, None)
@@ -540,11 +619,14 @@ class Workspace:
             else:
                 files.add(rel)
         todo = []
+        with self._lock:
+            files -= self._overlays.keys()   # an editor's unsaved text shadows the disk
         for rel in sorted(files):
             path = self.root / rel
             if not path.exists() and not path.is_symlink() or self._ignore.ignored(rel, False) or path.is_dir():
                 with self._lock:
-                    self._forget(rel)
+                    if rel not in self._overlays:
+                        self._forget(rel)
             else:
                 todo.append((rel, path))
         if todo:
@@ -578,6 +660,12 @@ class Workspace:
             return
         self._files = manifest["files"]
         self.stats["loaded_from_snapshot"] = True
+
+
+def _parents(rel: str) -> list[str]:
+    """The folders above a relative path, outermost first: ``a/b/c.py`` -> ``["a", "a/b"]``."""
+    parts = rel.split("/")[:-1]
+    return ["/".join(parts[:i + 1]) for i in range(len(parts))]
 
 
 def _file_sha(path: Path) -> str:

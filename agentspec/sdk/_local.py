@@ -54,16 +54,18 @@ class LocalTransport:
     ``engine``: an ``EmbeddedEngine`` already loaded (else one is loaded on first use with
     ``engine_options``, e.g. ``{"model": "x.gguf"}``). ``repo``: a workspace folder, indexed as
     the server indexes ``--repo`` (drafts come from its files; ``apply(path=...)`` resolves in
-    it). ``config``: a ``ServerConfig`` (or TOML path) for routes and defaults."""
+    it; ``watch``: follow edits on disk). ``config``: a ``ServerConfig`` (or TOML path) for routes
+    and defaults."""
 
     def __init__(self, *, engine: Any = None, engine_options: dict | None = None, repo: str | Path | None = None,
-                 config: Any = None, max_batch: int = 8, tenant: str = "default") -> None:
+                 config: Any = None, max_batch: int = 8, tenant: str = "default", watch: bool = False) -> None:
         self._engine = engine
         self._engine_options = dict(engine_options or {})
         self._repo = repo
         self._config = config
         self._max_batch = max_batch
         self._tenant_name = tenant
+        self._watch = watch
         self._lock = threading.Lock()
         self._state: Any = None
         self._workspace: Any = None
@@ -98,10 +100,16 @@ class LocalTransport:
             from ..workspace import Workspace
 
             self._workspace = Workspace(self._repo, tenant=self._tenant_name, index=backend.index,
-                                        tokenizer=backend.tokenizer, watch=False, progress=False)
+                                        tokenizer=backend.tokenizer, watch=self._watch, progress=False)
             root = self._workspace.root
         return types.SimpleNamespace(backend=backend, router=router, config=config, model_id=backend.model_name,
                                      tenant=Tenant(name=self._tenant_name, workspace=self._workspace, root=root))
+
+    @property
+    def workspace(self) -> Any:
+        """The ``Workspace`` of ``repo`` (None without one); loads the engine if needed."""
+        self._ready()
+        return self._workspace
 
     def close(self) -> None:
         with self._lock:
@@ -137,7 +145,7 @@ class LocalTransport:
             tokens = gen_fn(timeout)
         except APIError as e:
             raise _api_error(e) from None
-        return _events(tokens, state.backend.tokenizer, gen_fn.call, chunk, final)
+        return _events(tokens, state.backend.tokenizer, gen_fn.call, chunk, final, getattr(gen_fn, "progress", None))
 
     def _handler(self, path: str) -> Callable:
         from ..server.protocol import APIError
@@ -305,13 +313,17 @@ class LocalTransport:
             return {**base, "merged_code": plan.finish(gen.text), "finish_reason": app._finish_reason(gen.finish_reason),
                     "usage": app.usage(call, gen.token_ids, gen.stats), "spec": app.spec_info(call, gen.stats)}
 
+        progress = {"completion_tokens": 0, "steps": 0}
+
         def chunk(delta: str) -> dict:
-            return {**base, "object": "apply.chunk", "delta": delta}
+            return {**base, "object": "apply.chunk", "delta": delta, **progress}
 
         def final(gen, tail: str) -> list[dict]:
             return [{**respond(gen), "object": "apply.chunk", "delta": tail}]
 
-        return _generation(state, call), respond, chunk, final
+        gen_fn = _generation(state, call)
+        gen_fn.progress = progress  # type: ignore[attr-defined]
+        return gen_fn, respond, chunk, final
 
 
 # ---- running one request ----------------------------------------------------------------------------------
@@ -378,7 +390,8 @@ def _drain(tokens: Iterator[list[int]]) -> Any:
             return done.value
 
 
-def _events(tokens: Iterator[list[int]], tokenizer: Any, call: Any, chunk: Callable, final: Callable) -> Iterator[dict]:
+def _events(tokens: Iterator[list[int]], tokenizer: Any, call: Any, chunk: Callable, final: Callable,
+            progress: dict | None = None) -> Iterator[dict]:
     """The events of a stream, as the server's SSE stream carries them (without ``[DONE]``)."""
     from ..text import TextStream
 
@@ -390,6 +403,9 @@ def _events(tokens: Iterator[list[int]], tokenizer: Any, call: Any, chunk: Calla
             except StopIteration as done:
                 yield from final(done.value, text.finish(done.value.text))
                 return
+            if progress is not None:
+                progress["completion_tokens"] += len(step)
+                progress["steps"] += 1
             delta = text.push(step)
             if delta:
                 yield chunk(delta)
@@ -407,20 +423,45 @@ class AsyncLocalTransport:
         return await asyncio.to_thread(self.local.request, method, path, body, timeout=timeout)
 
     async def stream(self, path: str, body: dict, *, timeout: float | None = None) -> AsyncIterator[dict]:
+        """One thread per stream pumps the events into the loop; closing the stream (or cancelling
+        the task iterating it) cancels the request at its next decode step."""
         events = await asyncio.to_thread(self.local.stream, path, body, timeout=timeout)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        closing = threading.Event()
+
+        def put(item: tuple) -> None:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:   # the loop is gone: nobody is listening any more
+                closing.set()
+
+        def pump() -> None:
+            try:
+                for event in events:
+                    if closing.is_set():
+                        return
+                    put((True, event))
+                put((False, None))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+                put((False, e))
+            finally:
+                events.close()   # here, in the thread that ran it: cancels the request if unfinished
+
+        threading.Thread(target=pump, name="agentspec-sdk-stream", daemon=True).start()
 
         async def run() -> AsyncIterator[dict]:
             try:
                 while True:
-                    event = await asyncio.to_thread(next, events, _END)
-                    if event is _END:
+                    ok, value = await q.get()
+                    if ok:
+                        yield value
+                    elif value is None:
                         return
-                    yield event
+                    else:
+                        raise value
             finally:
-                try:
-                    events.close()   # cancels the request
-                except ValueError:   # a worker thread is still inside next(): it ends with the request
-                    pass
+                closing.set()
 
         return run()
 

@@ -123,6 +123,8 @@ class _StreamBase(Generic[R]):
         self._on_done = on_done
         self.ttft_ms: float | None = None      # client-side: the call to the first text
         self.result: R | None = None           # set once the stream ended
+        self.completion_tokens = 0             # apply streams: tokens committed so far
+        self.steps = 0                         # apply streams: decode steps so far (MAT = tokens / steps)
 
     @property
     def text(self) -> str:
@@ -130,6 +132,8 @@ class _StreamBase(Generic[R]):
         return "".join(self._asm.parts)
 
     def _delta(self, event: dict) -> str:
+        if "steps" in event:
+            self.completion_tokens, self.steps = event.get("completion_tokens", 0), event["steps"]
         delta = self._asm.feed(event)
         if delta and self.ttft_ms is None:
             self.ttft_ms = (time.perf_counter() - self._t0) * 1e3
@@ -281,6 +285,13 @@ class _Options:
     def in_process(self) -> bool:
         return self.base_url is None
 
+    @property
+    def workspace(self) -> Any:
+        """In-process with ``repo``: its ``agentspec.Workspace`` (the engine is loaded first if it
+        was not yet), e.g. for ``overlay(path, text)``; None otherwise."""
+        local = getattr(self._transport, "local", self._transport)
+        return local.workspace if self.in_process else None
+
 
 class Client:
     """A client of agentspec, for agent loops.
@@ -298,14 +309,14 @@ class Client:
                  timeout: Any = DEFAULT_TIMEOUT_S, max_retries: int = DEFAULT_MAX_RETRIES,
                  default_headers: dict[str, str] | None = None, http_client: Any = None, engine: Any = None,
                  engine_options: dict | None = None, repo: str | os.PathLike | None = None,
-                 config: Any = None) -> None:
+                 config: Any = None, watch: bool = False) -> None:
         opts = _Options(base_url, api_key, model)
         self.base_url, self.model, self.timeout = opts.base_url, model, timeout
         if opts.in_process:
             from ._local import LocalTransport
 
             self._transport: Any = LocalTransport(engine=engine, engine_options=engine_options, repo=repo,
-                                                  config=config)
+                                                  config=config, watch=watch)
         else:
             from ._http import HTTPTransport
 
@@ -315,6 +326,13 @@ class Client:
     @property
     def in_process(self) -> bool:
         return self.base_url is None
+
+    @property
+    def workspace(self) -> Any:
+        """In-process with ``repo``: its ``agentspec.Workspace`` (the engine is loaded first if it
+        was not yet), e.g. for ``overlay(path, text)``; None otherwise."""
+        local = getattr(self._transport, "local", self._transport)
+        return local.workspace if self.in_process else None
 
     def _timeout(self, timeout: Any) -> Any:
         t = self.timeout if timeout is None else timeout
@@ -420,14 +438,14 @@ class AsyncClient:
                  timeout: Any = DEFAULT_TIMEOUT_S, max_retries: int = DEFAULT_MAX_RETRIES,
                  default_headers: dict[str, str] | None = None, http_client: Any = None, engine: Any = None,
                  engine_options: dict | None = None, repo: str | os.PathLike | None = None,
-                 config: Any = None) -> None:
+                 config: Any = None, watch: bool = False) -> None:
         opts = _Options(base_url, api_key, model)
         self.base_url, self.model, self.timeout = opts.base_url, model, timeout
         if opts.in_process:
             from ._local import AsyncLocalTransport
 
             self._transport: Any = AsyncLocalTransport(engine=engine, engine_options=engine_options, repo=repo,
-                                                       config=config)
+                                                       config=config, watch=watch)
         else:
             from ._http import AsyncHTTPTransport
 
@@ -436,6 +454,7 @@ class AsyncClient:
                                                  http_client=http_client)
 
     in_process = Client.in_process
+    workspace = Client.workspace
     _timeout = Client._timeout
 
     async def _call(self, kind: str, body: dict, stream: bool, timeout: Any, session_id: str | None,

@@ -352,13 +352,18 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
 
 
-async def _stream_events(job: Job, call: Call, tokenizer, chunk, final) -> AsyncIterator[bytes]:
-    """SSE bytes for a job: ``chunk(text)`` per text delta, ``final(gen, tail)`` at the end."""
+async def _stream_events(job: Job, call: Call, tokenizer, chunk, final,
+                         progress: dict | None = None) -> AsyncIterator[bytes]:
+    """SSE bytes for a job: ``chunk(text)`` per text delta, ``final(gen, tail)`` at the end.
+    ``progress``: a dict kept at the committed ``completion_tokens`` and decode ``steps`` so far."""
     text = TextStream(tokenizer, call.stop)
     try:
         while True:
             kind, value = await job.events.get()
             if kind == "tokens":
+                if progress is not None:
+                    progress["completion_tokens"] += len(value)
+                    progress["steps"] += 1
                 delta = text.push(value)
                 if delta:
                     yield _sse(chunk(delta))
@@ -567,15 +572,17 @@ async def apply(request: Request) -> Response:
                                       "usage": usage(call, gen.token_ids, gen.stats), "spec": spec_info(call, gen.stats)}),
                         media_type="application/json")
 
+    progress = {"completion_tokens": 0, "steps": 0}   # on every chunk: an editor's progress bar and MAT so far
+
     def chunk(delta: str) -> dict:
-        return {**base, "object": "apply.chunk", "delta": delta}
+        return {**base, "object": "apply.chunk", "delta": delta, **progress}
 
     def final(gen, tail: str):
         yield {**base, "object": "apply.chunk", "delta": tail, "merged_code": plan.finish(gen.text),
                "finish_reason": _finish_reason(gen.finish_reason), "usage": usage(call, gen.token_ids, gen.stats),
                "spec": spec_info(call, gen.stats)}
 
-    return StreamingResponse(_stream_events(job, call, state.backend.tokenizer, chunk, final),
+    return StreamingResponse(_stream_events(job, call, state.backend.tokenizer, chunk, final, progress),
                              media_type="text/event-stream", headers=_SSE_HEADERS)
 
 

@@ -340,3 +340,74 @@ def test_cli_index_json(tmp_path):
     r = subprocess.run([sys.executable, "-m", "agentspec", "index", str(tmp_path / "missing")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "not a directory" in r.stderr
+
+
+def test_overlay_shadows_the_disk_until_dropped(tmp_path, tokenizer):
+    """An editor's unsaved buffer (``overlay``) is what drafts come from; saves on disk meanwhile
+    do not replace it; ``drop_overlay`` goes back to the disk copy."""
+    make_repo(tmp_path)
+    path = tmp_path / "src" / "ledger.py"
+    total = "    def total(self):\n        return"
+    with Workspace(tmp_path, tokenizer=tokenizer) as ws:
+        idx = ws.index
+        buffer = MODULE.replace("return sum(amount for _, amount in self.entries)",
+                                "return unsaved_sum_canary(self.entries)")
+        assert ws.overlay("src/ledger.py", buffer) is True
+        assert ws.overlays() == ["src/ledger.py"]
+        assert continues(idx, tokenizer, total, " unsaved_sum_canary(self.")
+        assert not continues(idx, tokenizer, total, " sum(amount for _,")
+        # a save of other text on disk while the buffer is open does not replace the buffer
+        path.write_text(MODULE.replace("return sum(amount for _, amount in self.entries)", "return disk_canary()"))
+        (tmp_path / "src" / "other.py").write_text("def other_canary_fn():\n    return 'kestrel-ridge'\n")
+        assert until(lambda: "src/other.py" in ws.files())   # the watcher ran past the save
+        assert ws.wait_idle()
+        assert continues(idx, tokenizer, total, " unsaved_sum_canary(self.")
+        assert not continues(idx, tokenizer, total, " disk_canary()")
+        # a buffer for a file not yet on disk, and a buffer edited key by key
+        assert ws.overlay(tmp_path / "src" / "draft_new.py", "def brand_new_buffer_fn():\n    return 'osprey'\n")
+        assert "src/draft_new.py" in ws.files()
+        assert continues(idx, tokenizer, "def brand_new_buffer_fn():\n    return", " 'osprey'")
+        # closing the buffer: the disk copy is back, the unsaved text is gone
+        ws.drop_overlay("src/ledger.py")
+        assert continues(idx, tokenizer, total, " disk_canary()")
+        assert not continues(idx, tokenizer, total, " unsaved_sum_canary(self.")
+        ws.drop_overlay("src/draft_new.py")
+        assert "src/draft_new.py" not in ws.files()
+        assert not continues(idx, tokenizer, "def brand_new_buffer_fn():\n    return", " 'osprey'")
+        assert ws.overlays() == []
+        # ignored paths are not indexed from a buffer either; paths outside the root are refused
+        assert ws.overlay("secret/keys.py", "API_KEY = 'buffer-canary-heron-5512'\n") is False
+        assert ws.overlay("debug.log", "buffer-canary-heron-5512\n") is False
+        assert not continues(idx, tokenizer, "API_KEY = 'buffer", "-canary-heron")
+        for bad in ("../outside.py", tmp_path.parent / "outside.py", "/etc/hostname", ""):
+            with pytest.raises(ValueError, match="not a file under the workspace root"):
+                ws.overlay(bad, "x = 1\n")
+
+
+def test_overlay_retokenizes_only_changed_chunks(tmp_path, tokenizer):
+    """Typing in a large buffer re-tokenizes the chunk being edited, not the file."""
+    big = "".join(f"def fn_{i}(x):\n    return x * {i} + {i + 1}\n\n\n" for i in range(1500))   # ~6k lines
+    (tmp_path / "big.py").write_text(big)
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.texts = inner, 0
+            self.vocab_size = getattr(inner, "vocab_size", None)
+
+        def encode_batch(self, texts):
+            self.texts += len(texts)
+            return self.inner.encode_batch(texts)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    counting = Counting(tokenizer)
+    with Workspace(tmp_path, tokenizer=counting, watch=False) as ws:
+        chunks = len(ws._files["big.py"]["docs"])
+        assert chunks > 50
+        counting.texts = 0
+        edited = big.replace("return x * 700 + 701", "return x * 700 + 701  # typed")
+        ws.overlay("big.py", edited)
+        assert counting.texts <= 2, counting.texts
+        assert continues(ws.index, tokenizer, "def fn_700(x):\n    return x * 700 + 701", "  # typed")
+        assert ws.summary()["tokens"] > 0
