@@ -173,14 +173,16 @@ class Decoder:
         tokens = torch.tensor(ids, device=dev)
         hiddens: list[dict] = []
         # the canonical prefill: chunks at absolute multiples of C (prefix_cache.py, "Exactness")
-        for a in range(start, len(ids), C):
-            b = min(a + C, len(ids))
-            out = self.model(tokens[a:b], torch.arange(a, b, device=dev), seq.cache, logits_rows=slice(-1, None),
-                             hidden_layers=layers, prefill=True)
-            logits, hidden = out if layers else (out, None)
-            seq.cache.commit(list(range(b - a)))
-            if hidden is not None:
-                hiddens.append(hidden)
+        # at a fixed thread count (ThreadGovernor.full_team: GEMM bits may depend on it)
+        with self.engine.governor.full_team():
+            for a in range(start, len(ids), C):
+                b = min(a + C, len(ids))
+                out = self.model(tokens[a:b], torch.arange(a, b, device=dev), seq.cache,
+                                 logits_rows=slice(-1, None), hidden_layers=layers, prefill=True)
+                logits, hidden = out if layers else (out, None)
+                seq.cache.commit(list(range(b - a)))
+                if hidden is not None:
+                    hiddens.append(hidden)
         if hiddens:
             self._observe(seq, ids, {i: torch.cat([h[i] for h in hiddens]) for i in hiddens[0]}, None)
         if pc is not None and len(ids) // C > start // C:

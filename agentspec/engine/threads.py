@@ -17,6 +17,7 @@ burst of other work does not make it oscillate. Elsewhere than Linux it keeps ``
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -109,3 +110,16 @@ class ThreadGovernor:
     def apply(self) -> None:
         """Set the current count on the calling thread (OpenMP counts are per thread)."""
         torch.set_num_threads(self.threads)
+
+    @contextlib.contextmanager
+    def full_team(self):
+        """Run the block on ``max_threads`` whatever the load, then go back to the current count.
+        For prompt prefill: on some CPUs a GEMM's bits depend on the thread count (oneDNN's
+        bfloat16 GEMM with AMX splits K=1536 differently on 1, 2 and 3 threads), and the
+        exactness of the prefix cache and of speculation rests on every prefill chunk computing
+        the same bits every time."""
+        torch.set_num_threads(self.max_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(self.threads)

@@ -118,19 +118,35 @@ def test_against_a_reference(ops, budget):
     assert all(nd.pins == 0 for nd in pc._lru.values())
 
 
-def test_prefill_matmuls_do_not_depend_on_the_thread_count():
-    """The exactness argument assumes a prefill chunk computes the same bits on any thread count
-    (the thread governor changes it between forwards): the model's GEMM shapes, bfloat16."""
+def test_prefill_runs_on_a_fixed_thread_count():
+    """The exactness argument needs a prefill chunk to compute the same bits every time. On some
+    CPUs a GEMM's bits depend on the thread count (oneDNN's bfloat16 GEMM with AMX: K=1536 on 1
+    vs 2 threads), and the thread governor changes the count between forwards under load: so
+    prefill runs on the governor's full team whatever its current count."""
+    from agentspec.engine.threads import ThreadGovernor
+
+    threads = torch.get_num_threads()
+    gov = ThreadGovernor(2, enabled=False)
+    try:
+        gov.threads = 1
+        gov.apply()
+        seen = []
+        with gov.full_team():
+            seen.append(torch.get_num_threads())
+        seen.append(torch.get_num_threads())
+        assert seen == [2, 1]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_prefill_attention_does_not_depend_on_the_thread_count():
+    """Attention kernels of the prefill (the blockwise one and SDPA's flash kernel with the
+    additive chunk mask) give the same bits on any thread count."""
     torch.manual_seed(0)
     threads = torch.get_num_threads()
     try:
-        for M, K, N in [(256, 576, 960), (256, 576, 3072), (256, 1536, 576), (37, 576, 960)]:
-            x, w = torch.randn(M, K).bfloat16(), torch.randn(N, K).bfloat16()
-            outs = []
-            for t in (1, 2, 3):
-                torch.set_num_threads(t)
-                outs.append(F.linear(x, w))
-            assert all(torch.equal(outs[0], o) for o in outs[1:]), (M, K, N)
+        mask = torch.zeros(256, 512, dtype=torch.bfloat16)
+        mask[:, 256:].masked_fill_(torch.ones(256, 256, dtype=torch.bool).triu(1), float("-inf"))
         q, k, v = (torch.randn(9, 256, 64).bfloat16(), torch.randn(3, 512, 64).bfloat16(),
                    torch.randn(3, 512, 64).bfloat16())
         outs = []
@@ -138,6 +154,13 @@ def test_prefill_matmuls_do_not_depend_on_the_thread_count():
             torch.set_num_threads(t)
             outs.append(prefill_attention(q, k, v, start=256))
         assert all(torch.equal(outs[0], o) for o in outs[1:])
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True))
+            outs.append(F.scaled_dot_product_attention(q[None], k[None, :, :256], v[None, :, :256], is_causal=True,
+                                                       enable_gqa=True))
+        assert all(torch.equal(outs[i], outs[i + 2]) for i in range(len(outs) - 2))
     finally:
         torch.set_num_threads(threads)
 
