@@ -126,7 +126,7 @@ class ApplyPlan:
     code: str                          # the original file, as given (line endings included)
     messages: list[dict[str, str]]     # the chat to encode and generate from (one user message)
     prediction_ids: list[int]          # the original's tokens (LF line endings): the draft source
-    max_tokens_estimate: int           # room for the whole file and the update
+    max_tokens_estimate: int           # room for the whole file, the update and a quarter more
 
     def max_tokens(self, room: int) -> int:
         """``max_tokens_estimate`` capped to ``room`` (context window minus the prompt), at least 1."""
@@ -151,7 +151,9 @@ def build_apply(code: str, update: str | None, instruction: str | None, name: st
     upd = _lf(update) if update else update
     messages = [{"role": "user", "content": apply_prompt(src, upd, instruction, name)}]
     code_ids = list(tokenizer.encode(src))
-    estimate = len(code_ids) + len(tokenizer.encode(upd or "")) + 64
+    # the file, the snippet's new lines, and a quarter more for what an instruction adds
+    # (docstrings, a new function) and a fence around the answer
+    estimate = len(code_ids) + len(tokenizer.encode(upd or "")) + len(code_ids) // 4 + 64
     return ApplyPlan(code=code, messages=messages, prediction_ids=code_ids, max_tokens_estimate=estimate)
 
 

@@ -189,11 +189,11 @@ async def run_overlays(root: Path, lines: int, edits: int, seed: int) -> dict:
 
 
 async def main_async(args) -> dict:
-    import agentspec  # noqa: F401  (sets up the CPU environment like the server does)
-    from agentspec.engine import _cpu_isa
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_server import machine_info
 
     recs = rewrites(args.prompts)
-    out: dict = {"machine": _cpu_isa.machine_info(), "prompts": [r["id"] for r in recs]}
+    out: dict = {"machine": machine_info(), "prompts": [r["id"] for r in recs]}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp).resolve()
         for rec in recs:

@@ -165,12 +165,13 @@ def test_build_apply_plans_the_merge():
     [msg] = plan.messages
     assert msg["role"] == "user" and "\r" not in msg["content"] and "```python\n" + CODE.rstrip() in msg["content"]
     assert plan.prediction_ids == tok.encode(CODE)  # the LF text: what the model will write
-    assert plan.max_tokens_estimate == len(tok.encode(CODE)) + len(tok.encode("def sub(a, b):\n    # subtract")) + 64
+    n = len(tok.encode(CODE))
+    assert plan.max_tokens_estimate == n + len(tok.encode("def sub(a, b):\n    # subtract")) + n // 4 + 64
     assert plan.max_tokens(10**6) == plan.max_tokens_estimate and plan.max_tokens(5) == 5 and plan.max_tokens(0) == 1
     assert plan.code == crlf
     assert plan.finish("Here:\n```python\n" + NEW + "```\nDone.") == NEW.replace("\n", "\r\n")
     only_instruction = build_apply(CODE, None, "add a comment", tokenizer=tok)
-    assert only_instruction.max_tokens_estimate == len(tok.encode(CODE)) + 64
+    assert only_instruction.max_tokens_estimate == n + n // 4 + 64
     with pytest.raises(InvalidRequestError, match="update") as e:
         build_apply(CODE, None, "", tokenizer=tok)
     assert e.value.param == "update"
