@@ -29,7 +29,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -246,10 +246,14 @@ def merged_code(text: str, original: str | None = None) -> str:
 
 # ---- workspace files ----------------------------------------------------------------------------------
 
+MAX_PATH_CHARS = 4096   # Linux's PATH_MAX: no longer path can be opened
+MAX_PATH_PARTS = 64     # components after normalizing: deeper than any source file a client would apply to
+
+
 class ApplyPathError(InvalidRequestError):
     """A workspace path fast apply cannot read. ``status``: the HTTP status a server answers with
-    (400 no workspace / bad path / unreadable / not UTF-8, 403 outside the workspace, 404 no such
-    file, 413 too large); ``code`` and ``type``: the OpenAI error code and type."""
+    (400 no workspace / bad path / unreadable / not UTF-8, 403 outside the workspace or ignored by
+    it, 404 no such file, 413 too large); ``code`` and ``type``: the OpenAI error code and type."""
 
     def __init__(self, message: str, *, status: int, code: str, type: str = "invalid_request_error",
                  param: str | None = "path") -> None:
@@ -259,18 +263,50 @@ class ApplyPathError(InvalidRequestError):
         self.type = type
 
 
+def _ignored_path(base: Path, asked: Path, full: Path, ignored: Callable[[str], bool] | None) -> bool:
+    """Whether the workspace at ``base`` ignores ``asked`` (as given: normalized, symlinks not
+    followed) or ``full`` (the file it resolves to, inside ``base``)."""
+    if ignored is None:
+        from .workspace import is_ignored
+
+        def ignored(rel: str) -> bool:
+            return is_ignored(base, rel)
+
+    lexical = Path(os.path.normpath(asked if asked.is_absolute() else base / asked))
+    rels = {full.relative_to(base).as_posix()}
+    if lexical.is_relative_to(base):
+        rels.add(lexical.relative_to(base).as_posix())
+    for rel in rels - {"", "."}:
+        try:
+            if ignored(rel):
+                return True
+        except ValueError:   # not under the workspace's own root: no file it indexes
+            return True
+    return False
+
+
 def resolve_workspace_path(root: str | os.PathLike | None, path: str, *, max_bytes: int,
-                           tenant: str | None = None) -> tuple[Path, str]:
+                           tenant: str | None = None,
+                           ignored: Callable[[str], bool] | None = None) -> tuple[Path, str]:
     """``(full path, text)`` of the file at ``path`` (relative to ``root``, or absolute) inside the
     workspace ``root``. Symlinks are resolved first, so one pointing out of the workspace is
-    outside it. The text is decoded as UTF-8 as stored (CRLF kept). ``tenant`` names the
-    workspace's owner in messages. Raises ApplyPathError (see its ``status``)."""
+    outside it. A file the workspace ignores is refused too (403, code ``path_ignored``), whether
+    it exists or not: ``ignored`` (a path relative to ``root`` -> bool, e.g. ``Workspace.ignored``;
+    default ``agentspec.workspace.is_ignored`` with ``DEFAULT_IGNORE`` and the ``.gitignore``
+    files) is asked about the path as given and the file it resolves to, so ``.git/config``,
+    ``.env`` when gitignored, ``.venv/...`` and a symlink to any of them are not read. The text
+    is decoded as UTF-8 as stored (CRLF kept). ``tenant`` names the workspace's owner in
+    messages. Raises ApplyPathError (see its ``status``)."""
     owner = f" of tenant {tenant!r}" if tenant is not None else ""
     if root is None:
         who = f"tenant {tenant!r} has" if tenant is not None else "there is"
         raise ApplyPathError(f"{who} no workspace: send `code` instead of `path`", status=400, code="no_workspace")
     if "\x00" in path:
         raise ApplyPathError("path must not contain NUL bytes", status=400, code="invalid_value")
+    if len(path) > MAX_PATH_CHARS or len(Path(os.path.normpath(path)).parts) > MAX_PATH_PARTS:
+        # before any file system or ignore-rule work: the ignore walk costs ~depth^3 (7 s at 200 parts)
+        raise ApplyPathError(f"path is too long or too deep (at most {MAX_PATH_CHARS} characters and "
+                             f"{MAX_PATH_PARTS} components)", status=400, code="invalid_value")
     base = Path(root).resolve()
     p = Path(path)
     try:
@@ -281,7 +317,15 @@ def resolve_workspace_path(root: str | os.PathLike | None, path: str, *, max_byt
     if not full.is_relative_to(base):
         raise ApplyPathError(f"path {path!r} is outside the workspace{owner}", status=403, type="permission_error",
                              code="path_outside_workspace")
-    if not full.is_file():
+    if _ignored_path(base, p, full, ignored):
+        raise ApplyPathError(f"path {path!r} is ignored by the workspace{owner} (.gitignore or the ignore list): "
+                             "fast apply reads only files the workspace indexes", status=403,
+                             type="permission_error", code="path_ignored")
+    try:
+        is_file = full.is_file()
+    except OSError as e:  # is_file() raises on ENAMETOOLONG (a name over 255 bytes) and the like: a 400, not a 500
+        raise ApplyPathError(f"cannot read {path!r}: {e.strerror}", status=400, code="unreadable") from None
+    if not is_file:
         raise ApplyPathError(f"no such file in the workspace: {path!r}", status=404, type="not_found_error",
                              code="file_not_found")
     too_large = ApplyPathError(f"file {path!r} is larger than {max_bytes} bytes", status=413, code="file_too_large")

@@ -473,6 +473,42 @@ def _tcp_address(value: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit status. Output into a pipe that closed early (``agentspec stats
+    --json | head``) ends the command quietly with 141 (128 + SIGPIPE, as a shell reports a
+    command the pipe's signal ended), no traceback."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        return 141
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader is gone (poll: POLLERR on its write end; where poll
+    is missing, assumed); if so it now points at /dev/null, so the interpreter's flush at exit
+    has nowhere to fail (Python's documented recipe for SIGPIPE)."""
+    import os
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    if hasattr(select, "poll"):
+        p = select.poll()
+        p.register(fd, select.POLLOUT)
+        if not any(ev & select.POLLERR for _, ev in p.poll(0)):
+            return False   # stdout is fine: the broken pipe was another one
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+    return True
+
+
+def _main(argv: list[str] | None) -> int:
     from .errors import AgentSpecError
 
     args = build_parser().parse_args(argv)

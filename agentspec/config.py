@@ -85,6 +85,11 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 8 << 20
     # a request still running (queued or generating) after this many seconds is stopped
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    # on SIGTERM / SIGINT: stop taking connections (new ones are refused, a request that still
+    # arrives gets 503), let running requests finish for up to this many seconds, then cancel
+    # the rest (their streams end with a 503 "shutting_down" error) and exit 0; a second signal
+    # cancels at once. Keep it under the orchestrator's kill timeout (Kubernetes: 30 s)
+    shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 20.0
     # requests waiting for the engine beyond this many get 503 (the engine runs one at a time)
     max_queue: Annotated[int, msgspec.Meta(ge=1)] = 256
     # requests decoded together in one batch (continuous batching); more wait in the queue
@@ -107,13 +112,28 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefix_cache_shared: bool = False
 
 
+MIN_API_KEY_CHARS = 8   # shorter API keys are refused at start-up
+
+
 class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # tenant name: log file name and metrics label, so a restricted alphabet
     name: Name
-    # bearer tokens that identify this tenant (Authorization: Bearer <key>)
-    api_keys: list[Annotated[str, msgspec.Meta(min_length=8)]] = []
+    # bearer tokens that identify this tenant (Authorization: Bearer <key>); each at least
+    # MIN_API_KEY_CHARS characters (checked in __post_init__, for a message that says so)
+    api_keys: list[str] = []
     # repository this tenant's requests draft from and /v1/apply `path`s resolve in (default: --repo)
     workspace: str | None = None
+    # generation requests running or queued at once; more get 429 with Retry-After (default: no cap)
+    max_concurrent: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # generation requests started in any 60 s; more get 429 with Retry-After (default: no cap)
+    requests_per_minute: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+    def __post_init__(self) -> None:
+        for j, key in enumerate(self.api_keys):
+            if len(key) < MIN_API_KEY_CHARS:   # the key itself is never shown
+                raise ConfigError(f"tenant {self.name!r}: api_keys[{j}] is {len(key)} characters long; an API key "
+                                  f"needs at least {MIN_API_KEY_CHARS} (e.g. `python -c \"import secrets; "
+                                  f"print('sk-' + secrets.token_urlsafe(24))\"`)")
 
 
 class RouteWhen(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -172,9 +192,14 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ConfigError(f"tenant names must be unique, repeated: {sorted(dup)}")
-        keys = [k for t in self.tenants for k in t.api_keys]
-        if len(keys) != len(set(keys)):
-            raise ConfigError("an API key is listed for more than one tenant (or twice)")
+        first: dict[str, str] = {}   # key -> where it is first listed (the key itself is never shown)
+        for i, t in enumerate(self.tenants):
+            for j, k in enumerate(t.api_keys):
+                at = f"tenants[{i}].api_keys[{j}] (tenant {t.name!r})"
+                if k in first:
+                    raise ConfigError(f"an API key is listed for more than one tenant (or twice): {at} "
+                                      f"repeats {first[k]}")
+                first[k] = at
         routes = [r.name for r in self.routes]
         dup = {n for n in routes if routes.count(n) > 1}
         if dup:

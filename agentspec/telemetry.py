@@ -193,7 +193,10 @@ class TenantLogSink:
     written so far is on disk; ``close()`` flushes and stops the thread (idempotent; it also runs
     at interpreter exit). After ``close()``, ``write()`` still works, synchronously, so a record
     that comes late (a request finishing during shutdown) is not lost. A write the writer thread
-    cannot make (disk full, permissions) is reported on stderr and counted in ``failed``. The
+    cannot make (disk full, permissions) is reported on stderr and counted in ``failed``; those
+    records are lost (kept nowhere, so a full disk cannot fill memory), the tenant is in
+    ``failing`` (``status`` is ``"failing"``) until one of its writes succeeds again, and each
+    later group is tried afresh, so logging resumes by itself once the disk has room. The
     thread starts with the first write (a sink never written to has none).
     ``background=False``: ``write()`` appends and fsyncs before it returns (tools, tests).
 
@@ -220,7 +223,10 @@ class TenantLogSink:
         self.backups = backups
         self.max_queue = max_queue
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.failed = 0                 # records the writer thread could not write (reported on stderr)
+        self.failed = 0                 # records that could not be written (reported on stderr): lost
+        self.failing: dict[str, str] = {}   # tenant -> its last write error, until a write succeeds again
+        self._lost: dict[str, int] = {}     # tenant -> records lost since its last good write
+        self._error_warned: dict[str, float] = {}   # tenant -> monotonic time of its last error line
         self._encoder = msgspec.json.Encoder()
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
@@ -273,7 +279,12 @@ class TenantLogSink:
             # closed: write now, but after what the writer is still draining (keep write order)
             while self._done < self._queued and self._draining():
                 self._cond.wait(0.5)
-        self._append(record.tenant, [line])
+        self._try_append(record.tenant, [line], raise_errors=True)
+
+    @property
+    def status(self) -> str:
+        """``"failing"`` while some tenant's last write failed (disk full, permissions), else ``"ok"``."""
+        return "failing" if self.failing else "ok"
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every record written before this call is on disk (or has failed, see
@@ -311,16 +322,40 @@ class TenantLogSink:
             for tenant, line in group:
                 by_tenant.setdefault(tenant, []).append(line)
             for tenant, lines in by_tenant.items():
-                try:
-                    self._append(tenant, lines)
-                except Exception as e:  # noqa: BLE001 -- keep the thread alive for the other tenants and later groups
-                    with self._cond:
-                        self.failed += len(lines)
-                    print(f"[agentspec] error: could not write {len(lines)} acceptance-log records for tenant "
-                          f"{tenant!r}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                self._try_append(tenant, lines)   # a failure is counted and reported, the thread goes on
             with self._cond:
                 self._done += len(group)
                 self._cond.notify_all()
+
+    def _try_append(self, tenant: str, lines: list[bytes], *, raise_errors: bool = False) -> None:
+        """``_append``, keeping the books: a failure adds to ``failed`` and ``failing`` and is
+        reported on stderr (the first, then at most once a minute per tenant); the first good write
+        after failures says so and how many records were lost."""
+        try:
+            self._append(tenant, lines)
+        except Exception as e:  # noqa: BLE001 -- counted here; the writer thread keeps going for later groups
+            now = time.monotonic()
+            with self._cond:
+                self.failed += len(lines)
+                self._lost[tenant] = self._lost.get(tenant, 0) + len(lines)
+                loud = tenant not in self.failing or now - self._error_warned.get(tenant, -math.inf) >= 60
+                self.failing[tenant] = f"{type(e).__name__}: {e}"
+                if loud:
+                    self._error_warned[tenant] = now
+                lost = self._lost[tenant]
+            if loud:
+                print(f"[agentspec] error: could not write {len(lines)} acceptance-log records for tenant {tenant!r}: "
+                      f"{type(e).__name__}: {e} ({lost} lost so far; requests are still served)",
+                      file=sys.stderr, flush=True)
+            if raise_errors:
+                raise
+            return
+        if tenant in self.failing:
+            with self._cond:
+                self.failing.pop(tenant, None)
+                lost = self._lost.pop(tenant, 0)
+            print(f"[agentspec] the acceptance log of tenant {tenant!r} is written again ({lost} records were lost)",
+                  file=sys.stderr, flush=True)
 
     def _append(self, tenant: str, lines: list[bytes]) -> None:
         """Append ``lines`` (each ending in a newline) to the tenant's file: one write and one
@@ -522,6 +557,8 @@ class _Group:
             "e2e_ms_p95": _percentile(self.e2e, 95),
             "tokens_per_s": self.completion_tokens / self.e2e_s if self.e2e_s > 0 else None,
             "acceptance_per_pos": _ratios(self.accepted, self.drafted),
+            "drafted_per_pos": list(self.drafted),    # the n behind each acceptance_per_pos ratio
+            "accepted_per_pos": list(self.accepted),
             "by_source": [
                 {"source": src, "steps": steps, "draft_tokens": drafted, "accepted_tokens": accepted,
                  "acceptance_rate": accepted / drafted if drafted else None}
@@ -543,7 +580,8 @@ def summarize(records: Iterable[AcceptanceRecord]) -> dict[str, list[dict[str, A
     """``{"routes": [row per (tenant, route)], "tenants": [row per tenant], "by_route": [row per
     route, all tenants]}``. A row: requests, spec_on_pct, completion_tokens, steps, mat,
     draft/accepted tokens, acceptance_rate (accepted / draft tokens), p50/p95 of ttft_ms and e2e_ms,
-    tokens_per_s (completion tokens per second of request time), acceptance_per_pos, and by_source:
+    tokens_per_s (completion tokens per second of request time), acceptance_per_pos (with its counts:
+    drafted_per_pos, the steps whose draft reached each depth, and accepted_per_pos), and by_source:
     per draft node source (most draft tokens first) its steps, draft/accepted tokens and
     acceptance_rate."""
     routes: dict[tuple[str, str], _Group] = {}
@@ -635,35 +673,64 @@ def format_table(summary: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-def plot_summary(summary: dict[str, list[dict[str, Any]]], path: str | os.PathLike) -> None:
-    """PNG with acceptance rate by draft position (a line per tenant) and MAT by route (bars)."""
+def plot_summary(summary: dict[str, list[dict[str, Any]]], path: str | os.PathLike | None) -> Any:
+    """Draw ``summarize``'s output: acceptance rate by draft position (a line per tenant, each
+    point labelled with its n: the steps whose draft reached that depth, so a depth seen twice
+    does not pass for a measured 1.0) and MAT by route (a bar per tenant and route, labelled with
+    its number of requests). Saves a PNG to ``path`` (None: no file) and returns the matplotlib
+    ``Figure``: its axes hold the plotted series (lines and bar containers labelled by tenant)."""
     try:
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise ImportError("agentspec stats --plot needs matplotlib: pip install 'agentspec-serve[dev]'") from None
 
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    tenants = sorted({t["tenant"] for t in summary["tenants"]} | {r["tenant"] for r in summary["routes"]})
+    color = {t: f"C{i % 10}" for i, t in enumerate(tenants)}   # one colour per tenant in both panels
+    fig = Figure(figsize=(12, 4.6), layout="constrained")
     ax1, ax2 = fig.subplots(1, 2)
     for t in summary["tenants"]:
         per = t["acceptance_per_pos"]
-        if per:
-            ax1.plot(range(1, len(per) + 1), per, marker="o", markersize=3, label=t["tenant"])
-    ax1.set(title="Acceptance rate by draft position", xlabel="draft position (depth)",
-            ylabel="accepted / drafted", ylim=(0, 1.05))
+        counts = t.get("drafted_per_pos") or [None] * len(per)
+        if not per:
+            continue
+        xs = list(range(1, len(per) + 1))
+        ax1.plot(xs, per, marker="o", markersize=3, label=t["tenant"], color=color[t["tenant"]])
+        for x, y, n in zip(xs, per, counts):
+            if n is not None:
+                ax1.annotate(str(n), (x, y), textcoords="offset points", ha="center", fontsize=6,
+                             xytext=(0, 4 + 7 * (tenants.index(t["tenant"]) % 3)),   # tenants' labels apart
+                             color=color[t["tenant"]])
+    ax1.set(title="Acceptance rate by draft position (labels: n drafted)", xlabel="draft position (depth)",
+            ylabel="accepted / drafted", ylim=(0, 1.1))
     ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
     if ax1.lines:
-        ax1.legend(fontsize="small")
+        ax1.legend(fontsize="small", title="tenant", title_fontsize="small")
     else:
         ax1.text(0.5, 0.5, "no per-position data", ha="center", va="center", transform=ax1.transAxes)
-    routes = summary["by_route"]
-    ax2.bar([r["route"] for r in routes], [r["mat"] for r in routes], color="tab:blue")
-    ax2.set(title="MAT by route", xlabel="route", ylabel="mean acceptance length")
-    fig.savefig(path, dpi=100)
+    rows = summary["routes"]   # per (tenant, route): one bar each, grouped by route
+    routes = sorted({r["route"] for r in rows})
+    width = 0.8 / max(len(tenants), 1)
+    for k, tenant in enumerate(tenants):
+        mine = [r for r in rows if r["tenant"] == tenant]
+        if not mine:
+            continue
+        xs = [routes.index(r["route"]) - 0.4 + width * (k + 0.5) for r in mine]
+        bars = ax2.bar(xs, [r["mat"] for r in mine], width, label=tenant, color=color[tenant])
+        ax2.bar_label(bars, labels=[f"n={r['requests']}" for r in mine], fontsize=7, padding=2)
+    ax2.set_xticks(range(len(routes)), routes)
+    ax2.set(title="MAT by route and tenant (labels: n requests)", xlabel="route", ylabel="mean acceptance length")
+    if ax2.containers:
+        ax2.margins(y=0.12)   # room for the labels above the bars
+        ax2.legend(fontsize="small", title="tenant", title_fontsize="small")
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig
 
 
 class Metrics:
-    """Prometheus metrics on a private registry, named after vLLM's with an ``agentspec:`` prefix.
+    """Prometheus metrics on a private registry, named after vLLM's with an ``agentspec:`` prefix,
+    without ``_created`` series.
 
     Every series has a ``tenant`` label; the first ``max_tenants`` tenants seen keep their name,
     later ones are counted as ``"other"``. ``..._per_pos`` series have a ``position`` label,
@@ -671,7 +738,12 @@ class Metrics:
     """
 
     def __init__(self, *, max_tenants: int = 32, max_positions: int = MAX_POSITIONS) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+        # no ``_created`` twin per series (a timestamp per counter and histogram: half the lines,
+        # no information a scraper needs); prometheus_client's switch is process-wide, set here so
+        # it holds whatever $PROMETHEUS_DISABLE_CREATED_SERIES says
+        disable_created_metrics()
 
         if max_tenants < 1:
             raise ValueError(f"max_tenants must be >= 1, got {max_tenants}")
@@ -747,6 +819,25 @@ class Metrics:
             self.num_draft_tokens_per_pos.labels(t, str(i)).inc(n)
         for i, n in enumerate(record.accepted_per_pos[: self.max_positions]):
             self.num_accepted_tokens_per_pos.labels(t, str(i)).inc(n)
+
+    def watch_log_sink(self, sink: Any) -> None:
+        """Export ``sink.failed`` (records the acceptance log could not write: disk full,
+        permissions) as the counter ``agentspec:log_write_errors_total``; once per Metrics."""
+        if getattr(self, "_log_sink", None) is not None:
+            self._log_sink = sink
+            return
+        from prometheus_client.core import CounterMetricFamily
+
+        self._log_sink = sink
+        metrics = self
+
+        class _LogErrors:
+            def collect(self):
+                yield CounterMetricFamily("agentspec:log_write_errors",
+                                          "Acceptance-log records that could not be written (lost).",
+                                          value=getattr(metrics._log_sink, "failed", 0))
+
+        self.registry.register(_LogErrors())
 
     def render(self) -> tuple[bytes, str]:
         """``(body, content_type)`` for ``GET /metrics``."""

@@ -33,7 +33,7 @@ from typing import Any
 
 from .chunking import chunk_text
 
-__all__ = ["Workspace", "DEFAULT_IGNORE"]
+__all__ = ["Workspace", "DEFAULT_IGNORE", "is_ignored"]
 
 DEFAULT_IGNORE = (".git/", ".hg/", ".svn/", "node_modules/", "__pycache__/", ".venv/", "venv/", ".tox/",
                   ".mypy_cache/", ".pytest_cache/", ".ruff_cache/", "*.pyc", "*.so", "*.o", "*.a",
@@ -42,6 +42,10 @@ DEFAULT_IGNORE = (".git/", ".hg/", ".svn/", "node_modules/", "__pycache__/", ".v
                   "*.bin", "*.pt", "*.npz", "*.npy", ".DS_Store")
 SNIFF_BYTES = 8192
 MANIFEST_VERSION = 1
+# A file whose mtime is this close to the moment it was read may be written again without its
+# (size, mtime) changing (coarse file-system clocks: 1-2 s on some; a clock tick on others), so
+# that pair does not prove it unchanged: its next event re-reads it and compares the hash.
+RACY_NS = 2_000_000_000
 
 
 class _Ignore:
@@ -75,6 +79,11 @@ class _Ignore:
         with self._lock:
             self._specs.pop(rel_dir, None)
 
+    def clear(self) -> None:
+        """Forget every folder's rules (the tree was replaced)."""
+        with self._lock:
+            self._specs.clear()
+
     def ignored(self, rel: str, is_dir: bool) -> bool:
         """``rel``: a path relative to the root, with forward slashes."""
         probe = rel + "/" if is_dir else rel
@@ -93,6 +102,34 @@ class _Ignore:
             if self.base.match_file("/".join(parts[:i]) + "/"):
                 return True
         return False
+
+    def ignored_file(self, rel: str) -> bool:
+        """The file ``rel`` (relative, forward slashes) or a folder above it is ignored: what the
+        walk never reaches."""
+        return self.ignored(rel, False) or any(self.ignored(d, True) for d in _parents(rel))
+
+
+def is_ignored(root: str | os.PathLike, path: str | os.PathLike, ignore: Sequence[str] = DEFAULT_IGNORE) -> bool:
+    """``Workspace.ignored`` for a root without a ``Workspace`` (an SGLang backend's tenants):
+    whether a workspace at ``root`` with the ignore list ``ignore`` ignores the file ``path``
+    (absolute or relative to ``root``; ``.gitignore`` files are read now). ValueError for a path
+    outside ``root``."""
+    base = Path(root).resolve()
+    return _Ignore(base, ignore).ignored_file(_rel_under(base, path))
+
+
+def _rel_under(root: Path, path: str | os.PathLike) -> str:
+    """``path`` (absolute or relative to ``root``), normalized without resolving symlinks, as a
+    path relative to ``root`` with forward slashes; ValueError outside ``root`` (or ``root``)."""
+    p = Path(path)
+    p = Path(os.path.normpath(p if p.is_absolute() else root / p))
+    try:
+        rel = p.relative_to(root).as_posix()
+    except ValueError:
+        raise ValueError(f"{str(path)!r} is not under the workspace root {str(root)!r}") from None
+    if rel in ("", "."):
+        raise ValueError(f"{str(path)!r} is the workspace root {str(root)!r}, not a file under it")
+    return rel
 
 
 class Workspace:
@@ -154,7 +191,8 @@ class Workspace:
         self._lock = threading.RLock()        # guards _files and index updates from this workspace
         self.skipped: Counter[str] = Counter()
         self.skipped_paths: dict[str, str] = {}
-        self.stats = {"seconds": 0.0, "loaded_from_snapshot": False}
+        # snapshot_refused: why a snapshot there was not loaded (damaged, another version), or None
+        self.stats = {"seconds": 0.0, "loaded_from_snapshot": False, "snapshot_refused": None}
         self.updates = 0                      # files re-indexed by the watcher
         self._queue: queue.Queue = queue.Queue()
         self._busy = threading.Event()
@@ -164,12 +202,21 @@ class Workspace:
         if progress is None:
             progress = sys.stderr.isatty()
         t0 = time.perf_counter()
-        if self.snapshot is not None:
-            self._load_snapshot()
-        self._scan(progress)
-        self.stats["seconds"] = time.perf_counter() - t0
-        if watch:
+        self._started = False
+        if watch:   # watching before the scan: a file written while the scan reads it is queued and read again
             self._start_watching()
+        try:
+            if self.snapshot is not None:
+                self._load_snapshot()
+            self._scan(progress)
+        except BaseException:
+            self.close()   # no observer left behind by a failed start
+            raise
+        self.stats["seconds"] = time.perf_counter() - t0
+        self._started = True
+        if watch:   # the updater only now: it must not index a file while the scan does
+            self._thread = threading.Thread(target=self._updater, name="agentspec-workspace", daemon=True)
+            self._thread.start()
 
     # ---- public -------------------------------------------------------------------------------
 
@@ -181,7 +228,8 @@ class Workspace:
             return {"root": str(self.root), "tenant": self.tenant, "files": len(self._files), "chunks": chunks,
                     "tokens": tokens, "skipped": dict(self.skipped), "seconds": round(self.stats["seconds"], 3),
                     "tokens_per_s": round(tokens / self.stats["seconds"], 1) if self.stats["seconds"] else None,
-                    "index_bytes": self.index.nbytes, "loaded_from_snapshot": self.stats["loaded_from_snapshot"]}
+                    "index_bytes": self.index.nbytes, "loaded_from_snapshot": self.stats["loaded_from_snapshot"],
+                    "snapshot_refused": self.stats["snapshot_refused"]}
 
     def files(self) -> list[str]:
         with self._lock:
@@ -252,6 +300,14 @@ class Workspace:
         with self._lock:
             return sorted(self._overlays)
 
+    def ignored(self, path: str | os.PathLike) -> bool:
+        """Whether the workspace ignores the file ``path`` (absolute or relative to the root;
+        normalized, symlinks not followed): matched by a ``.gitignore`` file or the ignore list
+        (``DEFAULT_IGNORE`` unless given), or inside an ignored folder (``.git/``, ``.venv/``, a
+        gitignored ``build/``). Such files are never indexed, and ``POST /v1/apply`` refuses them
+        (403). ValueError for a path outside the root."""
+        return self._ignore.ignored_file(_rel_under(self.root, path))
+
     def _overlay_rel(self, path: str | os.PathLike) -> str:
         p = Path(path)
         if not p.is_absolute():
@@ -272,6 +328,7 @@ class Workspace:
             self.index.save(index_path)
             digest = _file_sha(index_path)
             manifest = {"version": MANIFEST_VERSION, "root": str(self.root), "tenant": self.tenant,
+                        "tokenizer": self._tokenizer_id(),
                         "index_sha256": digest, "files": self._files}
             _atomic_write(self.snapshot / "manifest.json", json.dumps(manifest).encode())
 
@@ -285,7 +342,7 @@ class Workspace:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=5)
-        if self.snapshot is not None:
+        if self.snapshot is not None and self._started:   # (not after a start that failed)
             self.save()
 
     def __enter__(self) -> "Workspace":
@@ -403,7 +460,7 @@ class Workspace:
         for rel, path in batch:
             with self._lock:
                 old = self._files.get(rel)
-            if old is not None:
+            if old is not None and not old.get("racy"):
                 try:
                     st = path.stat()
                     if st.st_size == old["size"] and st.st_mtime_ns == old["mtime_ns"]:
@@ -417,23 +474,29 @@ class Workspace:
                         self._forget(rel)
                 continue
             text, st = got
+            racy = st.st_mtime_ns >= time.time_ns() - RACY_NS   # (size, mtime) may not see the next write
             sha = hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()
             if old is not None and old["sha"] == sha:
                 with self._lock:
                     old["size"], old["mtime_ns"] = st.st_size, st.st_mtime_ns
+                    _set_racy(old, racy)
                 continue
             self.skipped_paths.pop(rel, None)
             chunks = chunk_text(text, rel, max_lines=self.max_chunk_lines)
-            work.append((rel, st, sha, chunks))
+            work.append((rel, st, sha, chunks, racy))
         if not work:
             return
-        flat = [c for _, _, _, chunks in work for c in chunks]
+        flat = [c for _, _, _, chunks, _ in work for c in chunks]
         ids = self.tokenizer.encode_batch(flat) if flat else []
         k = 0
-        for rel, st, sha, chunks in work:
+        for rel, st, sha, chunks, racy in work:
             toks = ids[k:k + len(chunks)]
             k += len(chunks)
             self._replace(rel, st, sha, chunks, toks)
+            with self._lock:
+                f = self._files.get(rel)
+                if f is not None and f["sha"] == sha:
+                    _set_racy(f, racy)
 
     def _replace(self, rel: str, st, sha: str, chunks: list[str], toks: list[list[int]]) -> None:
         """Swap a file's documents for its new chunks, keeping the chunks that did not change."""
@@ -517,14 +580,40 @@ class Workspace:
                 ws._queue.put((event.event_type, event.src_path, getattr(event, "dest_path", "") or "",
                                event.is_directory))
 
+        root = str(self.root)
+
+        class RootHandler(FileSystemEventHandler):   # on the parent folder: the root's own fate
+            def on_any_event(self, event):
+                dest = getattr(event, "dest_path", "") or ""
+                if event.is_directory and root in (event.src_path, dest) and event.event_type in (
+                        "created", "deleted", "moved"):
+                    ws._queue.put((event.event_type, event.src_path, dest, True))
+
         self._handler = Handler()
         self._watches: dict[str, Any] = {}
         self._observer = Observer()
         self._observer.daemon = True
         self._watch_tree(self.root)
-        self._thread = threading.Thread(target=self._updater, name="agentspec-workspace", daemon=True)
-        self._thread.start()
+        if self.root.parent != self.root:
+            # the root deleted, recreated or replaced (rm -rf and a fresh clone, a deploy's rename)
+            # is only seen from its parent: its own watches die with the old folder
+            try:
+                self._observer.schedule(RootHandler(), str(self.root.parent), recursive=False)
+            except OSError:   # an unreadable parent: the root's own replacement goes unseen
+                pass
         self._observer.start()
+
+    def _rewatch_root(self) -> None:
+        """The root was deleted, recreated or replaced: drop the watches under it (they watch
+        the old folders) and the cached ``.gitignore`` rules, and watch the tree now there."""
+        for key in list(self._watches):
+            try:
+                self._observer.unschedule(self._watches.pop(key))
+            except (KeyError, OSError):
+                pass
+        self._ignore.clear()
+        if self.root.is_dir():
+            self._watch_tree(self.root)
 
     def _watch_tree(self, folder: Path) -> None:
         for dirpath, dirnames, _ in os.walk(folder):
@@ -563,10 +652,19 @@ class Workspace:
                 items.append(nxt)
             stop = any(x is None for x in items)
             paths: set[str] = set()
+            root = str(self.root)
             for x in items:
                 if x is None:
                     continue
                 kind, src, dest, is_dir = x
+                if is_dir and root in (src, dest) and self._observer is not None:
+                    # the root itself deleted, (re)created or moved: watch and scan what is there now
+                    try:
+                        self._rewatch_root()
+                    except Exception as e:  # noqa: BLE001 - watching is best effort; scanning still works
+                        print(f"[agentspec] workspace watch update failed: {e!r}", file=sys.stderr, flush=True)
+                    paths.add(root + os.sep)
+                    continue
                 if not is_dir and Path(src).name == ".gitignore" and self._observer is not None:
                     self._watch_tree(Path(src).parent)   # folders it no longer ignores need watches
                 if is_dir and self._observer is not None:
@@ -645,21 +743,75 @@ class Workspace:
     # ---- snapshot -----------------------------------------------------------------------------
 
     def _load_snapshot(self) -> None:
+        """Load the snapshot when it is whole, of this version, tree, tenant and tokenizer; else
+        say why on stderr and in ``summary()["snapshot_refused"]``, and index from scratch (the
+        next ``save()`` writes a good one). Nothing is loaded before everything is checked."""
         manifest_path = self.snapshot / "manifest.json"
         index_path = self.snapshot / "index.bin"
-        if not manifest_path.exists() or not index_path.exists():
-            return
-        try:
-            manifest = json.loads(manifest_path.read_text())
-            if (manifest.get("version") != MANIFEST_VERSION or manifest.get("root") != str(self.root)
-                    or manifest.get("tenant") != self.tenant or manifest.get("index_sha256") != _file_sha(index_path)):
-                return   # another tree, tenant or an index written apart from this manifest: rebuild
-            self.index.load(index_path)
-        except (OSError, ValueError) as e:
-            print(f"[agentspec] workspace snapshot not loaded ({e}); indexing from scratch", file=sys.stderr)
+        if not manifest_path.exists() and not index_path.exists():
+            return   # none yet
+        manifest, why = self._check_manifest(manifest_path, index_path)
+        if why is None:
+            try:
+                self.index.load(index_path)
+            except (OSError, ValueError) as e:
+                why = f"index.bin not loadable: {e}"
+        if why is not None:
+            self.stats["snapshot_refused"] = why
+            print(f"[agentspec] workspace snapshot {self.snapshot} not used ({why}); indexing from scratch",
+                  file=sys.stderr, flush=True)
             return
         self._files = manifest["files"]
         self.stats["loaded_from_snapshot"] = True
+
+    def _check_manifest(self, manifest_path: Path, index_path: Path) -> tuple[dict, str | None]:
+        """(the manifest, None) when the snapshot can be loaded, else ({}, why not)."""
+        for path in (manifest_path, index_path):
+            if not path.is_file():
+                return {}, f"{path.name} is missing"
+        try:
+            manifest = json.loads(manifest_path.read_bytes())
+        except OSError as e:
+            return {}, f"manifest.json unreadable: {e.strerror or e}"
+        except ValueError as e:
+            return {}, f"manifest.json is not valid JSON (truncated?): {e}"
+        if not isinstance(manifest, dict):
+            return {}, "manifest.json is not a JSON object"
+        if manifest.get("version") != MANIFEST_VERSION:
+            return {}, f"manifest version {manifest.get('version')!r}; this agentspec reads version {MANIFEST_VERSION}"
+        for key, want in (("root", str(self.root)), ("tenant", self.tenant), ("tokenizer", self._tokenizer_id())):
+            if manifest.get(key) != want:
+                return {}, f"written for another {key} ({manifest.get(key)!r}, not {want!r})"
+        try:
+            digest = _file_sha(index_path)
+        except OSError as e:
+            return {}, f"index.bin unreadable: {e.strerror or e}"
+        if manifest.get("index_sha256") != digest:
+            return {}, "index.bin does not match the manifest (truncated, or written apart from it)"
+        files = manifest.get("files")
+        if not isinstance(files, dict):
+            return {}, "manifest.json has no file table"
+        for rel, f in files.items():
+            if not (isinstance(f, dict) and isinstance(f.get("size"), int) and isinstance(f.get("mtime_ns"), int)
+                    and isinstance(f.get("sha"), str) and isinstance(f.get("docs"), list)
+                    and all(isinstance(d, str) for d in f["docs"])):
+                return {}, f"manifest.json has a bad entry for {rel!r}"
+        return manifest, None
+
+    def _tokenizer_id(self) -> str:
+        """Which tokenizer made the snapshot's token ids: its vocabulary size and the ids of a
+        probe text (another model's tokenizer gives other ids: its snapshot would draft garbage)."""
+        probe = "def f(x):\n    return x  # ünïcödé, 123\n"
+        ids = self.tokenizer.encode_batch([probe])[0]
+        digest = hashlib.sha1(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:16]
+        return f"{getattr(self.tokenizer, 'vocab_size', None)}:{digest}"
+
+
+def _set_racy(entry: dict, racy: bool) -> None:
+    if racy:
+        entry["racy"] = True
+    else:
+        entry.pop("racy", None)
 
 
 def _parents(rel: str) -> list[str]:

@@ -288,8 +288,10 @@ class LocalTransport:
         code = req.code
         if code is None:
             try:
+                ws = state.tenant.workspace   # what it ignores (.gitignore, .git/, .venv/...) is refused
                 code = resolve_workspace_path(state.tenant.root, req.path, max_bytes=state.config.server.max_body_bytes,
-                                              tenant=state.tenant.name)[1]
+                                              tenant=state.tenant.name,
+                                              ignored=ws.ignored if ws is not None else None)[1]
             except ApplyPathError as e:
                 raise APIError(e.status, str(e), type=e.type, param=e.param, code=e.code) from None
         name = Path(req.path).name if req.path is not None else "the file"

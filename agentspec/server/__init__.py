@@ -216,6 +216,21 @@ def _health_answers(host: str, port: int, deadline: float) -> bool:
         time.sleep(0.1)
 
 
+def try_hint(base: str, model_id: str, *, require_key: bool, log_dir: str | os.PathLike) -> str:
+    """The "try:" lines ``serve`` prints once it answers: commands to paste into a POSIX shell.
+    With API keys they read the key from ``$AGENTSPEC_API_KEY``: curl's header is in double
+    quotes, so the shell expands it (in single quotes the server got the literal text: 401)."""
+    if require_key:
+        auth, api_key = '"Authorization: Bearer $AGENTSPEC_API_KEY"', "os.environ['AGENTSPEC_API_KEY']"
+    else:
+        auth, api_key = "'Authorization: Bearer none'", "'none'"
+    return f"""[agentspec] try:
+  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -H {auth} \\
+    -d '{{"model": "{model_id}", "temperature": 0, "messages": [{{"role": "user", "content": "Write hello world in Python."}}]}}'
+  python -c "import openai, os; c = openai.OpenAI(base_url='{base}/v1', api_key={api_key}); print(c.chat.completions.create(model='{model_id}', temperature=0, messages=[{{'role': 'user', 'content': 'Hi'}}]).choices[0].message.content)"
+  agentspec stats --log-dir {log_dir}"""
+
+
 def serve(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
           sock: socket.socket | None = None, started: float | None = None) -> None:
     """Run the server until SIGINT/SIGTERM. The batch scheduler runs on this (the main) thread and
@@ -236,7 +251,6 @@ def serve(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_
     backend = state.backend
     app = create_app(state)
     base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    key = "$AGENTSPEC_API_KEY" if state.require_key else "none"
 
     def announce():  # once the HTTP server is up and /health answers
         while not server.started:
@@ -256,15 +270,16 @@ def serve(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_
             ", measuring between requests" if costs == "stand-in" else "")
         print(f"[agentspec] serving {state.model_id!r} on {base}  (tenants: {tenants}; "
               f"logs: {Path(state.config.server.log_dir).resolve()}{costs}{ready})", file=sys.stderr, flush=True)
-        print(f"""[agentspec] try:
-  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -H 'Authorization: Bearer {key}' \\
-    -d '{{"model": "{state.model_id}", "temperature": 0, "messages": [{{"role": "user", "content": "Write hello world in Python."}}]}}'
-  python -c "import openai; c = openai.OpenAI(base_url='{base}/v1', api_key='{key}'); print(c.chat.completions.create(model='{state.model_id}', temperature=0, messages=[{{'role': 'user', 'content': 'Hi'}}]).choices[0].message.content)"
-  agentspec stats --log-dir {state.config.server.log_dir}""", file=sys.stderr, flush=True)
+        print(try_hint(base, state.model_id, require_key=state.require_key, log_dir=state.config.server.log_dir),
+              file=sys.stderr, flush=True)
+    grace = state.config.server.shutdown_grace_s
+    # uvicorn's own limit only backs ours up: by `grace` the jobs are cancelled and their
+    # responses end within a decode step; what still runs 5 s later uvicorn cancels
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=grace + 5))
     failure: list[BaseException] = []
     stopping = threading.Event()
+    cutoff: list[threading.Timer] = []
 
     def run_http():
         try:
@@ -277,10 +292,33 @@ def serve(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_
     http = threading.Thread(target=run_http, name="agentspec-http", daemon=True)
     herald = threading.Thread(target=announce, name="agentspec-announce", daemon=True)
 
+    def cut_off():   # the grace period is over (a thread of its own: it may print)
+        n = state.cancel_jobs()
+        if n:
+            print(f"[agentspec] shutdown grace period of {grace:g} s is over: cancelling {n} request(s)",
+                  file=sys.stderr, flush=True)
+
     def stop(signum, frame):
+        """SIGTERM / SIGINT: drain. uvicorn closes the listening socket at once (new connections
+        are refused) and waits for the responses in flight; a request that still reaches a handler
+        gets 503 (``state.draining``); the running ones go on for up to ``shutdown_grace_s``,
+        then are cancelled (their clients get a 503 ``shutting_down`` error). Once uvicorn is
+        done, ``run_http`` closes the backend, which ends ``backend.run()`` on this thread. A
+        second signal cancels at once and exits without waiting for the responses (uvicorn's
+        force exit; the acceptance records are still written)."""
+        state.draining = True
+        if stopping.is_set() or grace <= 0:
+            state.cancel_jobs()
+            server.force_exit = stopping.is_set()
+        elif not cutoff:
+            timer = threading.Timer(grace, cut_off)
+            timer.name, timer.daemon = "agentspec-shutdown-grace", True
+            cutoff.append(timer)
+            timer.start()
         stopping.set()
         server.should_exit = True
-        backend.close()
+        if not http.is_alive():   # no HTTP server to wait for (not started, or already gone)
+            backend.close()
 
     def start_threads():  # once the scheduler takes requests on this thread
         http.start()
@@ -292,7 +330,10 @@ def serve(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_
     finally:
         server.should_exit = True
         if http.is_alive():
-            http.join(15)
+            http.join(grace + 15)
+        for timer in cutoff:
+            timer.cancel()
+            timer.join()
         for s, h in previous.items():
             signal.signal(s, h)
         for t in state.tenants.values():

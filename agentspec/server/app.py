@@ -19,6 +19,7 @@ import asyncio
 import hmac
 import secrets
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ from .protocol import (
     SessionCreateRequest,
     decode_body,
 )
+from .openapi import openapi_endpoint
+from .limits import LimitExceeded, TenantLimits
 from .sessions import SessionForbiddenError, SessionNotFoundError, SessionRegistry
 from .worker import Job
 
@@ -78,13 +81,33 @@ class ServerState:
     keys: dict[str, str] = field(default_factory=dict)   # api key -> tenant
     sessions: SessionRegistry = field(default_factory=SessionRegistry)   # session id -> owning tenant
     started: float = field(default_factory=time.time)
+    limits: TenantLimits | None = None   # per-tenant max_concurrent / requests_per_minute (from config)
+    draining: bool = False         # shutting down: new generation requests get 503 (``serve``'s SIGTERM)
+    jobs: set = field(default_factory=set, repr=False)   # jobs submitted and not finished
+    jobs_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def cancel_jobs(self) -> int:
+        """Cancel every unfinished job because the server is shutting down (each stops at its
+        next decode step; its client gets a 503 ``shutting_down`` error); how many."""
+        with self.jobs_lock:
+            jobs = list(self.jobs)
+        for job in jobs:
+            job.shutdown = True
+            job.cancel()
+        return len(jobs)
+
+    def __post_init__(self) -> None:
+        if self.limits is None:
+            self.limits = TenantLimits({t.name: (t.max_concurrent, t.requests_per_minute)
+                                        for t in (self.config.tenants or [])})
 
 
 # ---- helpers ------------------------------------------------------------------------------------
 
 def _error(e: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+    headers.update(e.headers or {})
+    return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
 
 def _authenticate(state: ServerState, request: Request) -> Tenant:
@@ -211,18 +234,36 @@ def _submit(state: ServerState, call: Call) -> Job:
         top_k=call.top_k, seed=call.seed, stop=call.stop, spec=call.route.spec, drafters=call.route.drafters,
         tenant=tenant, route=call.route.name, session=call.session, request_id=call.request_id,
         prediction_ids=call.prediction)
+    if state.draining:
+        raise _shutting_down()
+
+    try:
+        limited = state.limits.acquire(tenant)
+    except LimitExceeded as e:
+        raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(e.retry_after)}) from None
 
     def on_finish(job: Job, kind: str, value: Any):
+        with state.jobs_lock:
+            state.jobs.discard(job)
+        if limited:
+            state.limits.release(tenant)
         _record(state, call, job, kind, value)
 
     job = Job(request, deadline=call.t0 + state.config.server.request_timeout_s, loop=asyncio.get_running_loop(),
               on_finish=on_finish)
     state.metrics.request_started(tenant)
     job.started_at = time.monotonic()
+    with state.jobs_lock:
+        state.jobs.add(job)
     try:
         state.backend.submit(request, on_tokens=job._tokens, on_done=job._done, should_stop=job.should_stop)
     except BaseException as e:
+        with state.jobs_lock:
+            state.jobs.discard(job)
         job.started_at = None
+        if limited:
+            state.limits.release(tenant)
         state.metrics.request_finished(tenant)
         if isinstance(e, ContextLengthError):
             raise APIError(400, str(e), param=_PARAMS.get(e.param, e.param), code="context_length_exceeded") from None
@@ -262,6 +303,8 @@ def _record(state: ServerState, call: Call, job: Job, kind: str, value: Any) -> 
                  "error": f"{type(value).__name__}: {value}"}
     elif finish in ("cancelled", "timeout"):
         extra = {"status_code": 504 if finish == "timeout" else 499}
+    if job.shutdown and finish in ("cancelled", "error"):   # cut off by the shutdown grace period
+        finish, extra = "cancelled", {"status_code": 503, "error": "server shutting down"}
     rec = record_from_stats(
         stats, request_id=call.request_id, tenant=call.tenant.name, route=call.route.name, endpoint=call.endpoint,
         session=call.session, model=state.model_id, ttft_ms=round(ttft, 3), e2e_ms=round(e2e, 3),
@@ -318,6 +361,8 @@ async def _collect(request: Request, job: Job):
             continue
         if kind == "tokens":
             continue
+        if job.shutdown and (kind != "done" or value.finish_reason == "cancelled"):
+            raise _shutting_down()
         if kind == "done":
             if value.finish_reason == "cancelled" and job.timed_out:
                 raise APIError(504, "request timed out", type="server_error", code="timeout")
@@ -327,6 +372,11 @@ async def _collect(request: Request, job: Job):
                 raise APIError(504, "request timed out while queued", type="server_error", code="timeout")
             raise APIError(499, "request cancelled", type="server_error", code="cancelled")
         raise _engine_error(value)
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "server shutting down; retry on another instance", type="server_error",
+                    code="shutting_down")
 
 
 def _engine_error(e: Any) -> APIError:
@@ -368,11 +418,12 @@ async def _stream_events(job: Job, call: Call, tokenizer, chunk, final,
                 if delta:
                     yield _sse(chunk(delta))
                 continue
-            if kind == "done" and not (value.finish_reason == "cancelled" and job.timed_out):
+            if kind == "done" and not (value.finish_reason == "cancelled" and (job.timed_out or job.shutdown)):
                 for obj in final(value, text.finish(value.text)):
                     yield _sse(obj)
             else:  # an error, a cancellation, or a timeout after the stream started
-                err = (APIError(504, "request timed out", type="server_error", code="timeout") if job.timed_out
+                err = (_shutting_down() if job.shutdown
+                       else APIError(504, "request timed out", type="server_error", code="timeout") if job.timed_out
                        else APIError(499, "request cancelled", type="server_error", code="cancelled")
                        if kind == "cancelled" else _engine_error(value))
                 yield _sse(err.body())
@@ -532,7 +583,9 @@ async def completions(request: Request) -> Response:
 
 def _read_workspace_file(tenant: Tenant, path: str, limit: int) -> str:
     try:
-        return resolve_workspace_path(tenant.root, path, max_bytes=limit, tenant=tenant.name)[1]
+        # what the workspace ignores (.gitignore, its ignore list, .git/) is refused like outside it
+        ignored = tenant.workspace.ignored if tenant.workspace is not None else None
+        return resolve_workspace_path(tenant.root, path, max_bytes=limit, tenant=tenant.name, ignored=ignored)[1]
     except ApplyPathError as e:
         raise APIError(e.status, str(e), type=e.type, param=e.param, code=e.code) from None
 
@@ -636,12 +689,25 @@ def _model_card(state: ServerState) -> dict:
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.agentspec
     h = state.backend.health()
+    sizes = {}   # memory that grows with use (for operators and the soak test): no prompts, no names
+    index = getattr(state.backend, "index", None)
+    if index is not None:
+        sizes["index_bytes"] = index.nbytes
+    pc = getattr(getattr(state.backend, "engine", None), "prefix_cache", None)
+    if pc is not None:
+        sizes["prefix_cache_bytes"] = pc.bytes
+    # the acceptance logs: "failing" while a tenant's last write failed (disk full, permissions);
+    # requests are still served, so the status stays "ok"
+    logs = {"logs": getattr(state.sink, "status", "ok"), "log_write_errors": getattr(state.sink, "failed", 0)}
     return JSONResponse({**h, "status": h.get("status", "ok"), "model": state.model_id,
-                         "uptime_s": round(time.time() - state.started, 1)})
+                         "uptime_s": round(time.time() - state.started, 1), **sizes, **logs})
 
 
 async def metrics(request: Request) -> Response:
+    """Prometheus text. With tenants configured it names them: any tenant's key may read it (401
+    without one); a server without keys serves it to anyone, like every other endpoint."""
     state: ServerState = request.app.state.agentspec
+    _authenticate(state, request)
     body, ctype = state.metrics.render()
     return Response(body, media_type=ctype)
 
@@ -687,6 +753,7 @@ def create_app(state: ServerState) -> Starlette:
     routes = [
         HTTPRoute("/health", wrap(health), methods=["GET"]),
         HTTPRoute("/metrics", wrap(metrics), methods=["GET"]),
+        HTTPRoute("/openapi.json", wrap(openapi_endpoint), methods=["GET"]),   # public, static
         HTTPRoute("/v1/models", wrap(models), methods=["GET"]),
         HTTPRoute("/v1/models/{model:path}", wrap(model_detail), methods=["GET"]),
         HTTPRoute("/v1/chat/completions", wrap(chat_completions), methods=["POST"]),
@@ -699,4 +766,6 @@ def create_app(state: ServerState) -> Starlette:
                     exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error,
                                         Exception: server_error})
     app.state.agentspec = state
+    if hasattr(state.metrics, "watch_log_sink"):
+        state.metrics.watch_log_sink(state.sink)   # agentspec:log_write_errors_total
     return app

@@ -19,8 +19,9 @@ class APIError(Exception):
     """An error with an HTTP status and the OpenAI error envelope."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.type = type

@@ -5,6 +5,14 @@ and refuses: a full queue is a 503). Its committed tokens come back to the event
 asyncio queue. A job is cancelled (client gone, timeout) through ``should_stop``, which the
 backend polls between steps, so it stops at the next step boundary, frees its KV cache and still
 reports partial stats.
+
+The queue is not bounded and the backend never waits on it: a client that reads slowly (or not
+at all) must not hold up the scheduler, which steps every running request together. It stays
+small anyway: one entry per decode step of this request (a list of the step's token ids), so at
+most ``max_tokens`` entries (capped by the context window), a few hundred bytes each; the text
+and SSE bytes are only made when the client reads, and uvicorn stops the response's writes
+(flow control, 64 KiB) while the client's socket is full. A stalled reader costs its token ids
+and one socket's buffers, never another request's time.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.timed_out = False
+        self.shutdown = False                 # cancelled because the server is shutting down (a 503)
         self.on_finish = on_finish            # (job, kind, value) on the scheduler thread, once
         self.started_at: float | None = None  # monotonic times
         self.first_token_at: float | None = None

@@ -39,6 +39,12 @@ PROMPT = "Name one prime number."
 def repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("sdk_repo")
     (root / "calc.py").write_text(CODE)
+    (root / ".git").mkdir()
+    (root / ".git" / "config").write_text("[core]\n")
+    (root / ".venv").mkdir()
+    (root / ".venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (root / ".gitignore").write_text(".env\n")
+    (root / ".env").write_text("API_TOKEN=secret\n")
     return root
 
 
@@ -111,6 +117,10 @@ def test_apply_code_and_workspace_path(client):
     assert e.value.status == 403 and e.value.code == "path_outside_workspace"
     with pytest.raises(NotFoundError):
         client.apply(path="missing.py", instruction="x")
+    for path in (".git/config", ".venv/pyvenv.cfg", ".env"):   # what the workspace ignores: refused too
+        with pytest.raises(PermissionDeniedError) as e:
+            client.apply(path=path, instruction="x")
+        assert e.value.status == 403 and e.value.code == "path_ignored", path
 
 
 def test_rewrite_writes_atomically_and_returns_a_diff(client, tmp_path):

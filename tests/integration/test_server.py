@@ -48,6 +48,15 @@ def workspaces(tmp_path_factory):
     b.mkdir()
     (a / "mathutil.py").write_text(CODE)
     (b / "other.py").write_text("print('beta')\n")
+    # what the workspace ignores, and /v1/apply must not read: .git/, .venv/, gitignored files
+    (a / ".git").mkdir()
+    (a / ".git" / "config").write_text('[remote "origin"]\n\turl = https://token@example.com/x.git\n')
+    (a / ".venv").mkdir()
+    (a / ".venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (a / ".gitignore").write_text(".env\nsecrets/\n")
+    (a / ".env").write_text("API_TOKEN=secret\n")
+    (a / "secrets").mkdir()
+    (a / "secrets" / "keys.py").write_text("KEY = 'secret'\n")
     return root, a, b
 
 
@@ -241,6 +250,51 @@ def test_apply_code_path_and_morph_style_messages(server, workspaces, engine):
     assert acc + rej == len(pred) and acc > 0
 
 
+def test_apply_refuses_what_the_workspace_ignores(server, workspaces):
+    _, a, _ = workspaces
+    h = {"Authorization": f"Bearer {ACME_KEY}"}
+    for path in (".git/config", ".venv/pyvenv.cfg", ".env", "secrets/keys.py", "secrets/../.env",
+                 str(a / ".git" / "config"), ".git/no_such_file"):
+        r = httpx.post(server.base + "/v1/apply", headers=h, json={"path": path, "update": "x", "max_tokens": 1},
+                       timeout=120)
+        assert r.status_code == 403, (path, r.text)
+        err = r.json()["error"]
+        assert (err["type"], err["code"], err["param"]) == ("permission_error", "path_ignored", "path"), err
+        assert "ignored by the workspace of tenant 'acme'" in err["message"]
+        assert not any(leak in r.text for leak in ("token@", "API_TOKEN", "KEY =", "home ="))
+    r = httpx.post(server.base + "/v1/apply", headers=h, json={"path": "mathutil.py", "update": "# x", "max_tokens": 1},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def test_startup_hint_commands_work_when_pasted(server):
+    """The "try:" commands the server prints with tenants, run through bash as printed (with
+    max_tokens added, for time) and $AGENTSPEC_API_KEY set: 200, not the 401 a single-quoted
+    header got."""
+    import os
+    import shutil
+
+    deadline = time.monotonic() + 30
+    while "[agentspec] try:" not in (err := (server.cwd / "server.stderr").read_text()):
+        assert time.monotonic() < deadline, err[-2000:]
+        time.sleep(0.1)
+    hint = err.split("[agentspec] try:\n", 1)[1].splitlines()
+    curl = "\n".join(hint[:2]).strip()
+    python = hint[2].strip()
+    assert curl.startswith("curl -s ") and '-H "Authorization: Bearer $AGENTSPEC_API_KEY"' in curl, curl
+    assert python.startswith('python -c "') and "AGENTSPEC_API_KEY" in python, python
+    env = {**os.environ, "AGENTSPEC_API_KEY": ACME_KEY}
+    if shutil.which("curl"):
+        cmd = (curl.replace('"temperature": 0,', '"temperature": 0, "max_tokens": 4,', 1)
+               + " -o /dev/null -w '%{http_code}'")
+        out = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout == "200", (cmd, out.stdout, out.stderr)
+    cmd = python.replace("python -c", f"{sys.executable} -c", 1)
+    cmd = cmd.replace("temperature=0,", "temperature=0, max_tokens=4,", 1)
+    out = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip(), (cmd, out.stderr[-2000:])
+
+
 def test_auth_and_tenants(server):
     with pytest.raises(openai.AuthenticationError):
         server.client("sk-wrong-key-000").chat.completions.create(
@@ -347,12 +401,22 @@ def test_log_records_and_metrics(server):
     assert rec["spec_enabled"] and rec["completion_tokens"] == 60 and rec["finish_reason"] == "length"
     assert 0 < rec["ttft_ms"] <= rec["e2e_ms"]
     assert sum(rec["accepted_per_pos"]) == rec["accepted_tokens"]
-    text = httpx.get(server.base + "/metrics").text
+    # with tenants configured /metrics (it names them) needs a key, any tenant's
+    for headers in ({}, {"Authorization": "Bearer sk-wrong-key-000"}):
+        denied = httpx.get(server.base + "/metrics", headers=headers, timeout=60)
+        assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+        assert "acme" not in denied.text
+    beta = httpx.get(server.base + "/metrics", headers={"Authorization": f"Bearer {BETA_KEY}"}, timeout=60)
+    assert beta.status_code == 200
+    r = httpx.get(server.base + "/metrics", headers={"Authorization": f"Bearer {ACME_KEY}"}, timeout=60)
+    assert r.status_code == 200
+    text = r.text
     for name in ("agentspec:spec_decode_num_drafts_total", "agentspec:spec_decode_num_draft_tokens_total",
                  "agentspec:spec_decode_num_accepted_tokens_total",
                  "agentspec:spec_decode_num_accepted_tokens_per_pos_total", "agentspec:e2e_request_latency_seconds"):
         assert name in text, name
     assert 'tenant="acme"' in text
+    assert "_created" not in text   # no timestamp twin per series
     line = next(x for x in text.splitlines() if x.startswith('agentspec:spec_decode_num_accepted_tokens_total{tenant="acme"}'))
     assert float(line.split()[-1]) > 0
 
@@ -495,8 +559,11 @@ def test_default_server_without_config_and_sigkill(tmp_path):
         out = c.chat.completions.create(model=MODEL, messages=_rewrite_messages(), temperature=0, max_tokens=30,
                                         extra_body={"spec_stats": True})
         assert out.model_extra["spec"]["enabled"] and out.usage.completion_tokens == 30
-        r = httpx.post(s.base + "/v1/apply", json={"path": "mathutil.py", "update": "# x", "max_tokens": 4})
+        r = httpx.post(s.base + "/v1/apply", json={"path": "mathutil.py", "update": "# x", "max_tokens": 4},
+                       timeout=120)
         assert r.status_code == 200, r.text
+        m = httpx.get(s.base + "/metrics", timeout=60)   # no keys configured: no key needed here either
+        assert m.status_code == 200 and 'tenant="default"' in m.text and "_created" not in m.text
         with httpx.stream("POST", s.base + "/v1/chat/completions", timeout=60,
                           json={"messages": _rewrite_messages(), "temperature": 0, "max_tokens": 200,
                                 "stream": True}) as st:

@@ -557,7 +557,8 @@ def test_log_records_and_metrics(server):
     assert rec["spec_enabled"] == (SPECULATIVE != "none") and rec["model"] == MODEL
     if SPECULATIVE != "none":
         assert rec["steps"] > 0 and rec["mat"] >= 1.0 and rec["draft_sources"]
-    text = httpx.get(server.base + "/metrics").text
+    assert httpx.get(server.base + "/metrics").status_code == 401   # tenants configured: a key is needed
+    text = httpx.get(server.base + "/metrics", headers={"Authorization": f"Bearer {ACME_KEY}"}).text
     for name in ("agentspec:spec_decode_num_drafts_total", "agentspec:spec_decode_num_draft_tokens_total",
                  "agentspec:spec_decode_num_accepted_tokens_total", "agentspec:e2e_request_latency_seconds"):
         assert name in text, name

@@ -22,6 +22,7 @@ from agentspec.apply import (
     resolve_workspace_path,
 )
 from agentspec.errors import InvalidRequestError
+from agentspec.workspace import DEFAULT_IGNORE
 
 
 class WordTokenizer:
@@ -35,6 +36,9 @@ class WordTokenizer:
             if word:
                 out.append(hash(word) % 10_000 + 1)
         return out
+
+    def encode_batch(self, texts) -> list[list[int]]:   # what a Workspace tokenizes its chunks with
+        return [self.encode(t) for t in texts]
 
     def decode(self, ids) -> str:
         raise NotImplementedError
@@ -264,3 +268,44 @@ def test_bad_paths(workspace):
     os.symlink("loop_b", workspace / "loop_a")
     os.symlink("loop_a", workspace / "loop_b")
     assert _err(workspace, "loop_a").status in (400, 404)  # a symlink loop: an error, never a crash
+
+
+def test_paths_the_workspace_ignores_are_refused(workspace):
+    """Fast apply reads what the workspace indexes, nothing more: .git/, DEFAULT_IGNORE folders,
+    gitignored files and folders (also through a symlink, or not existing) get 403."""
+    from agentspec.workspace import Workspace, is_ignored
+
+    (workspace / ".git").mkdir()
+    (workspace / ".git" / "config").write_text("[remote]\n")
+    (workspace / ".venv").mkdir()
+    (workspace / ".venv" / "pyvenv.cfg").write_text("home = /usr\n")
+    (workspace / ".gitignore").write_text(".env\nbuild/\n")
+    (workspace / ".env").write_text("TOKEN=secret\n")
+    (workspace / "pkg" / ".gitignore").write_text("local_*.py\n")
+    (workspace / "pkg" / "local_settings.py").write_text("X = 1\n")
+    (workspace / "build").mkdir()
+    (workspace / "build" / "gen.py").write_text("X = 1\n")
+    os.symlink(workspace / ".env", workspace / "env_link.py")   # a visible name for an ignored file
+    os.symlink(workspace / ".git", workspace / "gitdir")
+    ignored = [".git/config", ".venv/pyvenv.cfg", ".env", "build/gen.py", "pkg/local_settings.py", "env_link.py",
+               "gitdir/config", "pkg/../.env", str(workspace / ".git" / "config"), ".git/HEAD_missing", "build/nope.py"]
+    for path in ignored:
+        e = _err(workspace, path, tenant="acme")
+        assert (e.status, e.type, e.code) == (403, "permission_error", "path_ignored"), path
+        assert str(e).startswith(f"path {path!r} is ignored by the workspace of tenant 'acme'"), str(e)
+    # what the workspace indexes is still readable; so is .gitignore itself (the workspace indexes it)
+    assert resolve_workspace_path(workspace, "pkg/mod.py", max_bytes=100)[1] == CODE
+    assert resolve_workspace_path(workspace, ".gitignore", max_bytes=100)[1] == ".env\nbuild/\n"
+    # outside stays outside (checked first)
+    assert _err(workspace, "escape.py").code == "path_outside_workspace"
+    # the rules are the workspace's: Workspace.ignored, with its own ignore list
+    with Workspace(workspace, watch=False, tokenizer=WordTokenizer(), ignore=[*DEFAULT_IGNORE, "*.txt"]) as ws:
+        assert not set(ws.files()) & {".env", ".git/config", "build/gen.py", "pkg/local_settings.py"}
+        for path in (".git/config", ".env", "build/gen.py", "pkg/local_settings.py", "big.txt"):
+            assert ws.ignored(path) and ws.ignored(workspace / path), path
+        assert not ws.ignored("pkg/mod.py") and not ws.ignored(".gitignore")
+        with pytest.raises(ValueError):
+            ws.ignored("../secret.py")
+        e = _err(workspace, "big.txt", ignored=ws.ignored)
+        assert e.code == "path_ignored"
+        assert not is_ignored(workspace, "big.txt")   # the default list does not name *.txt

@@ -54,6 +54,16 @@ def test_bad_config_names_the_problem(tmp_path, text, match):
         _load(tmp_path, text)
 
 
+def test_short_api_key_message_names_the_field_and_the_rule(tmp_path):
+    """The README's placeholder ``"sk-..."`` is refused; the message says which key and why."""
+    with pytest.raises(ConfigError) as e:
+        _load(tmp_path, '[[tenants]]\nname = "acme"\napi_keys = ["sk-acme-12345678", "sk-..."]\n')
+    msg = str(e.value)
+    assert "tenant 'acme': api_keys[1] is 6 characters long; an API key needs at least 8" in msg, msg
+    assert "sk-..." not in msg and "sk-acme" not in msg   # keys are never echoed
+    assert _load(tmp_path, '[[tenants]]\nname = "acme"\napi_keys = ["12345678"]\n').tenants[0].api_keys == ["12345678"]
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_server_config(tmp_path / "nope.toml")

@@ -418,6 +418,19 @@ def test_metrics_names_and_values():
     assert s[("agentspec:num_requests_running", acme)] == 0
 
 
+def test_metrics_have_no_created_series():
+    from prometheus_client import enable_created_metrics
+
+    enable_created_metrics()   # prometheus_client's default (the switch is process-wide): Metrics turns it off
+    m = Metrics()
+    m.observe(make_record())
+    text = m.render()[0].decode()
+    assert "_created" not in text
+    assert not any(s.name.endswith("_created") for fam in m.registry.collect() for s in fam.samples)
+    # one tenant, four draft positions: counters, two histograms and a gauge, no twin per series
+    assert len(text.splitlines()) < 120, len(text.splitlines())
+
+
 def test_metrics_bound_tenants_and_positions():
     m = Metrics(max_tenants=3, max_positions=5)
     for k in range(10):
@@ -483,7 +496,7 @@ def test_summarize_sessions_totals_per_tenant_and_session():
 
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
-    """Runs ``agentspec stats`` a few ways on one generated log dir, in parallel (each start imports torch)."""
+    """Runs ``agentspec stats`` a few ways on one generated log dir, in parallel."""
     root = tmp_path_factory.mktemp("stats")
     sink = TenantLogSink(root / "logs")
     now = time.time()
@@ -561,3 +574,94 @@ def test_stats_cli_by_session(cli_runs):
     assert [(r["tenant"], r["session"], r["requests"], r["completion_tokens"]) for r in data["sessions"]] == [
         ("alpha", "s1", 4, 80), ("alpha", "s2", 4, 80)]
     assert data["sessions"][0]["mat"] == pytest.approx(2.25) and data["sessions"][0]["e2e_s"] > 0
+
+
+def test_plot_shows_n_per_point_and_mat_per_tenant_and_route(tmp_path):
+    """The figure's data: per tenant a line of acceptance by depth with each point's n (steps that
+    drafted that deep) written next to it, and MAT bars per (tenant, route) labelled n=requests."""
+    pytest.importorskip("matplotlib")
+    from agentspec.telemetry import plot_summary
+
+    recs = [make_record(i, tenant="acme", route="apply") for i in range(3)]            # depths 4, 0, 3, 2
+    recs += [make_record(10, tenant="acme", route="chat", mat=1.5, drafted_per_pos=[2], accepted_per_pos=[1],
+                         steps=2)]
+    recs += [make_record(20, tenant="beta", route="chat", mat=3.0, drafted_per_pos=[2, 2], accepted_per_pos=[2, 2],
+                         steps=2)]   # depth 2 seen twice: 1.0, n=2
+    summary = summarize(recs)
+    png = tmp_path / "acc.png"
+    fig = plot_summary(summary, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    acc, mat = fig.axes
+    lines = {ln.get_label(): ln for ln in acc.lines}
+    assert set(lines) == {"acme", "beta"}
+    assert list(lines["beta"].get_xdata()) == [1, 2] and list(lines["beta"].get_ydata()) == [1.0, 1.0]
+    acme = next(t for t in summary["tenants"] if t["tenant"] == "acme")
+    assert acme["drafted_per_pos"] == [3 * 3 + 2, 3 * 3, 3 * 2, 3 * 1]   # 3 records' depths 4, 0, 3, 2, then [2]
+    assert list(lines["acme"].get_ydata()) == pytest.approx(acme["acceptance_per_pos"])
+    # n next to every point, in the tenant's colour
+    labels = {}
+    for text in acc.texts:
+        labels.setdefault(text.get_color(), []).append((tuple(text.xy), text.get_text()))
+    assert labels[lines["beta"].get_color()] == [((1, 1.0), "2"), ((2, 1.0), "2")]
+    assert [n for _, n in labels[lines["acme"].get_color()]] == [str(n) for n in acme["drafted_per_pos"]]
+    # MAT: one bar container per tenant; bars per route that tenant used; labels n=requests
+    bars = {c.get_label(): c for c in mat.containers}
+    assert set(bars) == {"acme", "beta"}
+    assert [p.get_height() for p in bars["acme"].patches] == pytest.approx([2.25, 1.5])   # apply, chat
+    assert [p.get_height() for p in bars["beta"].patches] == pytest.approx([3.0])         # chat
+    ticks = [t.get_text() for t in mat.get_xticklabels()]
+    assert ticks == ["apply", "chat"]
+    chat_x = ticks.index("chat")
+    for p in (bars["acme"].patches[1], *bars["beta"].patches):   # both tenants' chat bars sit at "chat"
+        assert abs(p.get_x() + p.get_width() / 2 - chat_x) < 0.5
+    bar_labels = sorted(t.get_text() for t in mat.texts)
+    assert bar_labels == ["n=1", "n=1", "n=3"]
+    assert plot_summary(summarize([]), None).axes[0].texts[0].get_text() == "no per-position data"
+
+
+def _python_modules_imported(args: list[str], tmp_path) -> set[str]:
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "agentspec", *args], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+
+
+def test_stats_and_help_do_not_import_torch(tmp_path):
+    """``agentspec stats`` (table, JSON, plot) and ``--help`` start in well under a second: no torch."""
+    sink = TenantLogSink(tmp_path / "logs")
+    sink.write(make_record(0))
+    sink.close()
+    for args in (["--help"], ["stats", "--help"], ["stats", "--log-dir", str(tmp_path / "empty")],
+                 ["stats", "--log-dir", str(tmp_path / "logs"), "--json", "--plot", str(tmp_path / "p.png")]):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        mods = _python_modules_imported(args, tmp_path)
+        assert "agentspec.cli" in mods or "agentspec" in mods, args
+        heavy = sorted(m for m in mods if m.split(".")[0] in ("torch", "transformers", "safetensors")
+                       or m.startswith(("agentspec.engine", "agentspec.kernels")))
+        assert heavy == [], (args, heavy[:5])
+
+
+def test_stats_into_a_closed_pipe_exits_quietly(tmp_path):
+    """``agentspec stats --json | head``: the reader goes away after a few bytes; no traceback, no
+    "Exception ignored" at exit, exit status 141 (128 + SIGPIPE)."""
+    sink = TenantLogSink(tmp_path / "logs")
+    for i in range(1500):   # rows enough for several pipe buffers of output
+        sink.write(make_record(i, route=f"route-{i}"))
+    sink.close()
+    for extra in ("--json", ""):
+        cmd = (f"{sys.executable} -m agentspec stats --log-dir {tmp_path / 'logs'} {extra} | head -c 20 >/dev/null;"
+               " echo rc=${PIPESTATUS[0]}")
+        out = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr, out.stderr[-3000:]
+        assert out.stderr == "" and out.stdout.strip() == "rc=141", (extra, out.stdout, out.stderr[-2000:])
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_not_hidden(monkeypatch):
+    from agentspec import cli
+
+    def broken(argv):
+        raise BrokenPipeError(32, "Broken pipe")   # e.g. a socket; stdout is fine
+
+    monkeypatch.setattr(cli, "_main", broken)
+    with pytest.raises(BrokenPipeError):
+        cli.main(["stats"])
