@@ -50,6 +50,12 @@ def average(items):
 '''
 
 
+# long contexts for agent turns: real source files of this repository (each well over 256 tokens)
+CONTEXTS = [(ROOT / "agentspec" / name).read_text()[:3000] for name in
+            ("engine/prefix_cache.py", "server/limits.py", "workspace.py", "telemetry.py", "config.py", "apply.py")
+            if (ROOT / "agentspec" / name).exists()]
+
+
 def log(msg: str) -> None:
     print(f"[soak] {msg}", file=sys.stderr, flush=True)
 
@@ -85,8 +91,8 @@ class Soak:
         rng = self.rng
         tenant = rng.choice(list(TENANTS))
         kind = rng.choices(["chat", "chat_sampled", "completion", "apply_code", "apply_path", "stream",
-                            "stream_cancel", "too_long", "bad_body", "bad_key"],
-                           weights=[18, 10, 8, 10, 6, 16, 10, 8, 8, 6])[0]
+                            "stream_cancel", "too_long", "bad_body", "bad_key", "agent_turn"],
+                           weights=[16, 10, 8, 10, 6, 14, 10, 8, 8, 6, 8])[0]
         mt = self.max_tokens
         url, body, stream = "/v1/chat/completions", None, False
         msgs = [{"role": "user", "content": rng.choice([
@@ -97,6 +103,11 @@ class Soak:
             body = {"messages": msgs, "max_tokens": mt, "temperature": 0}
         elif kind == "chat_sampled":
             body = {"messages": msgs, "max_tokens": mt, "temperature": 0.8, "seed": rng.randrange(1000)}
+        elif kind == "agent_turn":   # a long shared context (> one prefix-cache chunk): fills and evicts the cache
+            doc = rng.choice(CONTEXTS)
+            body = {"messages": [{"role": "system", "content": f"You are a coding agent. The repository:\n{doc}"},
+                                 {"role": "user", "content": rng.choice(["Summarize this code.", "Find one bug."])}],
+                    "max_tokens": mt, "temperature": 0}
         elif kind == "completion":
             url, body = "/v1/completions", {"prompt": "def fibonacci(n):", "max_tokens": mt, "temperature": 0}
         elif kind == "apply_code":
@@ -181,10 +192,11 @@ class Soak:
             await asyncio.sleep(every)
 
 
-def start_server(tmp: Path, workspaces: dict[str, Path], port: int) -> tuple[subprocess.Popen, Path]:
+def start_server(tmp: Path, workspaces: dict[str, Path], port: int,
+                 prefix_cache_mb: int) -> tuple[subprocess.Popen, Path]:
     logs = tmp / "logs"
     cfg = tmp / "soak.toml"
-    lines = [f"[server]\nlog_dir = {json.dumps(str(logs))}\n"]
+    lines = [f"[server]\nlog_dir = {json.dumps(str(logs))}\nprefix_cache_bytes = {prefix_cache_mb * 2**20}\n"]
     for name, key in TENANTS.items():
         lines.append(f"[[tenants]]\nname = \"{name}\"\napi_keys = [\"{key}\"]\nworkspace = {json.dumps(str(workspaces[name]))}\n")
     cfg.write_text("\n".join(lines))
@@ -221,6 +233,29 @@ def check_logs(logs: Path, results: list[dict]) -> dict:
             "extra_ids": extra[:10]}
 
 
+def rss_summary(samples: list[dict], warmup_s: float) -> dict:
+    """RSS after warm-up: first and last sample, max, and growth as the median of the last minute's
+    samples minus the median of the first minute's after warm-up (one sample is noisy: a batch's
+    activations come and go); the same for the suffix index and the prefix cache."""
+    after = [s for s in samples if s["t"] >= warmup_s and s["rss"]]
+    if not after:
+        return {}
+    mb = 2**20
+    first = [s for s in after if s["t"] < after[0]["t"] + 60]
+    last = [s for s in after if s["t"] > after[-1]["t"] - 60]
+    out = {"warmup_s": warmup_s, "first_after_warmup_mb": round(after[0]["rss"] / mb, 1),
+           "last_mb": round(after[-1]["rss"] / mb, 1), "max_mb": round(max(s["rss"] for s in after) / mb, 1),
+           "growth_after_warmup_mb": round((statistics.median(s["rss"] for s in last)
+                                            - statistics.median(s["rss"] for s in first)) / mb, 1)}
+    for key in ("index_bytes", "prefix_cache_bytes"):
+        vals = [s.get(key) for s in after if s.get(key) is not None]
+        if vals:
+            out[f"{key}_first_mb"] = round(vals[0] / mb, 2)
+            out[f"{key}_last_mb"] = round(vals[-1] / mb, 2)
+            out[f"{key}_max_mb"] = round(max(vals) / mb, 2)
+    return out
+
+
 def summarize(results: list[dict], samples: list[dict], minutes: float, warmup_s: float) -> dict:
     by_kind = collections.defaultdict(collections.Counter)
     for r in results:
@@ -234,17 +269,7 @@ def summarize(results: list[dict], samples: list[dict], minutes: float, warmup_s
         per_min.append({"minute": m, "served": len(rows), "latency_p50": quantile(lat, 0.5),
                         "latency_p99": quantile(lat, 0.99), "ttft_p50": quantile(ttft, 0.5),
                         "ttft_p99": quantile(ttft, 0.99)})
-    after = [s for s in samples if s["t"] >= warmup_s and s["rss"]]
-    rss = {"first_after_warmup_mb": round(after[0]["rss"] / 2**20, 1) if after else None,
-           "last_mb": round(after[-1]["rss"] / 2**20, 1) if after else None,
-           "max_mb": round(max(s["rss"] for s in after) / 2**20, 1) if after else None}
-    if after:
-        rss["growth_after_warmup_mb"] = round((after[-1]["rss"] - after[0]["rss"]) / 2**20, 1)
-        for key in ("index_bytes", "prefix_cache_bytes"):
-            vals = [s.get(key) for s in after if s.get(key) is not None]
-            if vals:
-                rss[f"{key}_first_mb"] = round(vals[0] / 2**20, 2)
-                rss[f"{key}_last_mb"] = round(vals[-1] / 2**20, 2)
+    rss = rss_summary(samples, warmup_s)
     return {"requests": len(results), "by_status": dict(status), "server_errors_5xx": sum(
         n for s, n in status.items() if s.startswith("5")), "connection_errors": status.get("-1", 0),
         "stream_errors": collections.Counter(r.get("stream_error") for r in results if r.get("stream_error")),
@@ -294,7 +319,7 @@ async def run(args) -> dict:
             (ws / ".gitignore").write_text("*.log\n")
             workspaces[name] = ws
         port = free_port()
-        proc, logs = start_server(tmp, workspaces, port)
+        proc, logs = start_server(tmp, workspaces, port, args.prefix_cache_mb)
         log(f"server up on {port}; {args.clients} clients for {args.minutes} min")
         soak = Soak(f"http://127.0.0.1:{port}", workspaces, args.seed, args.max_tokens)
         samples: list[dict] = []
@@ -316,7 +341,7 @@ async def run(args) -> dict:
                 code = proc.wait()
         summary = summarize(soak.results, samples, args.minutes, args.warmup)
         out = {"machine": machine_info(), "clients": args.clients, "minutes": args.minutes,
-               "max_tokens": args.max_tokens, "workspace_edit_rounds": n_edits, "server_exit_code": code,
+               "max_tokens": args.max_tokens, "prefix_cache_mb": args.prefix_cache_mb, "workspace_edit_rounds": n_edits, "server_exit_code": code,
                "summary": summary, "logs": check_logs(logs, soak.results), "samples": samples}
         if args.plot:
             plot(args.plot, soak.results, samples, summary)
@@ -328,10 +353,12 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--warmup", type=float, default=60.0, help="seconds before RSS growth is counted")
+    ap.add_argument("--warmup", type=float, default=120.0, help="seconds before RSS growth is counted")
     ap.add_argument("--sample-every", type=float, default=5.0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix-cache-mb", type=int, default=192,
+                    help="[server] prefix_cache_bytes: small, so the cache fills and evicts during the run")
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
