@@ -7,7 +7,11 @@ at least 2 rows) after a prefill of ``--context`` tokens, median over ``--repeat
 benchmarks/replay.py turns these into an estimated speedup (``--costs``).
 
     python benchmarks/step_costs.py [--context 2048] [--rows 1,2,4,8,16,24,33,48,65]
-        [--out benchmarks/results/step_costs.json]
+        [--out benchmarks/results/step_costs.json] [--breakdown]
+
+``--breakdown``: also the time per forward inside the native kernels (bfloat16 models on CPU):
+attention (``QKVAttention``) and the row-invariant linears (``PackedLinear``); the rest is torch
+(norms, rotary tables, the output projection) and Python.
 """
 
 from __future__ import annotations
@@ -30,9 +34,30 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,12,16,24,33,48,65")
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "step_costs.json")
+    ap.add_argument("--breakdown", action="store_true", help="time inside the native attention and linears")
     args = ap.parse_args()
 
+    import collections
+
     import torch
+
+    spent: collections.Counter = collections.Counter()
+    if args.breakdown:
+        from agentspec.kernels import cpu_attention, cpu_linear
+
+        def timed(cls, name):
+            call = cls.__call__
+
+            def wrapper(self, *a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return call(self, *a, **k)
+                finally:
+                    spent[name] += time.perf_counter() - t0
+            cls.__call__ = wrapper
+
+        timed(cpu_attention.QKVAttention, "attention")
+        timed(cpu_linear.PackedLinear, "linears")
 
     from agentspec import Engine
     from agentspec.kernels.tree import tree_mask
@@ -45,7 +70,7 @@ def main() -> None:
     with torch.inference_mode():
         engine.model(ids, torch.arange(args.context), cache, logits_rows=slice(-1, None))
         cache.commit(list(range(args.context)))
-        out = {}
+        out, parts = {}, {}
         for n in rows_list:
             # a plain step's rows (see EmbeddedEngine._step): 1 where the forward is row-invariant
             rows = n if engine.model.row_invariant(cache) else max(n, 2)
@@ -56,16 +81,24 @@ def main() -> None:
             mask[:, :args.context] = True
             mask[:, args.context:] = tree_mask(parents)
             times = []
-            for _ in range(args.repeat + 2):
+            for i in range(args.repeat + 2):
+                if i == 2:
+                    spent.clear()
                 t0 = time.perf_counter()
                 engine.model(tok, pos, cache, mask)
                 times.append(time.perf_counter() - t0)
             out[n] = statistics.median(times[2:])
-            print(f"[step_costs] {n:3d} rows: {out[n] * 1e3:7.2f} ms ({out[n] / out[rows_list[0]]:.2f}x)",
+            if args.breakdown:
+                parts[n] = {k: v / args.repeat for k, v in spent.items()}
+            extra = "".join(f", {k} {v * 1e3:.1f} ms" for k, v in parts.get(n, {}).items())
+            print(f"[step_costs] {n:3d} rows: {out[n] * 1e3:7.2f} ms ({out[n] / out[rows_list[0]]:.2f}x){extra}",
                   file=sys.stderr, flush=True)
     result = {"context": args.context, "threads": torch.get_num_threads(), "dtype": str(engine.dtype),
               "step_seconds": {str(k): v for k, v in out.items()},
-              "relative": {str(k): v / out[rows_list[0]] for k, v in out.items()}}
+              "relative": {str(k): v / out[rows_list[0]] for k, v in out.items()},
+              "machine": engine.kernel_info()}
+    if args.breakdown:
+        result["native_seconds_per_forward"] = {str(k): v for k, v in parts.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))
