@@ -266,11 +266,10 @@ class ApplyPathError(InvalidRequestError):
 def _ignored_path(base: Path, asked: Path, full: Path, ignored: Callable[[str], bool] | None) -> bool:
     """Whether the workspace at ``base`` ignores ``asked`` (as given: normalized, symlinks not
     followed) or ``full`` (the file it resolves to, inside ``base``)."""
-    if ignored is None:
-        from .workspace import is_ignored
+    if ignored is None:   # one rule set for both questions (each .gitignore read once)
+        from .workspace import ignore_checker
 
-        def ignored(rel: str) -> bool:
-            return is_ignored(base, rel)
+        ignored = ignore_checker(base)
 
     lexical = Path(os.path.normpath(asked if asked.is_absolute() else base / asked))
     rels = {full.relative_to(base).as_posix()}
@@ -292,7 +291,7 @@ def resolve_workspace_path(root: str | os.PathLike | None, path: str, *, max_byt
     workspace ``root``. Symlinks are resolved first, so one pointing out of the workspace is
     outside it. A file the workspace ignores is refused too (403, code ``path_ignored``), whether
     it exists or not: ``ignored`` (a path relative to ``root`` -> bool, e.g. ``Workspace.ignored``;
-    default ``agentspec.workspace.is_ignored`` with ``DEFAULT_IGNORE`` and the ``.gitignore``
+    default ``agentspec.workspace.ignore_checker`` with ``DEFAULT_IGNORE`` and the ``.gitignore``
     files) is asked about the path as given and the file it resolves to, so ``.git/config``,
     ``.env`` when gitignored, ``.venv/...`` and a symlink to any of them are not read. The text
     is decoded as UTF-8 as stored (CRLF kept). ``tenant`` names the workspace's owner in

@@ -27,13 +27,13 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from .chunking import chunk_text
 
-__all__ = ["Workspace", "DEFAULT_IGNORE", "is_ignored"]
+__all__ = ["Workspace", "DEFAULT_IGNORE", "ignore_checker", "is_ignored"]
 
 DEFAULT_IGNORE = (".git/", ".hg/", ".svn/", "node_modules/", "__pycache__/", ".venv/", "venv/", ".tox/",
                   ".mypy_cache/", ".pytest_cache/", ".ruff_cache/", "*.pyc", "*.so", "*.o", "*.a",
@@ -109,13 +109,20 @@ class _Ignore:
         return self.ignored(rel, False) or any(self.ignored(d, True) for d in _parents(rel))
 
 
-def is_ignored(root: str | os.PathLike, path: str | os.PathLike, ignore: Sequence[str] = DEFAULT_IGNORE) -> bool:
-    """``Workspace.ignored`` for a root without a ``Workspace`` (an SGLang backend's tenants):
-    whether a workspace at ``root`` with the ignore list ``ignore`` ignores the file ``path``
-    (absolute or relative to ``root``; ``.gitignore`` files are read now). ValueError for a path
-    outside ``root``."""
+def ignore_checker(root: str | os.PathLike,
+                   ignore: Sequence[str] = DEFAULT_IGNORE) -> Callable[[str | os.PathLike], bool]:
+    """``Workspace.ignored`` for a root without a ``Workspace`` (an SGLang backend's tenants): a
+    function telling whether a workspace at ``root`` with the ignore list ``ignore`` ignores the
+    file it is given (absolute or relative to ``root``; ValueError outside ``root``). Each
+    ``.gitignore`` file is read once, when a path first needs it."""
     base = Path(root).resolve()
-    return _Ignore(base, ignore).ignored_file(_rel_under(base, path))
+    rules = _Ignore(base, ignore)
+    return lambda path: rules.ignored_file(_rel_under(base, path))
+
+
+def is_ignored(root: str | os.PathLike, path: str | os.PathLike, ignore: Sequence[str] = DEFAULT_IGNORE) -> bool:
+    """``ignore_checker(root, ignore)(path)``: one question, the ``.gitignore`` files read now."""
+    return ignore_checker(root, ignore)(path)
 
 
 def _rel_under(root: Path, path: str | os.PathLike) -> str:

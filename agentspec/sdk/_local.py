@@ -273,7 +273,7 @@ class LocalTransport:
         return _generation(state, call), respond, chunk, final
 
     def _apply(self, state: Any, body: dict, *, stream: bool):
-        from ..apply import ApplyPathError, build_apply, resolve_workspace_path
+        from ..apply import build_apply
         from ..errors import InvalidRequestError
         from ..server import app
         from ..server.protocol import APIError, ApplyRequest
@@ -285,15 +285,8 @@ class LocalTransport:
         if not req.update and not req.instruction:
             raise APIError(400, "give `update` (an edit snippet) and/or `instruction`", param="update",
                            code="invalid_value")
-        code = req.code
-        if code is None:
-            try:
-                ws = state.tenant.workspace   # what it ignores (.gitignore, .git/, .venv/...) is refused
-                code = resolve_workspace_path(state.tenant.root, req.path, max_bytes=state.config.server.max_body_bytes,
-                                              tenant=state.tenant.name,
-                                              ignored=ws.ignored if ws is not None else None)[1]
-            except ApplyPathError as e:
-                raise APIError(e.status, str(e), type=e.type, param=e.param, code=e.code) from None
+        code = req.code if req.code is not None else app._read_workspace_file(
+            state.tenant, req.path, state.config.server.max_body_bytes)   # the server's checks, same errors
         name = Path(req.path).name if req.path is not None else "the file"
         try:
             plan = build_apply(code, req.update, req.instruction, name, tokenizer=state.backend.tokenizer)
