@@ -340,7 +340,10 @@ async def run(args) -> dict:
                 proc.kill()
                 code = proc.wait()
         summary = summarize(soak.results, samples, args.minutes, args.warmup)
-        out = {"machine": machine_info(), "clients": args.clients, "minutes": args.minutes,
+        # the server's start-up lines: its model, dtype, kernels and hardware ("model ready ...")
+        startup = [ln for ln in (tmp / "server.log").read_text(errors="replace").splitlines()
+                   if ln.startswith("[agentspec]") and any(w in ln for w in ("loaded", "model ready", "serving"))]
+        out = {"machine": machine_info(), "server_startup": startup, "clients": args.clients, "minutes": args.minutes,
                "max_tokens": args.max_tokens, "prefix_cache_mb": args.prefix_cache_mb, "workspace_edit_rounds": n_edits, "server_exit_code": code,
                "summary": summary, "logs": check_logs(logs, soak.results), "samples": samples}
         if args.plot:
