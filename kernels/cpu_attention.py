@@ -20,7 +20,7 @@ except ImportError:  # not built (e.g. a source checkout without the extension)
     _cpu = None
 
 __all__ = ["QKVAttention", "available", "bf16_hardware", "decode_attention", "fused_supported", "packed_supported",
-           "segment_attention", "sync_packed"]
+           "prefill_amx_supported", "prefill_attention", "segment_attention", "sync_packed"]
 
 # AGENTSPEC_CPU_ATTENTION=0 turns the native kernel off (benchmarks compare both paths)
 _ENABLED = os.environ.get("AGENTSPEC_CPU_ATTENTION", "1") != "0"
@@ -134,6 +134,49 @@ def sync_packed(cache, slots) -> None:
     L, Hkv, cap, D = cache.k.shape
     _cpu.sync_packed(cache.k.data_ptr(), cache.v.data_ptr(), cache.kt2.data_ptr(), cache.vp.data_ptr(), cap, L, Hkv,
                      D, sl.data_ptr(), sl.numel())
+
+
+# AGENTSPEC_PREFILL_ATTENTION: "amx" (the default where the CPU has AMX), "sdpa" or "blockwise"
+# (agentspec.engine.model); anything but "amx" keeps prefill off the AMX kernel
+_PREFILL_AMX = os.environ.get("AGENTSPEC_PREFILL_ATTENTION", "amx") == "amx"
+
+
+def prefill_amx_supported(cache, dtype: torch.dtype) -> bool:
+    """Whether ``prefill_attention`` serves the prompt chunks of a model of ``dtype`` over
+    ``cache``: a packed cache, a bfloat16 model, a CPU with AMX-BF16 (the OS granting the tile
+    state) and the bfloat16 kernels not capped below AVX512-BF16 (``cpu_isa.set_isa``)."""
+    return (
+        _PREFILL_AMX and available() and getattr(cache, "packed", False) and dtype == torch.bfloat16
+        and _cpu.prefill_amx_available() and _cpu.isa() == 4
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,   # [H, T, D] bfloat16 (rotated), unit stride in D
+    k: torch.Tensor,   # [Hkv, T, D] bfloat16 (rotated): the chunk's keys
+    v: torch.Tensor,   # [Hkv, T, D] bfloat16
+    cache,             # packed KVCache
+    layer: int,
+    start: int,        # the chunk's first position: a multiple of 16
+    *,
+    threads: int = 0,
+) -> torch.Tensor:     # [T, H * D] bfloat16 (the output projection's input)
+    """Causal attention of a prompt chunk at positions ``[start, start + T)`` over every key from
+    position 0, with AMX tiles (kernels/csrc/prefill_amx.cpp); first writes the chunk's keys and
+    values into the layer's packed copies ``kt2`` / ``vp`` (the float32 ``k`` / ``v`` are the
+    caller's to write). A row's bits do not depend on the chunk it sits in or the thread count."""
+    H, T, D = q.shape
+    Hkv = k.shape[0]
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        raise TypeError("prefill_attention needs bfloat16 q, k, v")
+    if k.shape != (Hkv, T, D) or v.shape != k.shape:
+        raise ValueError(f"shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    q, k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
+    out = torch.empty(T, H * D, dtype=torch.bfloat16)
+    _cpu.prefill_attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+                           v.data_ptr(), v.stride(0), v.stride(1), cache.kt2[layer].data_ptr(),
+                           cache.vp[layer].data_ptr(), cache.capacity, start, T, H, Hkv, D, out.data_ptr(), threads)
+    return out
 
 
 def bf16_hardware() -> bool:

@@ -194,14 +194,20 @@ class Block(nn.Module):
         return q, k, v.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1)
 
     def forward(self, x, layer: int, cache: KVCache, start: int, cos, sin, mask, causal: bool, key_len: int,
-                chunk: bool = False):
+                chunk: bool = False, amx: bool = False):
         # x: [T, dim]; cos/sin: [T, head_dim]; mask: [T, start + T] bool, or None with `causal`;
-        # chunk: a prompt chunk after a prefix (T > SMALL_T rows, ``mask`` the plain causal one)
+        # chunk: a prompt chunk after a prefix (T > SMALL_T rows, ``mask`` the plain causal one);
+        # amx: a prompt (chunk) whose attention runs on AMX tiles (``Transformer.forward``)
         T = x.shape[0]
         rows = not causal and not chunk and T <= SMALL_T  # decode / verify rows, not a prefill
         q, k, v = self._qkv(x, cos, sin, rows)
         cache.write(layer, start, k, v)
-        if (causal or chunk) and q.dtype == torch.bfloat16 and not self.gemm_f32 and PREFILL_SDPA:
+        if amx:
+            # the causal attention of the chunk's rows over keys [0, start + T) with AMX tiles,
+            # reading (and first writing) the packed cache; a row's bits do not depend on the
+            # chunk it is in (kernels/csrc/prefill_amx.cpp). [T, H * D]
+            o = cpu_attention.prefill_attention(q, k, v, cache, layer, start)
+        elif (causal or chunk) and q.dtype == torch.bfloat16 and not self.gemm_f32 and PREFILL_SDPA:
             # prefill in bf16 through SDPA's CPU flash kernel, the causal offset as a boolean
             # mask (one per chunk, shared by the layers)
             # (deterministic for given shapes: each query block runs on one thread over the key
@@ -474,7 +480,15 @@ class Transformer(nn.Module):
         T = tokens.shape[0]
         causal = False
         chunk = False  # a prompt chunk after a prefix (``Decoder.prefill``'s canonical chunks)
-        if mask is None and start > 0 and (prefill or T > SMALL_T):
+        # prompt attention on AMX tiles where the CPU has them (a packed cache, bf16, chunks at
+        # multiples of 16 positions); else SDPA's flash kernel or the blockwise path below
+        amx = (mask is None and (start == 0 and T > 1 or start > 0 and (prefill or T > SMALL_T))
+               and start % 16 == 0 and not self.layers[0].gemm_f32
+               and cpu_attention.prefill_amx_supported(cache, dtype))
+        if amx:
+            chunk = start > 0
+            causal = start == 0
+        elif mask is None and start > 0 and (prefill or T > SMALL_T):
             mask = causal_mask(start, T, tokens.device)
             chunk = True
             if PREFILL_SDPA and dtype == torch.bfloat16 and not self.layers[0].gemm_f32:
@@ -497,8 +511,10 @@ class Transformer(nn.Module):
             x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_native(x, i, attn))
         else:
             x = self._layers(x, want, hidden,
-                             lambda layer, x, i: layer(x, i, cache, start, cos, sin, mask, causal, key_len, chunk))
-            cache.sync(range(start, start + T))
+                             lambda layer, x, i: layer(x, i, cache, start, cos, sin, mask, causal, key_len, chunk,
+                                                       amx))
+            if not amx:  # the AMX kernel wrote the packed copies itself
+                cache.sync(range(start, start + T))
         if logits_rows is not None:
             x = x[logits_rows]
         logits = self._logits(x, native=fused)

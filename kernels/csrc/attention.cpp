@@ -643,12 +643,14 @@ int agentspec_isa() {
     return g_isa;
 }
 
-void register_linear(nb::module_& m);  // linear.cpp
+void register_linear(nb::module_& m);   // linear.cpp
+void register_prefill(nb::module_& m);  // prefill_amx.cpp
 
 NB_MODULE(_cpu, m) {
     m.doc() = "agentspec CPU kernels: exact decode / tree-verification attention, row-invariant bf16 linears";
-    m.def("abi_version", []() { return 6; });
+    m.def("abi_version", []() { return 7; });
     register_linear(m);
+    register_prefill(m);
     m.def("attention", &attention,
           nb::arg("q"), nb::arg("q_stride_h"), nb::arg("q_stride_t"), nb::arg("k"), nb::arg("v"),
           nb::arg("capacity"), nb::arg("mask"), nb::arg("mask_stride_t"), nb::arg("out"),

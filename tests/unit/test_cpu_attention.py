@@ -303,9 +303,12 @@ def test_fused_tree_node_equals_plain_decoding_row_bitwise(packed_linears):
             assert torch.equal(r, out[slot])
 
 
-def test_every_isa_level_gives_the_same_bits(restore_isa):
+def test_every_isa_level_gives_the_same_bits(restore_isa, monkeypatch):
     """Attention and linears: every ISA level this CPU runs (the AVX512-BF16 instruction, its
-    AVX-512 / AVX2 / NEON / scalar emulations) computes the same logits and cache, bit for bit."""
+    AVX-512 / AVX2 / NEON / scalar emulations) computes the same logits and cache, bit for bit.
+    (The prompt's prefill runs through SDPA at every level: the AMX prefill kernel runs only at
+    the top one, and test_prefill_amx.py tests it.)"""
+    monkeypatch.setattr(cpu_attention, "_PREFILL_AMX", False)
     cpu_isa = restore_isa
     levels = cpu_isa.supported()
     args, model = _random_model(packed_linears=True)
