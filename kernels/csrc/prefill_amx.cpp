@@ -262,12 +262,13 @@ AMX_TARGET static void tile_task(const Args& a, int hk, int ti, Scratch& sc) {
     }
 }
 
-AMX_TARGET static void run_tasks(const Args& a, int threads) {
+AMX_TARGET static void run_tasks(const Args& a, int threads, std::vector<Scratch>& pool) {
     const int tiles = (a.T + TM - 1) / TM;
     const int n = a.Hkv * tiles;
+    if ((int)pool.size() < threads) pool.resize(threads);
 #pragma omp parallel num_threads(threads)
     {
-        Scratch sc;
+        Scratch& sc = pool[omp_get_thread_num()];
         tiles_on();
         // kv head by kv head (the threads share its keys and values in cache), the longest
         // tiles (latest positions) first
@@ -324,17 +325,22 @@ void prefill_attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, int
     // capacity apart: one tile load would touch 16 lines of one cache set)
     const int64_t Ls = (start + T + 31) / 32 * 32;
     const int64_t nkb = Ls / 16;
-    std::vector<uint16_t> kbuf((size_t)Hkv * nkb * (D / 2) * 32);
+    static thread_local std::vector<uint16_t> kbuf;  // the calling thread's, kept between calls
+    kbuf.resize(std::max(kbuf.size(), (size_t)Hkv * nkb * (D / 2) * 32));
+    uint16_t* const kb = kbuf.data();  // (inside the parallel regions `kbuf` would name each worker's own)
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t hb = 0; hb < Hkv * nkb; ++hb) {
         const int64_t hk = hb / nkb, b = hb % nkb;
         const uint16_t* src = kt + hk * (D / 2) * cap * 2 + b * 32;
-        uint16_t* dst = kbuf.data() + hb * (D / 2) * 32;
+        uint16_t* dst = kb + hb * (D / 2) * 32;
         for (int i = 0; i < D / 2; ++i) std::memcpy(dst + i * 32, src + (int64_t)i * cap * 2, 64);
     }
-    Args a{reinterpret_cast<const uint16_t*>(q), q_sh, q_st, kbuf.data(), nkb, vpp, cap,
+    Args a{reinterpret_cast<const uint16_t*>(q), q_sh, q_st, kb, nkb, vpp, cap,
            reinterpret_cast<uint16_t*>(out), H, Hkv, T, start};
-    run_tasks(a, threads);
+    // the calling thread's scratch buffers (one per worker), kept between calls: a fresh megabyte
+    // would page-fault in again on every call
+    static thread_local std::vector<Scratch> pool;
+    run_tasks(a, threads, pool);  // (a reference: the workers use the caller's pool)
 #else
     (void)q; (void)q_sh; (void)q_st; (void)k; (void)k_sh; (void)k_st; (void)v; (void)v_sh; (void)v_st;
     (void)kt2; (void)vp; (void)out; (void)threads;
