@@ -20,7 +20,7 @@ except ImportError:  # not built (e.g. a source checkout without the extension)
     _cpu = None
 
 __all__ = ["QKVAttention", "available", "bf16_hardware", "decode_attention", "fused_supported", "packed_supported",
-           "prefill_amx_supported", "prefill_attention", "segment_attention", "sync_packed"]
+           "prefill_amx_runs", "prefill_amx_supported", "prefill_attention", "segment_attention", "sync_packed"]
 
 # AGENTSPEC_CPU_ATTENTION=0 turns the native kernel off (benchmarks compare both paths)
 _ENABLED = os.environ.get("AGENTSPEC_CPU_ATTENTION", "1") != "0"
@@ -145,10 +145,13 @@ def prefill_amx_supported(cache, dtype: torch.dtype) -> bool:
     """Whether ``prefill_attention`` serves the prompt chunks of a model of ``dtype`` over
     ``cache``: a packed cache, a bfloat16 model, a CPU with AMX-BF16 (the OS granting the tile
     state) and the bfloat16 kernels not capped below AVX512-BF16 (``cpu_isa.set_isa``)."""
-    return (
-        _PREFILL_AMX and available() and getattr(cache, "packed", False) and dtype == torch.bfloat16
-        and _cpu.prefill_amx_available() and _cpu.isa() == 4
-    )
+    return getattr(cache, "packed", False) and prefill_amx_runs(dtype)
+
+
+def prefill_amx_runs(dtype: torch.dtype) -> bool:
+    """Whether a bfloat16 model's prompts (over a packed cache) attend on AMX here now."""
+    return (_PREFILL_AMX and available() and dtype == torch.bfloat16 and _cpu.prefill_amx_available()
+            and _cpu.isa() == 4)
 
 
 def prefill_attention(

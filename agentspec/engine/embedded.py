@@ -163,6 +163,7 @@ class EmbeddedEngine(Engine):
             # prefill: torch's GEMM, in float32 where the CPU has no bf16 dot products
             self.model.set_gemm_float32(dtype == torch.bfloat16 and not _cpu_isa.bf16_native())
         self.prefill_gemm = ("float32" if self.model.layers[0].gemm_f32 else str(dtype).removeprefix("torch."))
+        self.prefill_attention = self._prefill_attention_kernel()
         self.max_context = min(max_context or min(ckpt.args.max_seq_len, 8192), ckpt.args.max_seq_len)
         self.deterministic = deterministic
         self.deterministic_width = deterministic_width
@@ -224,7 +225,7 @@ class EmbeddedEngine(Engine):
         info = _cpu_isa.machine_info()
         gov = "adaptive" if self.governor.enabled else "fixed"
         return (f"{info['cpu']}, {self.governor.max_threads} threads ({gov}), decode kernels {self.kernels}, "
-                f"prefill GEMM {self.prefill_gemm}")
+                f"prefill GEMM {self.prefill_gemm}, prefill attention {self.prefill_attention}")
 
     def kernel_info(self) -> dict:
         """What ran, for benchmark JSON: CPU model and flags, usable cores, threads, dtype, kernels."""
@@ -232,7 +233,23 @@ class EmbeddedEngine(Engine):
         return {**info, "threads": self.governor.max_threads, "thread_governor": self.governor.enabled,
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "decode_kernels": self.kernels,
-                "prefill_gemm": self.prefill_gemm, "row_invariant_linears": self.model.head_packed is not None}
+                "prefill_gemm": self.prefill_gemm, "prefill_attention": self.prefill_attention,
+                "row_invariant_linears": self.model.head_packed is not None}
+
+    def _prefill_attention_kernel(self) -> str:
+        """Which attention a prompt's chunks run (``Transformer.forward``): "amx" (AMX tiles over
+        the packed cache), "sdpa" (torch's flash kernel), "blockwise" or "torch" (the cache's
+        float32, SDPA)."""
+        from . import model as _model
+
+        bf16 = self.dtype == torch.bfloat16 and not self.model.layers[0].gemm_f32
+        packed = self.device.type == "cpu" and cpu_attention.packed_supported(self.kv_dtype, self.device,
+                                                                               self.args.head_dim)
+        if bf16 and packed and cpu_attention.prefill_amx_runs(self.dtype):
+            return "amx"
+        if bf16:
+            return "sdpa" if _model.PREFILL_SDPA else "blockwise"
+        return "torch"
 
     def new_cache(self, capacity: int) -> KVCache:
         """A KV cache for this engine's model (packed for the native attention where it runs)."""
