@@ -141,17 +141,20 @@ def sync_packed(cache, slots) -> None:
 _PREFILL_AMX = os.environ.get("AGENTSPEC_PREFILL_ATTENTION", "amx") == "amx"
 
 
-def prefill_amx_supported(cache, dtype: torch.dtype) -> bool:
+def prefill_amx_supported(cache, dtype: torch.dtype, n_heads: int, n_kv_heads: int) -> bool:
     """Whether ``prefill_attention`` serves the prompt chunks of a model of ``dtype`` over
-    ``cache``: a packed cache, a bfloat16 model, a CPU with AMX-BF16 (the OS granting the tile
-    state) and the bfloat16 kernels not capped below AVX512-BF16 (``cpu_isa.set_isa``)."""
-    return getattr(cache, "packed", False) and prefill_amx_runs(dtype)
+    ``cache``: a packed cache, a bfloat16 model with 1-4 query heads per kv head, a CPU with
+    AMX-BF16 (the OS granting the tile state) and the bfloat16 kernels not capped below
+    AVX512-BF16 (``cpu_isa.set_isa``)."""
+    return getattr(cache, "packed", False) and prefill_amx_runs(dtype, n_heads, n_kv_heads)
 
 
-def prefill_amx_runs(dtype: torch.dtype) -> bool:
-    """Whether a bfloat16 model's prompts (over a packed cache) attend on AMX here now."""
-    return (_PREFILL_AMX and available() and dtype == torch.bfloat16 and _cpu.prefill_amx_available()
-            and _cpu.isa() == 4)
+def prefill_amx_runs(dtype: torch.dtype, n_heads: int, n_kv_heads: int) -> bool:
+    """Whether a model's prompts (over a packed cache) attend on AMX here now: see
+    ``prefill_amx_supported``."""
+    return (_PREFILL_AMX and available() and dtype == torch.bfloat16 and n_kv_heads > 0
+            and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= 4
+            and _cpu.prefill_amx_available() and _cpu.isa() == 4)
 
 
 def prefill_attention(

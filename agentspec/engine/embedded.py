@@ -245,7 +245,7 @@ class EmbeddedEngine(Engine):
         bf16 = self.dtype == torch.bfloat16 and not self.model.layers[0].gemm_f32
         packed = self.device.type == "cpu" and cpu_attention.packed_supported(self.kv_dtype, self.device,
                                                                                self.args.head_dim)
-        if bf16 and packed and cpu_attention.prefill_amx_runs(self.dtype):
+        if bf16 and packed and cpu_attention.prefill_amx_runs(self.dtype, self.args.n_heads, self.args.n_kv_heads):
             return "amx"
         if bf16:
             return "sdpa" if _model.PREFILL_SDPA else "blockwise"

@@ -484,7 +484,7 @@ class Transformer(nn.Module):
         # multiples of 16 positions); else SDPA's flash kernel or the blockwise path below
         amx = (mask is None and (start == 0 and T > 1 or start > 0 and (prefill or T > SMALL_T))
                and start % 16 == 0 and not self.layers[0].gemm_f32
-               and cpu_attention.prefill_amx_supported(cache, dtype))
+               and cpu_attention.prefill_amx_supported(cache, dtype, self.args.n_heads, self.args.n_kv_heads))
         if amx:
             chunk = start > 0
             causal = start == 0

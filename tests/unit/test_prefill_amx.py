@@ -171,3 +171,24 @@ def test_the_bundled_model_reports_and_runs_it(engine, rewrite_prompts, monkeypa
     # of the logits' range (a wrong kernel is off by the whole range)
     assert (amx - sdpa).abs().max().item() < 0.05 * sdpa.abs().max().item()
     assert amx.argmax() == sdpa.argmax()
+
+
+def test_a_model_with_more_than_4_query_heads_per_kv_head_falls_back():
+    """The kernel keeps one score tile per query head of a kv head (at most 4): other models'
+    prompts take SDPA instead of failing."""
+    from agentspec.engine.model import KVCache, ModelArgs, Transformer
+
+    args = ModelArgs(dim=640, n_layers=1, n_heads=10, n_kv_heads=2, hidden_dim=128, vocab_size=100,
+                     max_seq_len=512)
+    assert not cpu_attention.prefill_amx_supported(_Cache(256), torch.bfloat16, 10, 2)
+    assert cpu_attention.prefill_amx_supported(_Cache(256), torch.bfloat16, 9, 3)
+    torch.manual_seed(0)
+    model = Transformer(args).eval().to(torch.bfloat16)
+    c = KVCache(args, 256, dtype=torch.float32, device=torch.device("cpu"), packed=True)
+    out = model(torch.arange(40), torch.arange(40), c, logits_rows=slice(-1, None), prefill=True)
+    assert out.shape == (1, 100) and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="1 to 4 times"):
+        q = torch.zeros(10, 16, 64, dtype=torch.bfloat16)
+        kv = torch.zeros(2, 16, 64, dtype=torch.bfloat16)
+        c2 = _Cache(256)
+        cpu_attention.prefill_attention(q, kv, kv, c2, 0, 0)
