@@ -2,8 +2,10 @@
 // over the packed KV cache the decode kernels keep (kt2 [Hkv, D/2, cap, 2] is already AMX's
 // VNNI operand layout for q . k, vp [Hkv, cap/2, D, 2] the one for p @ v).
 //
-// One task is one query head and one tile of 16 consecutive query positions, the tiles aligned
-// to absolute positions (multiples of 16; the engine's prompt chunks start at multiples of 256).
+// One task is one kv head's G query heads (G <= 4) at one tile of 16 consecutive query positions,
+// the tiles aligned to absolute positions (multiples of 16; the engine's prompt chunks start at
+// multiples of 256); each load of 16 keys into a tile serves the G heads. The keys are first
+// copied into contiguous 16-key blocks (kt2's rows lie a capacity apart, one cache set).
 // For a row at position p (it sees keys 0..p):
 //   s_j  = (q / 8) . k_j                  tile dot products over d in two fixed halves (float32)
 //   m    = max_j s_j                       over the visible keys
