@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from agentspec.kernels import cpu_attention
+from test_cpu_attention import _packed_cache, _random_model  # (pytest puts this folder on sys.path)
 
 pytestmark = pytest.mark.skipif(
     not (cpu_attention.available() and cpu_attention._cpu.prefill_amx_available()),
@@ -112,23 +113,11 @@ def test_the_model_prefills_through_it_and_matches_the_sdpa_path(monkeypatch):
     logits agree with the SDPA path's to bf16 accuracy, and a rerun gives the same bits. (Other
     chunk boundaries would change the bits through torch's GEMM, which is why the engine's prompt
     chunks are canonical: agentspec/engine/prefix_cache.py.)"""
-    from agentspec.engine.model import KVCache, ModelArgs, Transformer
-
-    args = ModelArgs(dim=576, n_layers=3, n_heads=H, n_kv_heads=HKV, hidden_dim=256, vocab_size=300,
-                     max_seq_len=1024)
-    torch.manual_seed(0)
-    model = Transformer(args).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.05)
-        for layer in model.layers:
-            layer.attn_norm.weight.normal_(1, 0.1)
-            layer.ffn_norm.weight.normal_(1, 0.1)
-    model = model.to(torch.bfloat16)
+    args, model = _random_model()  # tests/unit/test_cpu_attention.py's 3-layer bf16 model
     ids = torch.randint(0, args.vocab_size, (600,), generator=torch.Generator().manual_seed(3))
 
     def run(bounds):
-        c = KVCache(args, 768, dtype=torch.float32, device=torch.device("cpu"), packed=True)
+        c = _packed_cache(args, 768)
         for s, e in zip(bounds, bounds[1:]):
             logits = model(ids[s:e], torch.arange(s, e), c, prefill=True)
             c.commit(list(range(e - s)))
