@@ -185,6 +185,52 @@ def prefill_attention(
     return out
 
 
+def prefill_qkv_attention(
+    qkv: torch.Tensor,  # [T, (H + 2 Hkv) D] bfloat16: the fused projection's output (not rotated)
+    cos: torch.Tensor,  # [T, D] bfloat16: the chunk's positions
+    sin: torch.Tensor,
+    cache,              # packed KVCache
+    layer: int,
+    start: int,         # the chunk's first position: a multiple of 16
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    threads: int = 0,
+) -> torch.Tensor:      # [T, H * D] bfloat16
+    """``prefill_attention`` from the fused ``q|k|v`` projection in one native call: the rotary
+    embedding of q and k (rounded as torch rounds it in bfloat16), the chunk's keys and values
+    written at slots ``[start, start + T)`` of the cache's float32 ``k`` / ``v`` and packed copies,
+    then the AMX attention. The same bits as rotating with torch and calling ``prefill_attention``."""
+    T = qkv.shape[0]
+    D = cache.k.shape[-1]
+    if qkv.dtype != torch.bfloat16 or qkv.dim() != 2 or qkv.shape[1] != (n_heads + 2 * n_kv_heads) * D:
+        raise ValueError(f"qkv must be bfloat16 [T, {(n_heads + 2 * n_kv_heads) * D}], got {tuple(qkv.shape)}")
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
+    cos, sin = (c.to(torch.bfloat16).contiguous() for c in (cos, sin))
+    if cos.shape != (T, D) or sin.shape != (T, D):
+        raise ValueError(f"cos/sin must be [{T}, {D}]: {tuple(cos.shape)}, {tuple(sin.shape)}")
+    out = torch.empty(T, n_heads * D, dtype=torch.bfloat16)
+    _cpu.prefill_qkv_attention(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                               cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), cache.kt2[layer].data_ptr(),
+                               cache.vp[layer].data_ptr(), cache.capacity, start, T, n_heads, n_kv_heads, D,
+                               out.data_ptr(), threads)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of bfloat16 rows ``[M, dim]`` natively (prompt chunks on the AMX path): float32
+    statistics, rounded as torch rounds ``F.rms_norm`` in bfloat16; row-wise."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(f"rms_norm needs bfloat16 x [M, dim] and weight [dim]: {tuple(x.shape)}, {tuple(weight.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _cpu.rms_norm_rows(x.data_ptr(), x.stride(0), x.shape[0], weight.contiguous().data_ptr(), x.shape[1], float(eps),
+                       out.data_ptr(), out.stride(0))
+    return out
+
+
 def bf16_hardware() -> bool:
     """Whether this CPU has AVX512-BF16 (QKVAttention and the linears then use the instruction,
     unless ``cpu_isa.set_isa`` caps them lower)."""

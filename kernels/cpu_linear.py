@@ -18,7 +18,7 @@ import torch
 
 from .cpu_attention import _cpu, available
 
-__all__ = ["PackedLinear", "linear_supported", "pack_weight"]
+__all__ = ["PackedLinear", "amx_linear_supported", "linear_supported", "pack_weight"]
 
 # AGENTSPEC_CPU_LINEAR=0 keeps torch's GEMM for decode rows (benchmarks compare both paths)
 _ENABLED = os.environ.get("AGENTSPEC_CPU_LINEAR", "1") != "0"
@@ -28,6 +28,14 @@ def linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether decode rows of a ``dtype`` model on ``device`` use ``PackedLinear``."""
     return (_ENABLED and available() and hasattr(_cpu, "linear_bf16") and dtype == torch.bfloat16
             and torch.device(device).type == "cpu")
+
+
+def amx_linear_supported(weight: torch.Tensor) -> bool:
+    """Whether ``PackedLinear(weight).prefill`` runs here: AMX-BF16 (``cpu_attention.prefill_amx_runs``'s
+    conditions), K a multiple of 32."""
+    from .cpu_attention import _PREFILL_AMX
+    return (_PREFILL_AMX and linear_supported(weight.dtype, weight.device) and hasattr(_cpu, "linear_amx")
+            and weight.shape[1] % 32 == 0 and _cpu.prefill_amx_available() and _cpu.isa() == 4)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -67,4 +75,33 @@ class PackedLinear:
                              f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
         _cpu.linear_bf16(x.data_ptr(), x.stride(0), M, self.packed.data_ptr(), self.N, self.K, out.data_ptr(),
                          out.stride(0))
+        return out
+
+    def prefill(self, x: torch.Tensor, *, residual: torch.Tensor | None = None, silu: bool = False,
+                threads: int = 0) -> torch.Tensor:
+        """``x @ weight.T`` for a prompt chunk's rows on AMX tiles (``amx_linear_supported``), from
+        the same packed weight: each output is one float32 tile accumulation over 32-column
+        blocks in ascending order, rounded once to bfloat16, so a row's result does not depend
+        on the other rows or the thread count. Not ``__call__``'s bits.
+
+        ``residual`` ``[M, N]`` bfloat16: returns ``residual + x @ weight.T`` (each rounded to
+        bfloat16, as torch adds them). ``silu``: the weight is
+        ``[gate; up]`` (``w_gate_up``) and the result ``silu(gate) * up`` ``[M, N/2]``, rounded as
+        torch rounds it in bfloat16, without the ``[M, N]`` intermediate. ``threads``: 0 = OpenMP's
+        default (the result is the same bits for any count)."""
+        if x.dim() != 2 or x.shape[1] != self.K or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            raise ValueError(f"x must be bfloat16 [M, {self.K}], got {tuple(x.shape)} {x.dtype}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        M = x.shape[0]
+        if residual is not None:
+            if (residual.shape != (M, self.N) or residual.dtype != torch.bfloat16 or residual.stride(1) != 1):
+                raise ValueError(f"residual must be bfloat16 [{M}, {self.N}] with unit column stride")
+            out = torch.empty(M, self.N, dtype=torch.bfloat16)
+            _cpu.linear_amx(x.data_ptr(), x.stride(0), M, self.packed.data_ptr(), self.N, self.K,
+                            out.data_ptr(), out.stride(0), threads, 1, residual.data_ptr(), residual.stride(0))
+            return out
+        out = torch.empty(M, self.N // 2 if silu else self.N, dtype=torch.bfloat16)
+        _cpu.linear_amx(x.data_ptr(), x.stride(0), M, self.packed.data_ptr(), self.N, self.K, out.data_ptr(),
+                        out.stride(0), threads, 2 if silu else 0)
         return out

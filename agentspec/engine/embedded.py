@@ -164,6 +164,9 @@ class EmbeddedEngine(Engine):
             self.model.set_gemm_float32(dtype == torch.bfloat16 and not _cpu_isa.bf16_native())
         self.prefill_gemm = ("float32" if self.model.layers[0].gemm_f32 else str(dtype).removeprefix("torch."))
         self.prefill_attention = self._prefill_attention_kernel()
+        # prompt chunks' projections: AMX tiles (PackedLinear.prefill) on the AMX path, else torch's GEMM
+        self.prefill_linears = ("amx" if self.prefill_attention == "amx" and self.model.layers[0].amx_linears
+                                else "torch")
         self.max_context = min(max_context or min(ckpt.args.max_seq_len, 8192), ckpt.args.max_seq_len)
         self.deterministic = deterministic
         self.deterministic_width = deterministic_width
@@ -225,7 +228,7 @@ class EmbeddedEngine(Engine):
         info = _cpu_isa.machine_info()
         gov = "adaptive" if self.governor.enabled else "fixed"
         return (f"{info['cpu']}, {self.governor.max_threads} threads ({gov}), decode kernels {self.kernels}, "
-                f"prefill GEMM {self.prefill_gemm}, prefill attention {self.prefill_attention}")
+                f"prefill GEMM {self.prefill_gemm} ({self.prefill_linears}), prefill attention {self.prefill_attention}")
 
     def kernel_info(self) -> dict:
         """What ran, for benchmark JSON: CPU model and flags, usable cores, threads, dtype, kernels."""
@@ -233,7 +236,8 @@ class EmbeddedEngine(Engine):
         return {**info, "threads": self.governor.max_threads, "thread_governor": self.governor.enabled,
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "decode_kernels": self.kernels,
-                "prefill_gemm": self.prefill_gemm, "prefill_attention": self.prefill_attention,
+                "prefill_gemm": self.prefill_gemm, "prefill_linears": self.prefill_linears,
+                "prefill_attention": self.prefill_attention,
                 "row_invariant_linears": self.model.head_packed is not None}
 
     def _prefill_attention_kernel(self) -> str:

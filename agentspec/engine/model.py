@@ -166,6 +166,8 @@ class Block(nn.Module):
         self.w_down = nn.Linear(args.hidden_dim, args.dim, bias=False)
         # (wqkv, wo, w_gate_up, w_down) as cpu_linear.PackedLinear, set by Transformer.pack_linears
         self.packed: tuple | None = None
+        # prompt chunks on the AMX path also project on AMX tiles (PackedLinear.prefill)
+        self.amx_linears = False
         # torch-path linears of a bfloat16 model multiply in float32 (Transformer.set_gemm_float32)
         self.gemm_f32 = False
 
@@ -200,6 +202,8 @@ class Block(nn.Module):
         # amx: a prompt (chunk) whose attention runs on AMX tiles (``Transformer.forward``)
         T = x.shape[0]
         rows = not causal and not chunk and T <= SMALL_T  # decode / verify rows, not a prefill
+        if amx and self.amx_linears:
+            return self.forward_amx(x, layer, cache, start, cos, sin)
         q, k, v = self._qkv(x, cos, sin, rows)
         cache.write(layer, start, k, v)
         if amx:
@@ -248,6 +252,22 @@ class Block(nn.Module):
         if o.dim() == 3:
             o = o.to(x.dtype).transpose(0, 1).reshape(T, self.q_size)
         return self._mlp(x + self._lin(o, 1, rows), rows)
+
+    def forward_amx(self, x, layer: int, cache: KVCache, start: int, cos, sin):
+        """A prompt chunk on AMX tiles (``Transformer.forward``'s ``amx``): the projections are
+        ``PackedLinear.prefill`` (the residual adds and ``silu(gate) * up`` in their epilogues,
+        rounded as torch rounds them); the norms, the rotary embedding, the cache writes and the
+        attention native (``cpu_attention.rms_norm``, ``prefill_qkv_attention``): no torch
+        elementwise op is left in the layer. Every step is row-wise or row-invariant, so a row's
+        bits do not depend on the chunk it is in or the thread count."""
+        a = self.args
+        wqkv, wo, w_gate_up, w_down = self.packed
+        qkv = wqkv.prefill(cpu_attention.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps))
+        o = cpu_attention.prefill_qkv_attention(qkv, cos, sin, cache, layer, start, n_heads=a.n_heads,
+                                                n_kv_heads=a.n_kv_heads)
+        x = wo.prefill(o, residual=x)
+        h = cpu_attention.rms_norm(x, self.ffn_norm.weight, self.ffn_norm.eps)
+        return w_down.prefill(w_gate_up.prefill(h, silu=True), residual=x)
 
     def forward_native(self, x, layer: int, attn: "cpu_attention.QKVAttention"):
         """Decode / verify rows with the native attention (rotary, cache writes and attention in
@@ -538,6 +558,16 @@ class Transformer(nn.Module):
             return F.linear(self.norm(x).float(), w.float())
         return F.linear(self.norm(x), w).float()
 
+    def prefill_row_invariant(self, cache: KVCache) -> bool:
+        """Whether prompt chunks over ``cache`` run the AMX path end to end (``Block.forward_amx``:
+        AMX attention and AMX projections, native norms and rotary), where every prefill row's
+        bits depend on its own tokens and the keys before it alone, not on how the prompt is
+        split into forwards (``Decoder.prefill`` then takes several canonical chunks per
+        forward: the same bits, the weights streamed once per forward)."""
+        a = self.args
+        return (self.layers[0].amx_linears and not self.layers[0].gemm_f32
+                and cpu_attention.prefill_amx_supported(cache, self.embed.weight.dtype, a.n_heads, a.n_kv_heads))
+
     def set_gemm_float32(self, on: bool) -> None:
         """Torch-path linears (prefill) of a bfloat16 model multiply in float32 (``Block._lin``):
         for CPUs without bfloat16 dot products. Decode rows use the native linears either way."""
@@ -553,8 +583,9 @@ class Transformer(nn.Module):
         if not cpu_linear.linear_supported(w.dtype, w.device):
             return False
         for layer in self.layers:
-            layer.packed = tuple(cpu_linear.PackedLinear(m.weight) for m in
-                                 (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+            mods = (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
+            layer.packed = tuple(cpu_linear.PackedLinear(m.weight) for m in mods)
+            layer.amx_linears = all(cpu_linear.amx_linear_supported(m.weight) for m in mods)
         self.head_packed = cpu_linear.PackedLinear(w if self.lm_head is None else self.lm_head.weight)
         return True
 

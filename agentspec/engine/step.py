@@ -39,6 +39,9 @@ from .base import Generation, GenerationStats
 from .model import SMALL_T, KVCache, Segment
 from .prefix_cache import CHUNK_TOKENS
 
+# canonical prefix-cache chunks per prefill forward where prefill rows are split-invariant
+PREFILL_CHUNKS = 4
+
 __all__ = ["MAX_STEP_ROWS", "Decoder", "SeqState", "run_single", "spec_decision"]
 
 # Rows one request verifies in one forward (root + draft, ``agentspec.policy.MAX_STEP_ROWS``): past
@@ -173,10 +176,14 @@ class Decoder:
         tokens = torch.tensor(ids, device=dev)
         hiddens: list[dict] = []
         # the canonical prefill: chunks at absolute multiples of C (prefix_cache.py, "Exactness")
-        # at a fixed thread count (ThreadGovernor.full_team: GEMM bits may depend on it)
+        # at a fixed thread count (ThreadGovernor.full_team: GEMM bits may depend on it). On the
+        # AMX path every row's bits are independent of the split (Transformer.prefill_row_invariant):
+        # there a forward takes PREFILL_CHUNKS chunks at once, the same bits with fewer passes
+        # over the weights.
+        step = C * PREFILL_CHUNKS if self.model.prefill_row_invariant(seq.cache) else C
         with self.engine.governor.full_team():
-            for a in range(start, len(ids), C):
-                b = min(a + C, len(ids))
+            for a in range(start, len(ids), step):
+                b = min(a + step, len(ids))
                 out = self.model(tokens[a:b], torch.arange(a, b, device=dev), seq.cache,
                                  logits_rows=slice(-1, None), hidden_layers=layers, prefill=True)
                 logits, hidden = out if layers else (out, None)

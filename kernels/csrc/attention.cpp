@@ -648,7 +648,7 @@ void register_prefill(nb::module_& m);  // prefill_amx.cpp
 
 NB_MODULE(_cpu, m) {
     m.doc() = "agentspec CPU kernels: exact decode / tree-verification attention, row-invariant bf16 linears";
-    m.def("abi_version", []() { return 7; });
+    m.def("abi_version", []() { return 8; });
     register_linear(m);
     register_prefill(m);
     m.def("attention", &attention,

@@ -9,7 +9,7 @@
 // For a row at position p (it sees keys 0..p):
 //   s_j  = (q / 8) . k_j                  tile dot products over d in two fixed halves (float32)
 //   m    = max_j s_j                       over the visible keys
-//   p_j  = exp(s_j - m)                    float32 (FMA polynomial), 0 for j > p
+//   p_j  = 2^(s_j log2e - m log2e)         float32 (one FMA, base-2 polynomial), 0 for j > p
 //   l    = sum_j p_j                       16 lane accumulators in key order, then a fixed tree
 //   o    = (sum_j bf16(p_j) v_j) / l       tile products over 32-key steps in key order
 // Two passes (all scores, then p @ v) instead of an online softmax: the output accumulators stay
@@ -41,6 +41,9 @@
 namespace nb = nanobind;
 
 namespace {
+
+// linear_amx's output modes (see lin_out)
+enum Epilogue { PLAIN = 0, RESIDUAL = 1, SILU = 2 };
 
 constexpr int D = 64;
 constexpr int TM = 16;   // query rows per tile
@@ -93,6 +96,9 @@ AMX_TARGET static void tiles_on() {
         cfg.colsb[i] = 64;
         cfg.rows[i] = 16;
     }
+    // GCC does not see _tile_loadconfig read `cfg` and may drop the stores above (an inlined
+    // copy then configures zero-row tiles, and the first tile instruction faults)
+    asm volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
 
@@ -115,6 +121,22 @@ AMX_TARGET static inline __m512 exp_neg(__m512 x) {
     z = _mm512_fmadd_ps(z, r, _mm512_set1_ps(1.0f));
     z = _mm512_fmadd_ps(z, r, _mm512_set1_ps(1.0f));
     return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(z, n));
+}
+
+constexpr float LOG2E = 1.44269504088896341f;
+
+// 2^t for t <= ~0 (a softmax numerator): 2^n * poly(t - n), n = round(t), a degree-5 fit of 2^f on
+// [-1/2, 1/2] (relative error < 3e-7 in float32); t below -150 gives 0
+AMX_TARGET static inline __m512 exp2_poly(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 z = _mm512_set1_ps(1.3400432166e-03f);
+    z = _mm512_fmadd_ps(z, f, _mm512_set1_ps(9.6760370979e-03f));
+    z = _mm512_fmadd_ps(z, f, _mm512_set1_ps(5.5503272142e-02f));
+    z = _mm512_fmadd_ps(z, f, _mm512_set1_ps(2.4022107356e-01f));
+    z = _mm512_fmadd_ps(z, f, _mm512_set1_ps(6.9314720671e-01f));
+    z = _mm512_fmadd_ps(z, f, _mm512_set1_ps(1.0000000755e+00f));
+    return _mm512_scalef_ps(z, n);
 }
 
 struct Scratch {
@@ -211,16 +233,25 @@ AMX_TARGET static void tile_task(const Args& a, int hk, int ti, Scratch& sc) {
                 const __mmask16 lanes = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
                 mx = _mm512_mask_max_ps(mx, lanes, mx, _mm512_loadu_ps(sr + j));
             }
-            const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+            // p_j = 2^(s_j log2(e) - m log2(e)): one FMA and the base-2 polynomial
+            const __m512 ml = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * LOG2E);
+            const __m512 l2e = _mm512_set1_ps(LOG2E);
             __m512 acc = _mm512_setzero_ps();
-            for (int64_t j = 0; j < Ls; j += 16) {
-                const int64_t left = nv - j;
-                const __mmask16 lanes = left >= 16 ? (__mmask16)0xffff
-                                        : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-                __m512 p = _mm512_maskz_mov_ps(lanes, exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m)));
+            const int64_t full = nv / 16 * 16;
+            int64_t j = 0;
+            for (; j < full; j += 16) {  // every key visible
+                const __m512 p = exp2_poly(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), l2e, ml));
                 acc = _mm512_add_ps(acc, p);
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(p));
             }
+            if (j < nv) {  // the diagonal block: keys past the row's position give exact zeros
+                const __mmask16 lanes = (__mmask16)((1u << (nv - j)) - 1);
+                const __m512 p = _mm512_maskz_mov_ps(lanes, exp2_poly(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), l2e, ml)));
+                acc = _mm512_add_ps(acc, p);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(p));
+                j += 16;
+            }
+            for (; j < Ls; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), _mm256_setzero_si256());
             // fixed pairwise tree over the 16 lanes
             alignas(64) float lane[16];
             _mm512_store_ps(lane, acc);
@@ -282,6 +313,154 @@ AMX_TARGET static void run_tasks(const Args& a, int threads, std::vector<Scratch
 
 #endif  // AGENTSPEC_AMX
 
+#if defined(AGENTSPEC_AMX)
+// ---------------------------------------------------------------------------------------------
+// y = x @ W.T for a prompt chunk's rows with AMX tiles, over the panel-packed weights the decode
+// linears keep (kernels/csrc/linear.cpp: [ceil(N/16), K/2, 16, 2]; a panel's 16 pair-rows at
+// K-block kb are one 1 KB AMX B operand tile, 64 bytes a row). x rows are the A tiles, 16 rows
+// by 32 columns, read in place. Each output (m, n) is TDPBF16PS's float32 accumulation over the
+// K-blocks in ascending order, rounded once to bfloat16: it depends on row m of x alone, never on
+// how many rows share the call, where the row sits in it or how panels are split between
+// threads (row- and thread-invariant, as the prompt chunks' exactness argument needs). Not the
+// decode linears' bits (their VDPBF16PS chain adds a pair in another order).
+// Threads take contiguous runs of panel pairs; each pair streams once from memory and serves
+// every row (2 x 2 tiles: four accumulators, two row tiles, two weight tiles).
+
+template <int MA, int NB>
+AMX_TARGET static inline void lin_block(const uint16_t* a0, int64_t as0, const uint16_t* a1, int64_t as1,
+                                        const uint16_t* w0, const uint16_t* w1, int64_t kbs, float* cbuf) {
+    _tile_zero(4);
+    if (NB == 2) _tile_zero(5);
+    if (MA == 2) _tile_zero(6);
+    if (MA == 2 && NB == 2) _tile_zero(7);
+    for (int64_t kb = 0; kb < kbs; ++kb) {
+        _tile_loadd(2, w0 + kb * 512, 64);
+        if (NB == 2) _tile_loadd(3, w1 + kb * 512, 64);
+        _tile_loadd(0, a0 + kb * 32, as0 * 2);
+        _tile_dpbf16ps(4, 0, 2);
+        if (NB == 2) _tile_dpbf16ps(5, 0, 3);
+        if (MA == 2) {
+            _tile_loadd(1, a1 + kb * 32, as1 * 2);
+            _tile_dpbf16ps(6, 1, 2);
+            if (NB == 2) _tile_dpbf16ps(7, 1, 3);
+        }
+    }
+    _tile_stored(4, cbuf, 128);
+    if (NB == 2) _tile_stored(5, cbuf + 16, 128);
+    if (MA == 2) _tile_stored(6, cbuf + 16 * 32, 128);
+    if (MA == 2 && NB == 2) _tile_stored(7, cbuf + 16 * 32 + 16, 128);
+}
+
+// bf16 -> float32 of 16 lanes, and float32 -> bf16 (round to nearest even) -> float32
+AMX_TARGET static inline __m512 widen16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+AMX_TARGET static inline __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+AMX_TARGET static inline __m512 rounded(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round16(v)), 16));
+}
+
+
+AMX_TARGET static void norm_row(const uint16_t* x, const uint16_t* w, int64_t dim, float eps, uint16_t* o) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 v = widen16(x + d);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    alignas(64) float lane[16];
+    _mm512_store_ps(lane, acc);
+    for (int k = 8; k >= 1; k /= 2)
+        for (int i = 0; i < k; ++i) lane[i] = lane[i] + lane[i + k];
+    const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(lane[0] / (float)dim + eps));
+    for (int64_t d = 0; d < dim; d += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d),
+                            round16(_mm512_mul_ps(_mm512_mul_ps(widen16(x + d), r), widen16(w + d))));
+}
+
+// What happens to a 16-column accumulator row on its way out (torch's roundings, step by step):
+//   PLAIN     o = bf16(acc)
+//   RESIDUAL  o = bf16(res + bf16(acc))                       (x + linear(..) in bf16)
+//   SILU      o = bf16(bf16(silu(bf16(g))) * bf16(u))          (silu(gate) * up in bf16), g the
+//             accumulator of gate panel p, u of up panel p + NP/2 (w_gate_up = [gate; up])
+
+struct LinArgs {
+    const uint16_t* x; int64_t xs, M; const uint16_t* xt;  // rows; zero-padded last partial tile
+    const uint16_t* w; int64_t N, K;                        // packed weight, its N (gate|up for SILU)
+    uint16_t* out; int64_t os;                              // [M, N] (SILU: [M, N/2])
+    const uint16_t* res; int64_t rs;                        // RESIDUAL: [M, N] (may be `out`)
+    int mode;
+};
+
+AMX_TARGET static inline void lin_out(const LinArgs& a, const float* c, int64_t row, int64_t col, int nb,
+                                      int64_t cols) {
+    uint16_t* o = a.out + row * a.os + col;
+    if (a.mode == SILU) {  // c[0..16): gate, c[16..32): up, one output panel
+        const __m512 g = rounded(_mm512_load_ps(c)), u = rounded(_mm512_load_ps(c + 16));
+        // silu(g) = g / (1 + e) for g >= 0, g e / (1 + e) for g < 0, with e = exp(-|g|) <= 1
+        const __m512 e = exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+        const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+        const __m512 num = _mm512_mask_mul_ps(g, neg, g, e);
+        const __m512 sl = rounded(_mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), round16(_mm512_mul_ps(sl, u)));
+        return;
+    }
+    for (int h = 0; h < nb; ++h) {
+        const int64_t n = std::min<int64_t>(16, cols - 16 * h);
+        if (n <= 0) break;
+        __m512 v = _mm512_load_ps(c + 16 * h);
+        const __mmask16 lanes = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+        if (a.mode == RESIDUAL) {
+            const uint16_t* r = a.res + row * a.rs + col + 16 * h;
+            const __m512 rv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, r)), 16));
+            v = _mm512_add_ps(rv, rounded(v));
+        }
+        _mm256_mask_storeu_epi16(o + 16 * h, lanes, round16(v));
+    }
+}
+
+// Units [u0, u1) of output columns: a unit is a pair of 16-column panels (p = 2u, 2u + 1), or
+// for SILU the gate panel u with its up panel u + NP/2. Blocked for the caches: a group of units
+// whose weights fit L2 streams from memory once, while 256-row blocks of x take turns over it.
+AMX_TARGET static void linear_rows(const LinArgs& a, int64_t u0, int64_t u1) {
+    const int64_t K2 = a.K / 2, kbs = a.K / 32, mt = (a.M + 15) / 16, mfull = a.M / 16;
+    const int64_t NP = (a.N + 15) / 16;
+    const bool silu = a.mode == SILU;
+    const int64_t unit_bytes = 2 * K2 * 64;
+    const int64_t group = std::max<int64_t>(1, (int64_t)(640 << 10) / unit_bytes);
+    constexpr int64_t MB = 16;  // row tiles per block (256 rows)
+    alignas(64) float cbuf[32 * 32];
+    for (int64_t g0 = u0; g0 < u1; g0 += group) {
+        const int64_t g1 = std::min(u1, g0 + group);
+        for (int64_t i0 = 0; i0 < mt; i0 += MB) {
+            const int64_t i1 = std::min(mt, i0 + MB);
+            for (int64_t u = g0; u < g1; ++u) {
+                const int64_t p = silu ? u : 2 * u;
+                const int nb = silu || p + 1 < NP ? 2 : 1;
+                const uint16_t* w0 = a.w + p * K2 * 32;
+                const uint16_t* w1 = silu ? a.w + (p + NP / 2) * K2 * 32 : w0 + K2 * 32;
+                for (int64_t i = i0; i < i1; i += 2) {
+                    const int ma = i + 1 < i1 ? 2 : 1;
+                    const uint16_t* a0 = i < mfull ? a.x + i * 16 * a.xs : a.xt;
+                    const int64_t as0 = i < mfull ? a.xs : a.K;
+                    const uint16_t* a1 = i + 1 < mfull ? a.x + (i + 1) * 16 * a.xs : a.xt;
+                    const int64_t as1 = i + 1 < mfull ? a.xs : a.K;
+                    if (ma == 2 && nb == 2) lin_block<2, 2>(a0, as0, a1, as1, w0, w1, kbs, cbuf);
+                    else if (ma == 2) lin_block<2, 1>(a0, as0, a1, as1, w0, w1, kbs, cbuf);
+                    else if (nb == 2) lin_block<1, 2>(a0, as0, a1, as1, w0, w1, kbs, cbuf);
+                    else lin_block<1, 1>(a0, as0, a1, as1, w0, w1, kbs, cbuf);
+                    const int64_t rows = std::min<int64_t>(16 * ma, a.M - i * 16);
+                    const int64_t c0 = p * 16, cols = silu ? 16 : std::min<int64_t>(16 * nb, a.N - c0);
+                    for (int64_t r = 0; r < rows; ++r) lin_out(a, cbuf + r * 32, i * 16 + r, c0, nb, cols);
+                }
+            }
+        }
+    }
+}
+
+#endif  // AGENTSPEC_AMX (linear)
+
 bool prefill_amx_available() {
 #if defined(AGENTSPEC_AMX)
     return amx_ready();
@@ -289,6 +468,74 @@ bool prefill_amx_available() {
     return false;
 #endif
 }
+
+#if defined(AGENTSPEC_AMX)
+// The chunk's rows (q bf16 [H, T, D] at strides q_sh / q_st) attend over kt2 / vp, which already
+// hold keys and values 0 .. start + T. Runs without the GIL (the caller released it).
+static void attend_packed(const uint16_t* q, int64_t q_sh, int64_t q_st, const uint16_t* kt, const uint16_t* vpp,
+                          int64_t cap, int64_t start, int T, int H, int Hkv, uint16_t* out, int threads) {
+    // the keys in 16-key blocks, each two contiguous AMX operand tiles (kt2's rows lie a
+    // capacity apart: one tile load would touch 16 lines of one cache set)
+    const int64_t Ls = (start + T + 31) / 32 * 32;
+    const int64_t nkb = Ls / 16;
+    static thread_local std::vector<uint16_t> kbuf;  // the calling thread's, kept between calls
+    kbuf.resize(std::max(kbuf.size(), (size_t)Hkv * nkb * (D / 2) * 32));
+    uint16_t* const kb = kbuf.data();  // (inside the parallel regions `kbuf` would name each worker's own)
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t hb = 0; hb < Hkv * nkb; ++hb) {
+        const int64_t hk = hb / nkb, b = hb % nkb;
+        const uint16_t* src = kt + hk * (D / 2) * cap * 2 + b * 32;
+        uint16_t* dst = kb + hb * (D / 2) * 32;
+        for (int i = 0; i < D / 2; ++i) std::memcpy(dst + i * 32, src + (int64_t)i * cap * 2, 64);
+    }
+    Args a{q, q_sh, q_st, kb, nkb, vpp, cap, out, H, Hkv, T, start};
+    // the calling thread's scratch buffers (one per worker), kept between calls: a fresh megabyte
+    // would page-fault in again on every call
+    static thread_local std::vector<Scratch> pool;
+    run_tasks(a, threads, pool);  // (a reference: the workers use the caller's pool)
+}
+
+// bf16 rotary embedding of one head row (D = 64, rotate_half layout), rounded as torch rounds
+// x * cos + rotate_half(x) * sin in bfloat16: bf16(bf16(x c) + bf16(r s))
+AMX_TARGET static inline void rope_row(const uint16_t* x, const uint16_t* c, const uint16_t* sn, uint16_t* o) {
+    for (int h = 0; h < 2; ++h) {
+        const __m512 lo = widen16(x + 16 * h), hi = widen16(x + 32 + 16 * h);
+        const __m512 clo = widen16(c + 16 * h), chi = widen16(c + 32 + 16 * h);
+        const __m512 slo = widen16(sn + 16 * h), shi = widen16(sn + 32 + 16 * h);
+        const __m512 olo = _mm512_add_ps(rounded(_mm512_mul_ps(lo, clo)),
+                                         rounded(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), slo)));
+        const __m512 ohi = _mm512_add_ps(rounded(_mm512_mul_ps(hi, chi)), rounded(_mm512_mul_ps(lo, shi)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * h), round16(olo));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 + 16 * h), round16(ohi));
+    }
+}
+
+// One chunk row of the fused projection: q rotated into qr [H, T, D]; k rotated and v written at
+// `slot` of the float32 cache (kc / vc [Hkv, cap, D]) and of its packed copies kt2 / vp
+AMX_TARGET static void rope_scatter_row(const uint16_t* row, const uint16_t* c, const uint16_t* s, uint16_t* qr,
+                                        int t, int T, int H, int Hkv, int64_t slot, int64_t cap, float* kc,
+                                        float* vc, uint16_t* kt, uint16_t* vpp) {
+    for (int h = 0; h < H; ++h) rope_row(row + h * D, c, s, qr + ((int64_t)h * T + t) * D);
+    for (int hk = 0; hk < Hkv; ++hk) {
+        alignas(64) uint16_t kr[D];
+        rope_row(row + (H + hk) * D, c, s, kr);
+        const uint16_t* vr = row + (H + Hkv + hk) * D;
+        float* kd = kc + ((int64_t)hk * cap + slot) * D;
+        float* vd = vc + ((int64_t)hk * cap + slot) * D;
+        for (int d = 0; d < D; d += 16) {
+            _mm512_storeu_ps(kd + d, widen16(kr + d));
+            _mm512_storeu_ps(vd + d, widen16(vr + d));
+        }
+        uint16_t* kp = kt + (int64_t)hk * (D / 2) * cap * 2 + slot * 2;
+        for (int i = 0; i < D / 2; ++i) {
+            kp[(int64_t)i * cap * 2] = kr[2 * i];
+            kp[(int64_t)i * cap * 2 + 1] = kr[2 * i + 1];
+        }
+        uint16_t* vq = vpp + ((int64_t)hk * (cap / 2) + slot / 2) * D * 2 + (slot & 1);
+        for (int d = 0; d < D; ++d) vq[2 * d] = vr[d];
+    }
+}
+#endif
 
 // Pack the chunk's keys / values (bf16 [Hkv, T, D], strides in elements) into kt2 / vp at slots
 // [start, start + T), then attend. out: bf16 [T, H, D].
@@ -323,30 +570,120 @@ void prefill_attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, int
             for (int d = 0; d < D; ++d) vd[2 * d] = vr[d];
         }
     }
-    // the keys in 16-key blocks, each two contiguous AMX operand tiles (kt2's rows lie a
-    // capacity apart: one tile load would touch 16 lines of one cache set)
-    const int64_t Ls = (start + T + 31) / 32 * 32;
-    const int64_t nkb = Ls / 16;
-    static thread_local std::vector<uint16_t> kbuf;  // the calling thread's, kept between calls
-    kbuf.resize(std::max(kbuf.size(), (size_t)Hkv * nkb * (D / 2) * 32));
-    uint16_t* const kb = kbuf.data();  // (inside the parallel regions `kbuf` would name each worker's own)
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t hb = 0; hb < Hkv * nkb; ++hb) {
-        const int64_t hk = hb / nkb, b = hb % nkb;
-        const uint16_t* src = kt + hk * (D / 2) * cap * 2 + b * 32;
-        uint16_t* dst = kb + hb * (D / 2) * 32;
-        for (int i = 0; i < D / 2; ++i) std::memcpy(dst + i * 32, src + (int64_t)i * cap * 2, 64);
-    }
-    Args a{reinterpret_cast<const uint16_t*>(q), q_sh, q_st, kb, nkb, vpp, cap,
-           reinterpret_cast<uint16_t*>(out), H, Hkv, T, start};
-    // the calling thread's scratch buffers (one per worker), kept between calls: a fresh megabyte
-    // would page-fault in again on every call
-    static thread_local std::vector<Scratch> pool;
-    run_tasks(a, threads, pool);  // (a reference: the workers use the caller's pool)
+    attend_packed(reinterpret_cast<const uint16_t*>(q), q_sh, q_st, kt, vpp, cap, start, T, H, Hkv,
+                  reinterpret_cast<uint16_t*>(out), threads);
 #else
     (void)q; (void)q_sh; (void)q_st; (void)k; (void)k_sh; (void)k_st; (void)v; (void)v_sh; (void)v_st;
     (void)kt2; (void)vp; (void)out; (void)threads;
     throw std::runtime_error("AMX prefill attention needs an x86-64 build");
+#endif
+}
+
+
+// A prompt chunk's attention from the fused projection qkv (bf16 [T, (H + 2 Hkv) D], row stride
+// qkv_st): rotary embedding of q and k (cos / sin bf16 [T, D], row stride cs_st, the chunk's
+// positions), the keys and values written at slots [start, start + T) of the layer's float32 cache
+// (kf / vf [Hkv, cap, D]) and its packed copies (kt2 / vp), then the causal attention as
+// prefill_attention. out: bf16 [T, H, D].
+void prefill_qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, int64_t cs_st,
+                           uintptr_t kf, uintptr_t vf, uintptr_t kt2, uintptr_t vp, int64_t cap, int64_t start,
+                           int T, int H, int Hkv, int head_dim, uintptr_t out, int threads) {
+    if (head_dim != D) throw std::invalid_argument("head_dim must be 64");
+    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAXG)
+        throw std::invalid_argument("n_heads must be 1 to 4 times n_kv_heads");
+    if (start < 0 || start % TM != 0) throw std::invalid_argument("a prefill chunk must start at a multiple of 16");
+    if (T <= 0 || cap % 64 != 0 || start + T > cap) throw std::invalid_argument("chunk outside the cache");
+    if (qkv_st < (int64_t)(H + 2 * Hkv) * D || cs_st < D) throw std::invalid_argument("bad strides");
+#if defined(AGENTSPEC_AMX)
+    if (!amx_ready()) throw std::runtime_error("AMX is not available on this CPU");
+    if (threads <= 0) threads = omp_get_max_threads();
+    nb::gil_scoped_release nogil;
+    static thread_local std::vector<uint16_t> qbuf;  // rotated q [H, T, D], kept between calls
+    qbuf.resize(std::max(qbuf.size(), (size_t)H * T * D));
+    uint16_t* const qr = qbuf.data();
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(qkv);
+    const uint16_t* cs = reinterpret_cast<const uint16_t*>(cos);
+    const uint16_t* sn = reinterpret_cast<const uint16_t*>(sin);
+    float* kc = reinterpret_cast<float*>(kf);
+    float* vc = reinterpret_cast<float*>(vf);
+    uint16_t* kt = reinterpret_cast<uint16_t*>(kt2);
+    uint16_t* vpp = reinterpret_cast<uint16_t*>(vp);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < T; ++t)
+        rope_scatter_row(x + (int64_t)t * qkv_st, cs + (int64_t)t * cs_st, sn + (int64_t)t * cs_st, qr, t, T, H, Hkv,
+                         start + t, cap, kc, vc, kt, vpp);
+    attend_packed(qr, (int64_t)T * D, D, kt, vpp, cap, start, T, H, Hkv, reinterpret_cast<uint16_t*>(out), threads);
+#else
+    (void)qkv; (void)qkv_st; (void)cos; (void)sin; (void)cs_st; (void)kf; (void)vf; (void)kt2; (void)vp;
+    (void)out; (void)threads;
+    throw std::runtime_error("AMX prefill attention needs an x86-64 build");
+#endif
+}
+
+// RMSNorm of bf16 rows (as torch's fused rms_norm rounds it in bfloat16): out = bf16((x r) w),
+// r = 1 / sqrt(mean(x^2) + eps) in float32 (the sum over 16 lanes, then a fixed tree). Row-wise.
+void rms_norm_rows(uintptr_t x, int64_t x_st, int64_t M, uintptr_t w, int64_t dim, double eps, uintptr_t out,
+                   int64_t o_st, int threads) {
+    if (M <= 0 || dim <= 0 || dim % 16 != 0 || x_st < dim || o_st < dim)
+        throw std::invalid_argument("rms_norm_rows: bad shapes (dim a multiple of 16)");
+#if defined(AGENTSPEC_AMX)
+    if (!prefill_amx_available()) throw std::runtime_error("needs AVX-512 with AMX here");
+    if (threads <= 0) threads = omp_get_max_threads();
+    nb::gil_scoped_release nogil;
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(w);
+    uint16_t* op = reinterpret_cast<uint16_t*>(out);
+    const float e = (float)eps;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t m = 0; m < M; ++m) norm_row(xp + m * x_st, wp, dim, e, op + m * o_st);
+#else
+    (void)x; (void)x_st; (void)w; (void)eps; (void)out; (void)o_st; (void)threads;
+    throw std::runtime_error("needs an x86-64 build");
+#endif
+}
+
+// x: bfloat16 [M, K] (row stride x_st elements), wp: packed [ceil(N/16), K/2, 16, 2], K a multiple
+// of 32; out: bfloat16 [M, N] (row stride o_st), [M, N/2] for mode SILU (N/2 a multiple of 16);
+// res: mode RESIDUAL's bfloat16 [M, N] (row stride r_st; may be out).
+void linear_amx(uintptr_t x, int64_t x_st, int64_t M, uintptr_t wp, int64_t N, int64_t K, uintptr_t out,
+                int64_t o_st, int threads, int mode, uintptr_t res, int64_t r_st) {
+    if (M <= 0 || N <= 0 || K <= 0 || K % 32 != 0 || x_st < K || o_st < (mode == SILU ? N / 2 : N))
+        throw std::invalid_argument("linear_amx: bad shapes or strides (K must be a multiple of 32)");
+    if (mode < PLAIN || mode > SILU) throw std::invalid_argument("linear_amx: mode must be 0, 1 or 2");
+    if (mode == SILU && N % 32 != 0) throw std::invalid_argument("linear_amx: SILU needs N a multiple of 32");
+    if (mode == RESIDUAL && (res == 0 || r_st < N)) throw std::invalid_argument("linear_amx: bad residual");
+#if defined(AGENTSPEC_AMX)
+    if (!amx_ready()) throw std::runtime_error("AMX is not available on this CPU");
+    if (threads <= 0) threads = omp_get_max_threads();
+    const int64_t NP = (N + 15) / 16;
+    // units a thread takes: panel pairs, or (SILU) gate panels, each with its up panel
+    const int64_t units = mode == SILU ? NP / 2 : (NP + 1) / 2;
+    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, units));
+    nb::gil_scoped_release nogil;
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
+    // rows past the last whole 16-row tile, zero-padded to a tile
+    static thread_local std::vector<uint16_t> tail;
+    const int64_t mfull = M / 16;
+    const uint16_t* xt = nullptr;
+    if (M % 16) {
+        tail.assign((size_t)16 * K, 0);
+        for (int64_t r = 0; r < M - mfull * 16; ++r)
+            std::memcpy(tail.data() + r * K, xp + (mfull * 16 + r) * x_st, (size_t)K * 2);
+        xt = tail.data();
+    }
+    const LinArgs a{xp, x_st, M, xt, reinterpret_cast<const uint16_t*>(wp), N, K, reinterpret_cast<uint16_t*>(out),
+                    o_st, reinterpret_cast<const uint16_t*>(res), r_st, mode};
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t q0 = units * t / nt, q1 = units * (t + 1) / nt;
+        tiles_on();
+        linear_rows(a, q0, q1);
+        tiles_off();
+    }
+#else
+    (void)x; (void)x_st; (void)wp; (void)out; (void)o_st; (void)threads; (void)res;
+    throw std::runtime_error("AMX linear needs an x86-64 build");
 #endif
 }
 
@@ -360,4 +697,16 @@ void register_prefill(nb::module_& m) {
           nb::arg("v_stride_t"), nb::arg("kt2"), nb::arg("vp"), nb::arg("capacity"), nb::arg("start"), nb::arg("T"),
           nb::arg("n_heads"), nb::arg("n_kv_heads"), nb::arg("head_dim"), nb::arg("out"), nb::arg("threads") = 0,
           "Raw-pointer entry point; call agentspec.kernels.cpu_attention.prefill_attention instead.");
+    m.def("prefill_qkv_attention", &prefill_qkv_attention, nb::arg("qkv"), nb::arg("qkv_stride"), nb::arg("cos"),
+          nb::arg("sin"), nb::arg("cs_stride"), nb::arg("k"), nb::arg("v"), nb::arg("kt2"), nb::arg("vp"),
+          nb::arg("capacity"), nb::arg("start"), nb::arg("T"), nb::arg("n_heads"), nb::arg("n_kv_heads"),
+          nb::arg("head_dim"), nb::arg("out"), nb::arg("threads") = 0,
+          "Raw-pointer entry point; call agentspec.kernels.cpu_attention.prefill_qkv_attention instead.");
+    m.def("rms_norm_rows", &rms_norm_rows, nb::arg("x"), nb::arg("x_stride"), nb::arg("M"), nb::arg("w"),
+          nb::arg("dim"), nb::arg("eps"), nb::arg("out"), nb::arg("out_stride"), nb::arg("threads") = 0,
+          "Raw-pointer entry point; call agentspec.kernels.cpu_linear.rms_norm instead.");
+    m.def("linear_amx", &linear_amx, nb::arg("x"), nb::arg("x_stride"), nb::arg("M"), nb::arg("w_packed"),
+          nb::arg("N"), nb::arg("K"), nb::arg("out"), nb::arg("out_stride"), nb::arg("threads") = 0,
+          nb::arg("mode") = 0, nb::arg("res") = 0, nb::arg("res_stride") = 0,
+          "Raw-pointer entry point; call agentspec.kernels.cpu_linear.PackedLinear.prefill instead.");
 }

@@ -181,3 +181,121 @@ def test_a_model_with_more_than_4_query_heads_per_kv_head_falls_back():
         kv = torch.zeros(2, 16, 64, dtype=torch.bfloat16)
         c2 = _Cache(256)
         cpu_attention.prefill_attention(q, kv, kv, c2, 0, 0)
+
+
+# --- the rest of a prompt chunk's layer on AMX: projections, norms, rotary (Block.forward_amx) ---
+
+def _packed_linear(n: int, k: int, seed: int):
+    from agentspec.kernels import cpu_linear
+
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05).bfloat16()
+    return w, cpu_linear.PackedLinear(w)
+
+
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (64, 40)])
+def test_amx_linear_is_accurate_and_row_and_thread_invariant(k, n):
+    w, lin = _packed_linear(n, k, seed=k + n)
+    x = torch.randn(203, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    out = lin.prefill(x)
+    ref = F.linear(x.double(), w.double())
+    err = (out.double() - ref).abs().max().item()
+    err_torch = (F.linear(x, w).double() - ref).abs().max().item()
+    assert err <= err_torch * 1.01 + 1e-6, (err, err_torch)  # one float32 sum, rounded once: as torch's
+    for a, b in ((0, 1), (5, 37), (16, 48), (190, 203)):  # any rows, any tile position
+        assert torch.equal(lin.prefill(x[a:b]), out[a:b]), (a, b)
+    assert torch.equal(lin.prefill(x, threads=1), out)
+
+
+def test_amx_linear_epilogues_round_as_torch_does():
+    """``residual``: residual + x W^T, each rounded to bf16 as torch adds them; ``silu``:
+    silu(gate) * up of the [gate; up] projection, as torch computes it in bf16."""
+    w, lin = _packed_linear(576, 1536, seed=5)
+    x = torch.randn(77, 1536, generator=torch.Generator().manual_seed(2)).bfloat16()
+    r = torch.randn(77, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert torch.equal(lin.prefill(x, residual=r), r + lin.prefill(x))
+    wg, glin = _packed_linear(2 * 1536, 576, seed=6)
+    h = torch.randn(77, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+    gate, up = glin.prefill(h).chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    got = glin.prefill(h, silu=True)
+    # the exp differs from torch's in the last float32 bits: at most rarely one bf16 step
+    diff = (got.float() - ref.float()).abs()
+    assert (diff > 0).float().mean().item() < 1e-3
+    assert (diff <= ref.float().abs() * 2 ** -7 + 1e-30).all()
+
+
+def test_amx_linear_refuses_bad_shapes():
+    w, lin = _packed_linear(64, 48, seed=7)  # K = 48: not whole 32-column tiles
+    with pytest.raises(ValueError, match="multiple of 32"):
+        lin.prefill(torch.zeros(4, 48, dtype=torch.bfloat16))
+    w, lin = _packed_linear(48, 64, seed=8)
+    with pytest.raises(ValueError, match="SILU needs N a multiple of 32"):
+        lin.prefill(torch.zeros(4, 64, dtype=torch.bfloat16), silu=True)
+    with pytest.raises(ValueError, match="residual"):
+        lin.prefill(torch.zeros(4, 64, dtype=torch.bfloat16), residual=torch.zeros(4, 47, dtype=torch.bfloat16))
+
+
+def test_native_rms_norm_matches_torch():
+    x = (torch.randn(300, 576, generator=torch.Generator().manual_seed(9)) * 3).bfloat16()
+    w = (torch.rand(576, generator=torch.Generator().manual_seed(10)) + 0.5).bfloat16()
+    got = cpu_attention.rms_norm(x, w, 1e-5)
+    ref = F.rms_norm(x, (576,), w, 1e-5)
+    diff = (got.float() - ref.float()).abs()
+    assert (diff > 0).float().mean().item() < 1e-3  # the mean's summation order differs
+    assert (diff <= ref.float().abs() * 2 ** -7).all()
+    assert torch.equal(cpu_attention.rms_norm(x[17:40], w, 1e-5), got[17:40])  # row-wise
+
+
+def test_qkv_attention_is_rotary_then_prefill_attention_bit_for_bit():
+    """prefill_qkv_attention (rotary, cache writes and attention in one call) equals torch's
+    rotary (model.apply_rope in bf16), KVCache.write and prefill_attention: output, float32 cache
+    and packed copies."""
+    from agentspec.engine.model import KVCache, ModelArgs, apply_rope, rope_cos_sin
+
+    args = ModelArgs(dim=576, n_layers=1, n_heads=H, n_kv_heads=HKV, hidden_dim=256, vocab_size=300,
+                     max_seq_len=1024)
+    a = KVCache(args, 640, dtype=torch.float32, device=torch.device("cpu"), packed=True)
+    b = KVCache(args, 640, dtype=torch.float32, device=torch.device("cpu"), packed=True)
+    g = torch.Generator().manual_seed(11)
+    for start, T in ((0, 256), (256, 256), (512, 93)):
+        qkv = (torch.randn(T, (H + 2 * HKV) * D, generator=g) * 2).bfloat16()
+        cos, sin = (t.bfloat16() for t in rope_cos_sin(10000.0, D, torch.arange(start, start + T)))
+        q, k, v = qkv.split([H * D, HKV * D, HKV * D], dim=-1)
+        q = apply_rope(q.view(T, H, D).transpose(0, 1), cos, sin)
+        k = apply_rope(k.view(T, HKV, D).transpose(0, 1), cos, sin)
+        v = v.view(T, HKV, D).transpose(0, 1)
+        a.write(0, start, k, v)
+        want = cpu_attention.prefill_attention(q, k, v, a, 0, start)
+        got = cpu_attention.prefill_qkv_attention(qkv, cos, sin, b, 0, start, n_heads=H, n_kv_heads=HKV)
+        assert torch.equal(got, want), start
+    n = 605
+    assert torch.equal(a.k[:, :, :n], b.k[:, :, :n]) and torch.equal(a.v[:, :, :n], b.v[:, :, :n])
+    assert torch.equal(a.kt2[..., :n, :], b.kt2[..., :n, :])
+    assert torch.equal(a.vp[:, :, : n // 2], b.vp[:, :, : n // 2])
+
+
+def test_the_bundled_models_prefill_does_not_depend_on_how_the_prompt_is_split(engine, rewrite_prompts):
+    """On the AMX path end to end (Block.forward_amx) every prefill row is split-invariant: one
+    forward over the prompt, the canonical 256-token chunks, 1024-token forwards (what
+    Decoder.prefill takes here) and odd 16-aligned pieces give the same logits and the same KV
+    bits, so the prefix cache's chunks are the same whichever way a prompt was prefilled."""
+    assert engine.kernel_info()["prefill_linears"] == "amx"
+    ids = torch.tensor([t for p in sorted(rewrite_prompts, key=len, reverse=True) for t in p][:1100])
+    n = len(ids)
+    assert n == 1100
+    assert engine.model.prefill_row_invariant(engine.new_cache(n + 16))
+
+    def run(bounds):
+        cache = engine.new_cache(n + 16)
+        with torch.inference_mode():
+            for s, e in zip(bounds, bounds[1:]):
+                out = engine.model(ids[s:e], torch.arange(s, e), cache, logits_rows=slice(-1, None), prefill=True)
+                cache.commit(list(range(e - s)))
+        return out, cache
+
+    ref, rc = run(list(range(0, n, 256)) + [n])
+    for bounds in ([0, n], [0, 1024, n], [0, 16, 400, 528, 1040, n]):
+        out, c = run(bounds)
+        assert torch.equal(out, ref), bounds
+        assert torch.equal(c.k[:, :, :n], rc.k[:, :, :n]) and torch.equal(c.v[:, :, :n], rc.v[:, :, :n]), bounds
+        assert torch.equal(c.kt2[..., :n, :], rc.kt2[..., :n, :]), bounds
