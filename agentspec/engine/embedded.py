@@ -146,7 +146,7 @@ class EmbeddedEngine(Engine):
         self.args = ckpt.args
         self.model_path = ckpt.source
         self.tokenizer: Tokenizer = ckpt.tokenizer
-        self.model = Transformer(ckpt.args)
+        self.model = Transformer(ckpt.args, init_weights=False)  # every weight is loaded next
         missing, unexpected = self.model.load_state_dict(ckpt.state, strict=False)
         missing = [m for m in missing if not m.startswith("rope_")]
         if missing or unexpected:

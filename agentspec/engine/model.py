@@ -120,6 +120,14 @@ class KVCache(nn.Module):
         self.length += n
 
 
+def skip_init(cls, *args, **kwargs):
+    """``cls(*args, **kwargs)`` with uninitialised parameters on CPU (built on the meta device,
+    then allocated): for weights loaded right after. (torch.nn.utils.skip_init does the same, but
+    importing torch.nn.utils pulls in torch._dynamo: ~2 s of start-up, as does nn.Embedding's init
+    on the meta device, so the embedding is given an empty weight instead.)"""
+    return cls(*args, device="meta", **kwargs).to_empty(device="cpu")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -152,18 +160,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, *, init_weights: bool = True):
         super().__init__()
         self.args = args
         hd = args.head_dim
         self.q_size = args.n_heads * hd
         self.kv_size = args.n_kv_heads * hd
+        lin = partial(nn.Linear, bias=False) if init_weights else partial(skip_init, nn.Linear, bias=False)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.wqkv = nn.Linear(args.dim, self.q_size + 2 * self.kv_size, bias=False)
-        self.wo = nn.Linear(self.q_size, args.dim, bias=False)
+        self.wqkv = lin(args.dim, self.q_size + 2 * self.kv_size)
+        self.wo = lin(self.q_size, args.dim)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.w_gate_up = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)
-        self.w_down = nn.Linear(args.hidden_dim, args.dim, bias=False)
+        self.w_gate_up = lin(args.dim, 2 * args.hidden_dim)
+        self.w_down = lin(args.hidden_dim, args.dim)
         # (wqkv, wo, w_gate_up, w_down) as cpu_linear.PackedLinear, set by Transformer.pack_linears
         self.packed: tuple | None = None
         # prompt chunks on the AMX path also project on AMX tiles (PackedLinear.prefill)
@@ -456,13 +465,20 @@ class Segment:
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, *, init_weights: bool = True):
+        """``init_weights=False``: the projections and embedding are left uninitialised (``skip_init``)
+        for a caller that loads every weight next (``EmbeddedEngine``: the random
+        init of 135M parameters took ~1.2 s of a ~3 s start-up)."""
         super().__init__()
         self.args = args
-        self.embed = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.embed = (nn.Embedding(args.vocab_size, args.dim) if init_weights
+                      else nn.Embedding(args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim)))
+        self.layers = nn.ModuleList(Block(args, init_weights=init_weights) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.lm_head = None
+        if not args.tie_embeddings:
+            self.lm_head = (nn.Linear(args.dim, args.vocab_size, bias=False) if init_weights
+                            else skip_init(nn.Linear, args.dim, args.vocab_size, bias=False))
         self.head_packed: cpu_linear.PackedLinear | None = None
         cos, sin = rope_tables(args)
         self.register_buffer("rope_cos", cos, persistent=False)

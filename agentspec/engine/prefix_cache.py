@@ -25,7 +25,10 @@ Tokens computed by decode steps (the previous turn's output) are never reused: d
 other kernels than prefill rows and would round differently. (3) Eviction only removes reuse;
 a miss prefills the same chunks the same way. Prefill and decode attention do differ in
 rounding, so a cache that reused decode-time KV, or prefilled a remainder in a shape the
-uncached run did not use, would not be exact; the canonical chunking is what makes it so.
+uncached run did not use, would not be exact; the canonical chunking is what makes it so. (On
+CPUs with AMX the whole prompt layer runs row-invariant kernels, ``Block.forward_amx``: there a
+row's bits do not depend on the split at all, and ``Decoder.prefill`` runs several chunks per
+forward; the argument above holds a fortiori.)
 
 The structure holds opaque payloads with a byte size; ``Decoder`` stores ``(k, v)`` tensors.
 """

@@ -13,22 +13,15 @@ from agentspec.drafting import PromptLookupDrafter
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 96
+# 64: the plain references are then the session's shared ones (conftest.plain_greedy), which the
+# batching, decode-step and tree-draft tests compare against too
+MAX_TOKENS = 64
 
 
-def _pairs(engine, prompts, **kw):
-    out = []
-    for ids in prompts:
-        plain = engine.generate(ids, max_tokens=MAX_TOKENS, spec=None, **kw)
-        spec = engine.generate(ids, max_tokens=MAX_TOKENS, **kw)
-        out.append((plain, spec))
-    return out
-
-
-def test_greedy_identity_rewrites_and_chat(engine, rewrite_prompts, chat_prompts):
+def test_greedy_identity_rewrites_and_chat(engine, plain_greedy, rewrite_prompts, chat_prompts):
     prompts = rewrite_prompts + chat_prompts
     assert len(prompts) >= 14
-    pairs = _pairs(engine, prompts)
+    pairs = [(plain_greedy(ids, MAX_TOKENS), engine.generate(ids, max_tokens=MAX_TOKENS)) for ids in prompts]
     mismatches = [i for i, (p, s) in enumerate(pairs) if p.token_ids != s.token_ids]
     assert not mismatches, f"speculative output differs from plain decoding on prompts {mismatches}"
     for plain, spec in pairs:
@@ -189,7 +182,7 @@ def test_kv_compaction_equals_sequential_feeding(engine, rewrite_prompts):
 
 def test_deterministic_mode_identity(rewrite_prompts, chat_prompts):
     det = agentspec.Engine.embedded(deterministic=True, quiet=True)
-    for ids in rewrite_prompts[:3] + chat_prompts[:1]:
+    for ids in rewrite_prompts[:1] + chat_prompts[:1]:  # (the engine paths are the ones tested above)
         plain = det.generate(ids, max_tokens=64, spec=None)
         spec = det.generate(ids, max_tokens=64)
         assert spec.token_ids == plain.token_ids
@@ -218,8 +211,13 @@ def test_verification_logits_equal_plain_logits_bitwise(engine, rewrite_prompts,
     """Stronger than token identity: every accepted-path row of every verification forward
     (suffix-drafter trees, whole budget, and noisy trees) has the very logits plain decoding
     computes for that position, on every kernel ISA level. Token identity alone would only
-    catch near-ties."""
+    catch near-ties. Two prompts at the CPU's best level, one below it (the levels compute the
+    same bits: tests/unit/test_cpu_attention.py and test_cpu_linear.py compare them bit for bit)."""
     from agentspec.drafting import default_drafter
+    from agentspec.kernels import cpu_isa
+
+    best = max(_isa_levels(), key=cpu_isa.ISA_LEVELS.index)
+    n_prompts = 2 if isa == best else 1
 
     recorded = []
     forward = engine.model.forward
@@ -233,7 +231,7 @@ def test_verification_logits_equal_plain_logits_bitwise(engine, rewrite_prompts,
     engine.model.forward = spy
     checked = mismatched = 0
     try:
-        for ids in rewrite_prompts[:2]:
+        for ids in rewrite_prompts[:n_prompts]:
             P = len(ids)
             recorded.clear()
             plain = engine.generate(ids, max_tokens=96, spec=None)
@@ -258,5 +256,5 @@ def test_verification_logits_equal_plain_logits_bitwise(engine, rewrite_prompts,
                             mismatched += not torch.equal(logits[r], plain_logits[pos[r].item()])
     finally:
         del engine.model.forward   # back to the class's forward
-    assert checked > 100
+    assert checked > 50 * n_prompts
     assert mismatched == 0, f"{mismatched} of {checked} verification rows differ from plain decoding"
