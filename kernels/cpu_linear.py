@@ -31,11 +31,11 @@ def linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def amx_linear_supported(weight: torch.Tensor) -> bool:
-    """Whether ``PackedLinear(weight).prefill`` runs here: AMX-BF16 (``cpu_attention.prefill_amx_runs``'s
-    conditions), K a multiple of 32."""
-    from .cpu_attention import _PREFILL_AMX
-    return (_PREFILL_AMX and linear_supported(weight.dtype, weight.device) and hasattr(_cpu, "linear_amx")
-            and weight.shape[1] % 32 == 0 and _cpu.prefill_amx_available() and _cpu.isa() == 4)
+    """Whether ``PackedLinear(weight).prefill`` can run here: a CPU (and OS) with AMX-BF16 and K a
+    multiple of 32. Whether a prompt takes the AMX path now (the ISA cap, AGENTSPEC_PREFILL_ATTENTION)
+    is decided per forward (``cpu_attention.prefill_amx_supported``), not here."""
+    return (linear_supported(weight.dtype, weight.device) and weight.shape[1] % 32 == 0
+            and _cpu.prefill_amx_available())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -94,14 +94,12 @@ class PackedLinear:
         if x.stride(1) != 1:
             x = x.contiguous()
         M = x.shape[0]
-        if residual is not None:
-            if (residual.shape != (M, self.N) or residual.dtype != torch.bfloat16 or residual.stride(1) != 1):
-                raise ValueError(f"residual must be bfloat16 [{M}, {self.N}] with unit column stride")
-            out = torch.empty(M, self.N, dtype=torch.bfloat16)
-            _cpu.linear_amx(x.data_ptr(), x.stride(0), M, self.packed.data_ptr(), self.N, self.K,
-                            out.data_ptr(), out.stride(0), threads, 1, residual.data_ptr(), residual.stride(0))
-            return out
-        out = torch.empty(M, self.N // 2 if silu else self.N, dtype=torch.bfloat16)
+        if residual is not None and (residual.shape != (M, self.N) or residual.dtype != torch.bfloat16
+                                     or residual.stride(1) != 1):
+            raise ValueError(f"residual must be bfloat16 [{M}, {self.N}] with unit column stride")
+        mode = 1 if residual is not None else 2 if silu else 0  # linear_amx's PLAIN / RESIDUAL / SILU
+        out = torch.empty(M, self.N // 2 if mode == 2 else self.N, dtype=torch.bfloat16)
         _cpu.linear_amx(x.data_ptr(), x.stride(0), M, self.packed.data_ptr(), self.N, self.K, out.data_ptr(),
-                        out.stride(0), threads, 2 if silu else 0)
+                        out.stride(0), threads, mode, 0 if residual is None else residual.data_ptr(),
+                        0 if residual is None else residual.stride(0))
         return out

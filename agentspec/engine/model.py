@@ -466,8 +466,8 @@ class Segment:
 
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, *, init_weights: bool = True):
-        """``init_weights=False``: the projections and embedding are left uninitialised (``skip_init``)
-        for a caller that loads every weight next (``EmbeddedEngine``: the random
+        """``init_weights=False``: the projections (``skip_init``) and the embedding are left
+        uninitialised for a caller that loads every weight next (``EmbeddedEngine``: the random
         init of 135M parameters took ~1.2 s of a ~3 s start-up)."""
         super().__init__()
         self.args = args

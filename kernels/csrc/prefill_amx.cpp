@@ -469,6 +469,19 @@ bool prefill_amx_available() {
 #endif
 }
 
+// One key / value row (bf16 [D]) of kv head `hk` into the layer's packed copies at `slot`:
+// kt2 [Hkv, D/2, cap, 2] (d-pairs a capacity apart) and vp [Hkv, cap/2, D, 2] (slot pairs)
+static inline void pack_slot(const uint16_t* kr, const uint16_t* vr, int hk, int64_t slot, int64_t cap, uint16_t* kt,
+                             uint16_t* vpp) {
+    uint16_t* kp = kt + (int64_t)hk * (D / 2) * cap * 2 + slot * 2;
+    for (int i = 0; i < D / 2; ++i) {
+        kp[(int64_t)i * cap * 2] = kr[2 * i];
+        kp[(int64_t)i * cap * 2 + 1] = kr[2 * i + 1];
+    }
+    uint16_t* vq = vpp + ((int64_t)hk * (cap / 2) + slot / 2) * D * 2 + (slot & 1);
+    for (int d = 0; d < D; ++d) vq[2 * d] = vr[d];
+}
+
 #if defined(AGENTSPEC_AMX)
 // The chunk's rows (q bf16 [H, T, D] at strides q_sh / q_st) attend over kt2 / vp, which already
 // hold keys and values 0 .. start + T. Runs without the GIL (the caller released it).
@@ -526,13 +539,7 @@ AMX_TARGET static void rope_scatter_row(const uint16_t* row, const uint16_t* c, 
             _mm512_storeu_ps(kd + d, widen16(kr + d));
             _mm512_storeu_ps(vd + d, widen16(vr + d));
         }
-        uint16_t* kp = kt + (int64_t)hk * (D / 2) * cap * 2 + slot * 2;
-        for (int i = 0; i < D / 2; ++i) {
-            kp[(int64_t)i * cap * 2] = kr[2 * i];
-            kp[(int64_t)i * cap * 2 + 1] = kr[2 * i + 1];
-        }
-        uint16_t* vq = vpp + ((int64_t)hk * (cap / 2) + slot / 2) * D * 2 + (slot & 1);
-        for (int d = 0; d < D; ++d) vq[2 * d] = vr[d];
+        pack_slot(kr, vr, hk, slot, cap, kt, vpp);
     }
 }
 #endif
@@ -561,13 +568,7 @@ void prefill_attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, int
             const int64_t s = start + t;
             const uint16_t* kr = kk + (int64_t)hk * k_sh + (int64_t)t * k_st;
             const uint16_t* vr = vv + (int64_t)hk * v_sh + (int64_t)t * v_st;
-            uint16_t* kd = kt + (int64_t)hk * (D / 2) * cap * 2 + s * 2;
-            for (int i = 0; i < D / 2; ++i) {
-                kd[(int64_t)i * cap * 2] = kr[2 * i];
-                kd[(int64_t)i * cap * 2 + 1] = kr[2 * i + 1];
-            }
-            uint16_t* vd = vpp + ((int64_t)hk * (cap / 2) + s / 2) * D * 2 + (s & 1);
-            for (int d = 0; d < D; ++d) vd[2 * d] = vr[d];
+            pack_slot(kr, vr, hk, s, cap, kt, vpp);
         }
     }
     attend_packed(reinterpret_cast<const uint16_t*>(q), q_sh, q_st, kt, vpp, cap, start, T, H, Hkv,
@@ -704,7 +705,7 @@ void register_prefill(nb::module_& m) {
           "Raw-pointer entry point; call agentspec.kernels.cpu_attention.prefill_qkv_attention instead.");
     m.def("rms_norm_rows", &rms_norm_rows, nb::arg("x"), nb::arg("x_stride"), nb::arg("M"), nb::arg("w"),
           nb::arg("dim"), nb::arg("eps"), nb::arg("out"), nb::arg("out_stride"), nb::arg("threads") = 0,
-          "Raw-pointer entry point; call agentspec.kernels.cpu_linear.rms_norm instead.");
+          "Raw-pointer entry point; call agentspec.kernels.cpu_attention.rms_norm instead.");
     m.def("linear_amx", &linear_amx, nb::arg("x"), nb::arg("x_stride"), nb::arg("M"), nb::arg("w_packed"),
           nb::arg("N"), nb::arg("K"), nb::arg("out"), nb::arg("out_stride"), nb::arg("threads") = 0,
           nb::arg("mode") = 0, nb::arg("res") = 0, nb::arg("res_stride") = 0,
