@@ -137,7 +137,10 @@ def ours(convs: list[dict], *, cache: bool, spec: bool, max_tokens: int, tmp: Pa
             out.append({"task": c["task"], "turns": turns})
             log(f"cache={cache} spec={spec} {c['task']}: ttft " + ", ".join(f"{t['ttft_s']:.2f}" for t in turns)
                 + " s; cached " + ", ".join(str(t["cached_tokens"]) for t in turns))
-        return {"conversations": out}
+        # the server's "model ready" line: dtype, decode kernels, prefill GEMM and attention paths
+        ready = [ln for ln in (tmp / f"server-{int(cache)}.log").read_text(errors="replace").splitlines()
+                 if ln.startswith("[agentspec] model ready")]
+        return {"conversations": out, "server_model_ready": ready[-1] if ready else None}
     finally:
         proc.terminate()
         proc.wait(30)
@@ -254,6 +257,8 @@ def main() -> int:
               "conversations": [{"task": c["task"], "prompt_tokens": [len(t) for t in c["turns"]],
                                  "shared_prefix": c["shared_prefix"]} for c in convs],
               "summary": summarize(runs, vllm_res), "vllm": vllm_res,
+              "server_model_ready": next((r.get("server_model_ready") for r in runs.values()
+                                          if r.get("server_model_ready")), None),
               **({"repeats": _repeats(repeats)} if len(repeats) > 1 else {}),
               "runs": {k: {"conversations": [{"task": c["task"], "turns": [{kk: vv for kk, vv in t.items() if kk != "text"}
                                                                          for t in c["turns"]]}
