@@ -19,7 +19,8 @@ try:
 except ImportError:  # not built (e.g. a source checkout without the extension)
     _cpu = None
 
-__all__ = ["QKVAttention", "available", "bf16_hardware", "decode_attention", "fused_supported", "packed_supported",
+__all__ = ["QKVAttention", "available", "bf16_hardware", "decode_attention", "decode_attention_kernel",
+           "fused_supported", "packed_supported",
            "prefill_amx_runs", "prefill_amx_supported", "prefill_attention", "segment_attention", "sync_packed"]
 
 # AGENTSPEC_CPU_ATTENTION=0 turns the native kernel off (benchmarks compare both paths)
@@ -27,6 +28,26 @@ _ENABLED = os.environ.get("AGENTSPEC_CPU_ATTENTION", "1") != "0"
 # AGENTSPEC_CPU_FUSED=0 keeps the native attention but runs rotary / cache writes in torch
 # (QKVAttention off; benchmarks compare both paths)
 _FUSED = os.environ.get("AGENTSPEC_CPU_FUSED", "1") != "0"
+# AGENTSPEC_DECODE_ATTENTION: how QKVAttention runs decode / verify rows (kernels/csrc/attention.cpp,
+# "Blocked"):
+#   amx      (the default) the blocked kernel on AMX tiles where the CPU has AMX and the kernels run
+#            at the top ISA level (avx512bf16); elsewhere "blocked"
+#   blocked  each kv head's keys / values streamed once for all of a request's rows, VDPBF16PS
+#            (or its emulation at lower ISA levels)
+#   rows     one task per (row, kv head), each streaming them: blocked's bits
+# Every mode gives a draft-tree node the bits of the same token decoded plainly; amx's differ
+# from the other two's (its tiles sum in another order), so it is off under an ISA cap.
+DECODE_MODES = {"rows": 0, "blocked": 1, "amx": 2}
+_DECODE_MODE = os.environ.get("AGENTSPEC_DECODE_ATTENTION", "amx")
+if _DECODE_MODE not in DECODE_MODES:
+    raise ValueError(f"AGENTSPEC_DECODE_ATTENTION={_DECODE_MODE!r}: expected one of {', '.join(DECODE_MODES)}")
+
+
+def decode_attention_kernel() -> str:
+    """The kernel QKVAttention runs decode / verify rows with now: "amx", "blocked" or "rows"."""
+    if _DECODE_MODE == "amx" and not (available() and _cpu.decode_amx_runs()):
+        return "blocked"
+    return _DECODE_MODE
 
 
 def available() -> bool:
@@ -278,5 +299,6 @@ class QKVAttention:
             raise ValueError(f"qkv must be bfloat16 [{self.R}, {(self.H + 2 * self.Hkv) * self.D}], unit column stride")
         cp, sp, cst, segp, S = self._args
         _cpu.qkv_attention(qkv.data_ptr(), qkv.stride(0), cp, sp, cst, segp, S, layer,
-                           self.out.data_ptr(), self.out.stride(0), self.H, self.Hkv, self.D, self.threads)
+                           self.out.data_ptr(), self.out.stride(0), self.H, self.Hkv, self.D, self.threads,
+                           DECODE_MODES[_DECODE_MODE])
         return self.out

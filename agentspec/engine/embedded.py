@@ -167,6 +167,11 @@ class EmbeddedEngine(Engine):
         # prompt chunks' projections: AMX tiles (PackedLinear.prefill) on the AMX path, else torch's GEMM
         self.prefill_linears = ("amx" if self.prefill_attention == "amx" and self.model.layers[0].amx_linears
                                 else "torch")
+        # decode / verify rows' attention (cpu_attention.QKVAttention): "amx", "blocked" or "rows";
+        # "torch" where the fused native path does not run (float32 models, other devices)
+        fused = (self.device.type == "cpu" and dtype == torch.bfloat16 and cpu_attention.fused_supported(
+            self.new_cache(16), dtype, self.args.n_heads, self.args.n_kv_heads))
+        self.decode_attention = cpu_attention.decode_attention_kernel() if fused else "torch"
         self.max_context = min(max_context or min(ckpt.args.max_seq_len, 8192), ckpt.args.max_seq_len)
         self.deterministic = deterministic
         self.deterministic_width = deterministic_width
@@ -228,7 +233,8 @@ class EmbeddedEngine(Engine):
         info = _cpu_isa.machine_info()
         gov = "adaptive" if self.governor.enabled else "fixed"
         return (f"{info['cpu']}, {self.governor.max_threads} threads ({gov}), decode kernels {self.kernels}, "
-                f"prefill GEMM {self.prefill_gemm} ({self.prefill_linears}), prefill attention {self.prefill_attention}")
+                f"prefill GEMM {self.prefill_gemm} ({self.prefill_linears}), prefill attention {self.prefill_attention}, "
+                f"decode attention {self.decode_attention}")
 
     def kernel_info(self) -> dict:
         """What ran, for benchmark JSON: CPU model and flags, usable cores, threads, dtype, kernels."""
@@ -237,7 +243,7 @@ class EmbeddedEngine(Engine):
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "decode_kernels": self.kernels,
                 "prefill_gemm": self.prefill_gemm, "prefill_linears": self.prefill_linears,
-                "prefill_attention": self.prefill_attention,
+                "prefill_attention": self.prefill_attention, "decode_attention": self.decode_attention,
                 "row_invariant_linears": self.model.head_packed is not None}
 
     def _prefill_attention_kernel(self) -> str:

@@ -117,6 +117,38 @@ struct Scratch {
     std::vector<uint16_t> pb;  // [G, Lr + 2] probabilities in bfloat16 (bfloat16 models)
 };
 
+// Blocked decode / verify attention (bfloat16 models, qkv_attention's default): the rows of one
+// request share each kv head's keys and values, so rather than one task per (row, kv head) that
+// streams them all (T times the cache traffic of one row), the work runs in phases over all of a
+// request's rows at once:
+//   rows    per row: its visible slots, their count, the leading run at their own slots, and
+//           which 64-slot blocks it sees;
+//   scores  per (kv head, 256-slot chunk): each 64-key block comes from memory once and serves
+//           every row from L1;
+//   softmax per (kv head, row), as row_task's;
+//   p @ v   per (kv head, 16 lanes of d): the value pairs of the prefix every row shares are read
+//           once, in blocks of 32 pairs, for all rows (accumulators parked in memory between
+//           blocks), then each row's own tail (its draft-tree ancestors), packed as row_task
+//           packs them.
+// Every lane runs the same operations in the same order as in row_task (scores one lane per slot,
+// sums over d pairs in order; p @ v one lane per d, sums over compact keys in order): the same
+// bits, which test_cpu_attention checks against row_task for tree masks and every ISA level.
+struct Work {
+    int32_t* idx;         // [T][Lr] visible slots of each row, ascending
+    int32_t* n;           // [T] how many
+    int32_t* run;         // [T] leading i with idx[i] == i
+    uint8_t* vb;          // [T][nb] whether the row sees a key in 64-slot block b
+    float* S;             // [Hkv][Mp][ss] scores, then p / sum (compact); row t G + g
+    uint16_t* PB;         // [Hkv][Mp][ps] p in bfloat16, zero from n to a multiple of 32
+    float* acc;           // [Hkv][Mp][D] p @ v accumulators (AMX)
+    const uint32_t* qp;   // [T][H][D/2] q / 8 as bfloat16 pairs
+    const float* qs;      // [T][H][D] the same values as floats (AVX2 broadcasts)
+    int nb;
+    int Mp;               // T G rounded up to a whole AMX tile (16 rows)
+    int64_t ss, ps;       // row strides of S and PB: Lr + 16 and Lr + 32 (rows a power of two
+                          // apart would share cache sets)
+};
+
 // Row t's visible slots (mask row mr; nullptr: all L), ascending, into idx; returns how many.
 static inline __attribute__((always_inline)) int visible_slots(const Args& a, const uint8_t* mr, int32_t* idx) {
     int n = 0;
@@ -170,6 +202,21 @@ static inline __attribute__((always_inline)) void softmax_visible(float* Sg, int
         for (int l = 0; l < w; ++l) pt[l] = pt[l] + pt[l + w];
     const v16 inv_sum = splat(1.0f / pt[0]);
     for (int j = 0; j < n16; j += 16) store16(Sg + j, load16(Sg + j) * inv_sum);  // p / sum
+}
+
+// The rows phase of the blocked kernel (see Work) for row t.
+static void row_info(const Args& a, const Work& w, int t) {
+    const uint8_t* mr = a.mask == nullptr ? nullptr : a.mask + (int64_t)t * a.m_st;
+    int32_t* idx = w.idx + (int64_t)t * a.Lr;
+    const int n = visible_slots(a, mr, idx);
+    int run = 0;
+    while (run < n && idx[run] == run) ++run;
+    w.n[t] = n;
+    w.run[t] = run;
+    uint8_t* vb = w.vb + (int64_t)t * w.nb;
+    std::memset(vb, 0, (size_t)w.nb);
+    if (run > 0) std::memset(vb, 1, (size_t)((run - 1) / KB + 1));
+    for (int i = run; i < n; ++i) vb[idx[i] / KB] = 1;
 }
 
 // One (row t, kv head hk): the G query heads h = hk*G + g of row t.
@@ -443,6 +490,12 @@ void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new
 #endif
 
 using row_fn = void (*)(const Args&, int, int, Scratch&);
+struct BlockedFns {
+    void (*scores)(const Args&, const Work&, int, int, int);
+    void (*softmax)(const Args&, const Work&, int, int);
+    void (*pv)(const Args&, const Work&, int, int, uint16_t*, int64_t);
+};
+#define AS_FNS(NS) BlockedFns{NS::scores_task, NS::softmax_task, NS::pv_task}
 
 static row_fn bf16_row_for(int isa) {
     switch (isa) {
@@ -457,6 +510,21 @@ static row_fn bf16_row_for(int isa) {
         default: return bf16_scalar::row_task;
     }
 }
+
+static BlockedFns bf16_blocked_for(int isa) {
+    switch (isa) {
+#if defined(AGENTSPEC_X86)
+        case 4: return AS_FNS(bf16_hw);
+        case 3: return AS_FNS(bf16_avx512);
+        case 2: return AS_FNS(bf16_avx2);
+#endif
+#if defined(AGENTSPEC_NEON)
+        case 1: return AS_FNS(bf16_neon);
+#endif
+        default: return AS_FNS(bf16_scalar);
+    }
+}
+#undef AS_FNS
 
 // Rotary embedding of one head (HF rotate_half layout) as torch computes it in bfloat16:
 //   y = x * cos + cat(-x[D/2:], x[:D/2]) * sin, each product and the sum rounded to bfloat16.
@@ -481,13 +549,238 @@ static inline void put_packed(uint16_t* kt2, uint16_t* vp, int64_t cap, int hk, 
     for (int d = 0; d < D; ++d) vd[2 * d] = float_to_bf16(v[d]);
 }
 
+// Rotary embedding of row r of a segment; its new key / value into the cache and packed copies.
+static void rope_row(const Args& a, int64_t slot, const uint16_t* x, const uint16_t* c, const uint16_t* sv, float* q) {
+    const int H = a.H, Hkv = a.Hkv;
+    for (int h = 0; h < H; ++h) rope_head(x + h * D, c, sv, q + (int64_t)h * D);
+    for (int hk = 0; hk < Hkv; ++hk) {
+        float kr[D], vr[D];
+        rope_head(x + (H + hk) * D, c, sv, kr);
+        const uint16_t* vx = x + (H + Hkv + hk) * D;
+        for (int d = 0; d < D; ++d) vr[d] = bf16_to_float(vx[d]);
+        std::memcpy(const_cast<float*>(a.k) + ((int64_t)hk * a.cap + slot) * D, kr, sizeof kr);
+        std::memcpy(const_cast<float*>(a.v) + ((int64_t)hk * a.cap + slot) * D, vr, sizeof vr);
+        put_packed(const_cast<uint16_t*>(a.kt2), const_cast<uint16_t*>(a.vp), a.cap, hk, slot, kr, vr);
+    }
+}
+
+// Whether mode 2 runs: AMX here, and the bf16 kernels at the top ISA level (AVX512-BF16; a cap
+// below it keeps every level's bits equal)
+static bool decode_amx_runs() { return agentspec_isa() == 4 && decode_amx_available(); }
+
+// The AMX scores of every row tile of kv head hk over 64-slot blocks [b0, b1).
+static void amx_scores_task(const Args& a, const Work& w, int hk, int b0, int b1) {
+    const int G = a.H / a.Hkv, M = a.T * G;
+    static thread_local std::vector<uint16_t> qb;
+    qb.resize((size_t)w.Mp * D);
+    for (int m = 0; m < w.Mp; ++m) {
+        uint16_t* dst = qb.data() + (int64_t)m * D;
+        if (m < M)
+            std::memcpy(dst, w.qp + ((int64_t)(m / G) * a.H + (int64_t)hk * G + m % G) * (D / 2), sizeof(uint16_t) * D);
+        else
+            std::memset(dst, 0, sizeof(uint16_t) * D);
+    }
+    uint8_t need[16];
+    bool any = false;
+    for (int b = b0; b < b1; ++b) {
+        uint8_t x = 0;
+        for (int t = 0; t < a.T; ++t) x |= w.vb[(int64_t)t * w.nb + b];
+        need[b - b0] = x;
+        any |= x != 0;
+    }
+    if (!any) return;
+    const uint16_t* kt2 = a.kt2 + (int64_t)hk * (D / 2) * a.cap * 2;
+    amx_decode_scores(qb.data(), w.Mp / 16, kt2, a.cap, b0 * KB, std::min(a.Lr, b1 * KB), need,
+                      w.S + (int64_t)hk * w.Mp * w.ss, w.ss);
+}
+
+// The shared blocks every row of the segment holds at its own slots (compact keys [0, E))
+static int amx_shared(const Args& a, const Work& w) {
+    int E = a.Lr;
+    for (int t = 0; t < a.T; ++t) E = std::min(E, w.run[t]);
+    return E / 32 * 32;
+}
+
+// Row t of kv head hk: its own 32-key blocks from E on (values gathered in the vp layout,
+// zero past the row's keys) on top of the shared blocks' accumulators, then the output in bf16.
+static void amx_row_task(const Args& a, const Work& w, int hk, int t, int E, uint16_t* o, int64_t o_st) {
+    const int G = a.H / a.Hkv;
+    const int n = w.n[t];
+    uint16_t* dst = o + (int64_t)t * o_st + (int64_t)hk * G * D;
+    if (n == 0) {  // a row that sees nothing: zeros (never produced by the engine)
+        std::memset(dst, 0, sizeof(uint16_t) * G * D);
+        return;
+    }
+    const int nblk = ((n + 31) / 32 * 32 - E) / 32;
+    static thread_local std::vector<uint16_t> vb;
+    vb.resize((size_t)nblk * 16 * D * 2);
+    const int32_t* idx = w.idx + (int64_t)t * a.Lr;
+    const float* v = a.v + (int64_t)hk * a.cap * D;
+    for (int j = 0; j < nblk * 16; ++j) {
+        const int i0 = E + 2 * j, i1 = i0 + 1;
+        uint16_t* dp = vb.data() + (int64_t)j * D * 2;
+        for (int h = 0; h < 2; ++h) {
+            const int i = h ? i1 : i0;
+            if (i < n) {
+                const float* vr = v + (int64_t)idx[i] * D;
+                for (int d = 0; d < D; ++d) dp[2 * d + h] = float_to_bf16(vr[d]);
+            } else {
+                for (int d = 0; d < D; ++d) dp[2 * d + h] = 0;
+            }
+        }
+    }
+    for (int g = 0; g < G; ++g) {
+        const int64_t m = (int64_t)hk * w.Mp + (int64_t)t * G + g;
+        float* acc = w.acc + m * D;
+        if (E == 0) std::memset(acc, 0, sizeof(float) * D);
+        if (nblk > 0) amx_decode_pv_row(w.PB + m * w.ps + E, vb.data(), nblk, acc);
+        for (int d = 0; d < D; d += 16) store_bf16(dst + g * D + d, load16(acc + d));
+    }
+}
+
+// qkv_attention's blocked kernel (see Work): the phases run over every segment's tasks, with a
+// barrier between phases. amx: the scores and p @ v phases on AMX tiles (prefill_amx.cpp).
+static void qkv_attention_blocked(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, int64_t cs_st,
+                                  std::vector<Args>& args, const std::vector<int64_t>& start,
+                                  const std::vector<int64_t>& off, const std::vector<int>& seg_of_row, int R,
+                                  uintptr_t out, int64_t out_st, int threads, bool amx) {
+    const int S = (int)args.size();
+    const int H = args[0].H, Hkv = args[0].Hkv, G = H / Hkv;
+    constexpr int CHUNK = 4;  // 64-slot blocks per scores task
+    std::vector<Work> work(S);
+    std::vector<size_t> o_idx(S + 1, 0), o_vb(S + 1, 0), o_s(S + 1, 0), o_pb(S + 1, 0), o_acc(S + 1, 0);
+    std::vector<int> b_sc(S + 1, 0), b_sm(S + 1, 0), b_pv(S + 1, 0), b_row(S + 1, 0);
+    for (int s = 0; s < S; ++s) {
+        const Args& a = args[s];
+        Work& w = work[s];
+        w.nb = (a.Lr + KB - 1) / KB;
+        w.Mp = (a.T * G + 15) / 16 * 16;
+        w.ss = a.Lr + 16;
+        w.ps = a.Lr + 32;
+        const int nch = (w.nb + CHUNK - 1) / CHUNK;
+        o_idx[s + 1] = o_idx[s] + (size_t)a.T * a.Lr;
+        o_vb[s + 1] = o_vb[s] + (size_t)a.T * w.nb;
+        o_s[s + 1] = o_s[s] + (size_t)Hkv * w.Mp * w.ss;
+        o_pb[s + 1] = o_pb[s] + (size_t)Hkv * w.Mp * w.ps;
+        o_acc[s + 1] = o_acc[s] + (amx ? (size_t)Hkv * w.Mp * D : 0);
+        b_sc[s + 1] = b_sc[s] + Hkv * nch;
+        b_sm[s + 1] = b_sm[s] + Hkv * a.T;
+        b_pv[s + 1] = b_pv[s] + Hkv * (amx ? 2 : D / 16);
+        b_row[s + 1] = b_row[s] + (amx ? Hkv * a.T : 0);
+    }
+    const BlockedFns fn = bf16_blocked_for(agentspec_isa());
+    nb::gil_scoped_release nogil;
+    static thread_local std::vector<int32_t> idx, cnt;
+    static thread_local std::vector<uint8_t> vb;
+    static thread_local std::vector<float> sc, qs, ac;
+    static thread_local std::vector<uint16_t> pb;
+    static thread_local std::vector<uint32_t> qp;
+    idx.resize(o_idx[S]);
+    cnt.resize((size_t)2 * R);
+    vb.resize(o_vb[S]);
+    sc.resize(o_s[S] + 16 * 16);  // + a tile's overhang past the last row's stride
+    pb.resize(o_pb[S] + 16 * 32);
+    ac.resize(o_acc[S]);
+    qs.resize((size_t)R * H * D);
+    qp.resize((size_t)R * H * (D / 2));
+    for (int s = 0; s < S; ++s) {
+        Work& w = work[s];
+        w.idx = idx.data() + o_idx[s];
+        w.n = cnt.data() + off[s];
+        w.run = cnt.data() + R + off[s];
+        w.vb = vb.data() + o_vb[s];
+        w.S = sc.data() + o_s[s];
+        w.PB = pb.data() + o_pb[s];
+        w.acc = ac.data() + o_acc[s];
+        w.qp = qp.data() + off[s] * H * (D / 2);
+        w.qs = qs.data() + off[s] * H * D;
+    }
+    float* const qsp = qs.data();
+    uint32_t* const qpp = qp.data();
+    const uint16_t* in = reinterpret_cast<const uint16_t*>(qkv);
+    const uint16_t* cs = reinterpret_cast<const uint16_t*>(cos);
+    const uint16_t* sn = reinterpret_cast<const uint16_t*>(sin);
+    uint16_t* o = reinterpret_cast<uint16_t*>(out);
+    const float scale = args[0].scale;
+    const auto seg_of = [](const std::vector<int>& base, int i) {
+        return int(std::upper_bound(base.begin(), base.end(), i) - base.begin()) - 1;
+    };
+    if (threads <= 0) threads = omp_get_max_threads();
+    threads = std::max(1, std::min(threads, std::max({R, b_sc[S], b_pv[S]})));
+#pragma omp parallel num_threads(threads)
+    {
+        if (amx) amx_decode_tiles(true);
+#pragma omp for schedule(static)
+        for (int r = 0; r < R; ++r) {  // rotary, cache writes, q / 8 in bf16 pairs, the row's visible slots
+            const int s = seg_of_row[r];
+            const Args& a = args[s];
+            static thread_local std::vector<float> qv;
+            qv.resize((size_t)H * D);
+            float* const qr = qv.data();
+            rope_row(a, start[s] + (r - off[s]), in + (int64_t)r * qkv_st, cs + (int64_t)r * cs_st,
+                     sn + (int64_t)r * cs_st, qr);
+            for (int e = 0; e < H * D / 2; ++e) {
+                const uint16_t lo = float_to_bf16(qr[2 * e] * scale), hi = float_to_bf16(qr[2 * e + 1] * scale);
+                qpp[(int64_t)r * H * (D / 2) + e] = (uint32_t)lo | ((uint32_t)hi << 16);
+                qsp[(int64_t)r * H * D + 2 * e] = bf16_to_float(lo);
+                qsp[(int64_t)r * H * D + 2 * e + 1] = bf16_to_float(hi);
+            }
+            row_info(a, work[s], (int)(r - off[s]));
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < b_sc[S]; ++i) {
+            const int s = seg_of(b_sc, i);
+            const Work& w = work[s];
+            const int nch = (w.nb + CHUNK - 1) / CHUNK;
+            const int j = i - b_sc[s], hk = j / nch, b0 = (j % nch) * CHUNK;
+            if (amx) amx_scores_task(args[s], w, hk, b0, std::min(w.nb, b0 + CHUNK));
+            else fn.scores(args[s], w, hk, b0, std::min(w.nb, b0 + CHUNK));
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < b_sm[S]; ++i) {
+            const int s = seg_of(b_sm, i);
+            const int j = i - b_sm[s];
+            fn.softmax(args[s], work[s], j % Hkv, j / Hkv);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < b_pv[S]; ++i) {
+            const int s = seg_of(b_pv, i);
+            const Args& a = args[s];
+            const Work& w = work[s];
+            const int j = i - b_pv[s];
+            if (amx) {
+                const int h = j % 2, hk = j / 2;
+                const int64_t m0 = (int64_t)hk * w.Mp;
+                amx_decode_pv(w.PB + m0 * w.ps, w.ps, a.vp + (int64_t)hk * (a.cap / 2) * D * 2, amx_shared(a, w), h,
+                              w.Mp / 16, w.acc + m0 * D + 32 * h, D);
+            } else {
+                fn.pv(a, w, j / (D / 16), j % (D / 16), o + off[s] * out_st, out_st);
+            }
+        }
+        if (amx) {
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < b_row[S]; ++i) {
+                const int s = seg_of(b_row, i);
+                const int j = i - b_row[s];
+                amx_row_task(args[s], work[s], j % Hkv, j / Hkv, amx_shared(args[s], work[s]), o + off[s] * out_st,
+                             out_st);
+            }
+            amx_decode_tiles(false);
+        }
+    }
+}
+
 // segs: int64 [S, 11] = k, v (layer 0 of the float32 cache [n_layers, Hkv, cap, D]), kt2, vp
 // (layer 0 of the packed copies), cap, L, mask, mask_stride, row_off, T, start: the segment's T
 // rows are written at cache slots [start, start + T) of `layer` and attend over slots [0, L) as
 // mask ([T, >= L] bool; 0 = all) says. qkv: bfloat16 [R, H*D + 2*Hkv*D] (row stride qkv_st);
 // cos / sin: bfloat16 [R, D] (row stride cs_st); out: bfloat16 [R, H*D] (row stride out_st).
+// mode: 0 one row_task per (row, kv head); 1 the blocked kernel (see Work), the same bits;
+// 2 the blocked kernel on AMX tiles (prefill_amx.cpp; where the CPU has AMX and the kernels run at
+// the top ISA level, else 1), its own bits.
 void qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, int64_t cs_st, uintptr_t segs,
-                   int S, int layer, uintptr_t out, int64_t out_st, int H, int Hkv, int head_dim, int threads) {
+                   int S, int layer, uintptr_t out, int64_t out_st, int H, int Hkv, int head_dim, int threads,
+                   int mode) {
     if (head_dim != D) throw std::invalid_argument("head_dim must be 64");
     if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAXG) throw std::invalid_argument("bad head counts");
     if (S <= 0) throw std::invalid_argument("no segments");
@@ -523,6 +816,12 @@ void qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, 
         row_base[s + 1] = row_base[s] + Hkv * a.T;
         for (int t = 0; t < a.T; ++t) seg_of_row.push_back(s);
     }
+    if (mode == 2 && !decode_amx_runs()) mode = 1;
+    if (mode >= 1) {
+        qkv_attention_blocked(qkv, qkv_st, cos, sin, cs_st, args, start, off, seg_of_row, R, out, out_st, threads,
+                              mode == 2);
+        return;
+    }
     const row_fn row_task = bf16_row_for(agentspec_isa());
     nb::gil_scoped_release nogil;
     static thread_local std::vector<float> qf, of;
@@ -546,21 +845,8 @@ void qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, 
 #pragma omp for schedule(static)
         for (int r = 0; r < R; ++r) {  // rotary embedding; new keys / values into the cache
             const int s = seg_of_row[r];
-            const Args& a = args[s];
-            const int64_t slot = start[s] + (r - off[s]);
-            const uint16_t* x = in + (int64_t)r * qkv_st;
-            const uint16_t* c = cs + (int64_t)r * cs_st;
-            const uint16_t* sv = sn + (int64_t)r * cs_st;
-            for (int h = 0; h < H; ++h) rope_head(x + h * D, c, sv, qfp + ((int64_t)r * H + h) * D);
-            for (int hk = 0; hk < Hkv; ++hk) {
-                float kr[D], vr[D];
-                rope_head(x + (H + hk) * D, c, sv, kr);
-                const uint16_t* vx = x + (H + Hkv + hk) * D;
-                for (int d = 0; d < D; ++d) vr[d] = bf16_to_float(vx[d]);
-                std::memcpy(const_cast<float*>(a.k) + ((int64_t)hk * a.cap + slot) * D, kr, sizeof kr);
-                std::memcpy(const_cast<float*>(a.v) + ((int64_t)hk * a.cap + slot) * D, vr, sizeof vr);
-                put_packed(const_cast<uint16_t*>(a.kt2), const_cast<uint16_t*>(a.vp), a.cap, hk, slot, kr, vr);
-            }
+            rope_row(args[s], start[s] + (r - off[s]), in + (int64_t)r * qkv_st, cs + (int64_t)r * cs_st,
+                     sn + (int64_t)r * cs_st, qfp + (int64_t)r * H * D);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < nrows; ++i) {
@@ -648,7 +934,7 @@ void register_prefill(nb::module_& m);  // prefill_amx.cpp
 
 NB_MODULE(_cpu, m) {
     m.doc() = "agentspec CPU kernels: exact decode / tree-verification attention, row-invariant bf16 linears";
-    m.def("abi_version", []() { return 8; });
+    m.def("abi_version", []() { return 9; });
     register_linear(m);
     register_prefill(m);
     m.def("attention", &attention,
@@ -669,10 +955,11 @@ NB_MODULE(_cpu, m) {
     m.def("isa_runs", &isa_runs, nb::arg("level"), "whether this CPU runs ISA level `level`");
     m.def("set_isa", &set_isa, nb::arg("level"), "run the bfloat16 kernels at ISA level `level` (-1: the best)");
     m.def("isa", &agentspec_isa, "the ISA level the bfloat16 kernels run now");
+    m.def("decode_amx_runs", &decode_amx_runs, "whether qkv_attention's mode 2 runs on AMX now (else it runs mode 1)");
     m.def("qkv_attention", &qkv_attention,
           nb::arg("qkv"), nb::arg("qkv_stride"), nb::arg("cos"), nb::arg("sin"),
           nb::arg("cos_stride"), nb::arg("segments"), nb::arg("n_segments"), nb::arg("layer"), nb::arg("out"),
           nb::arg("out_stride"), nb::arg("n_heads"), nb::arg("n_kv_heads"), nb::arg("head_dim"),
-          nb::arg("threads") = 0,
+          nb::arg("threads") = 0, nb::arg("mode") = 1,
           "Raw-pointer entry point; call agentspec.kernels.cpu_attention.QKVAttention instead.");
 }

@@ -690,7 +690,146 @@ void linear_amx(uintptr_t x, int64_t x_st, int64_t M, uintptr_t wp, int64_t N, i
 
 }  // namespace
 
+// ---------------------------------------------------------------------------------------------
+// AMX phases of the blocked decode / verify attention (attention.cpp, "Blocked"; its default on
+// CPUs with AMX). Query rows m are a request's (row, head) pairs of one kv head, 16 to a tile.
+//   scores  S[m][j] = TDPBF16PS(q_m[0:32] . k_j[0:32]) then += (q_m[32:64] . k_j[32:64]), from
+//           kt2 in place (its d-pair rows are AMX's VNNI B layout for 16 keys);
+//   p @ v   o_m = sum over the row's compact keys in 32-key blocks, in order, of TDPBF16PS
+//           (p_m[block] . v[block]): blocks every row of the request holds at their own slots
+//           come straight from vp, with 16 rows per tile; a row's other blocks (its draft-tree
+//           ancestors, the last partial block, zero-padded: exact zero products) from values
+//           gathered into the same layout, the row alone.
+// TDPBF16PS computes each output element from its own A row and B column only, so a row's bits
+// depend on its compact sequence of keys alone, never on which rows share its tile or which of
+// its blocks came from vp: a draft-tree node gets the bits of the same token decoded plainly.
+// (Not the VDPBF16PS kernels' bits: the tile sums a block in another order. The engine runs one
+// or the other for every decode / verify row of a process.)
+
+bool decode_amx_available() {
+#if defined(AGENTSPEC_AMX)
+    return amx_ready();
+#else
+    return false;
+#endif
+}
+
+#if defined(AGENTSPEC_AMX)
+// Tile configuration on / off for the calling thread: around a thread's calls below.
+AMX_TARGET void amx_decode_tiles(bool on) {
+    if (on) tiles_on();
+    else tiles_off();
+}
+
+// Scores of ntiles tiles of 16 query rows (qb: [ntiles][16][64] bf16, q / 8, row-major) against
+// slots [j0, j1) of one kv head's kt2 ([D/2, cap, 2]); need[b]: compute 64-slot block j0/64 + b.
+// S: row 0 at slot 0, row stride ss floats (16 rows per tile are stored, valid or not). Each
+// 32-key step's key tiles are loaded once for every row tile; the next block is prefetched.
+AMX_TARGET void amx_decode_scores(const uint16_t* qb, int ntiles, const uint16_t* kt2, int64_t cap, int j0, int j1,
+                                  const uint8_t* need, float* S, int64_t ss) {
+    for (int jb = j0; jb < j1; jb += 64) {
+        if (!need[(jb - j0) / 64]) continue;
+        if (jb + 64 < j1)
+            for (int i = 0; i < D / 2; ++i) {
+                const char* pf = reinterpret_cast<const char*>(kt2 + ((int64_t)i * cap + jb + 64) * 2);
+                for (int l = 0; l < 256; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
+            }
+        const int je = std::min(j1, jb + 64);
+        for (int j = jb; j < je; j += 32) {
+            const bool two = j + 32 <= je;
+            _tile_loadd(2, kt2 + (int64_t)j * 2, cap * 4);
+            _tile_loadd(3, kt2 + ((int64_t)16 * cap + j) * 2, cap * 4);
+            if (two) {
+                _tile_loadd(5, kt2 + (int64_t)(j + 16) * 2, cap * 4);
+                _tile_loadd(6, kt2 + ((int64_t)16 * cap + j + 16) * 2, cap * 4);
+            }
+            for (int rt = 0; rt < ntiles; ++rt) {
+                const uint16_t* q = qb + (int64_t)rt * 16 * D;
+                float* st = S + (int64_t)rt * 16 * ss;
+                _tile_loadd(0, q, D * 2);
+                _tile_loadd(1, q + 32, D * 2);
+                _tile_zero(4);
+                _tile_dpbf16ps(4, 0, 2);
+                _tile_dpbf16ps(4, 1, 3);
+                _tile_stored(4, st + j, ss * 4);
+                if (two) {
+                    _tile_zero(7);
+                    _tile_dpbf16ps(7, 0, 5);
+                    _tile_dpbf16ps(7, 1, 6);
+                    _tile_stored(7, st + j + 16, ss * 4);
+                }
+            }
+        }
+    }
+}
+
+// The shared blocks' p @ v for lanes [32h, 32h + 32) of d, for ntiles tiles of 16 rows:
+// acc[m][32] (row stride acs floats) = sum over compact keys [0, E) (E a multiple of 32) of P rows
+// (bf16, row stride ps) times vp ([cap/2, D, 2] of one kv head), block by block in order. The
+// first row tile streams the values; the others find them in cache.
+AMX_TARGET void amx_decode_pv(const uint16_t* P, int64_t ps, const uint16_t* vp, int E, int h, int ntiles,
+                              float* acc, int64_t acs) {
+    const uint16_t* vh = vp + 32 * h * 2;
+    for (int rt = 0; rt < ntiles; ++rt) {
+        const uint16_t* pr = P + (int64_t)rt * 16 * ps;
+        _tile_zero(4);
+        _tile_zero(5);
+        int j0 = 0;
+        for (; j0 + 64 <= E; j0 += 64) {
+            _tile_loadd(0, pr + j0, ps * 2);
+            _tile_loadd(1, vh + (int64_t)(j0 / 2) * D * 2, D * 4);
+            _tile_loadd(2, vh + (int64_t)(j0 / 2) * D * 2 + 32, D * 4);
+            _tile_loadd(3, pr + j0 + 32, ps * 2);
+            _tile_loadd(6, vh + (int64_t)(j0 / 2 + 16) * D * 2, D * 4);
+            _tile_loadd(7, vh + (int64_t)(j0 / 2 + 16) * D * 2 + 32, D * 4);
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_dpbf16ps(5, 0, 2);
+            _tile_dpbf16ps(4, 3, 6);
+            _tile_dpbf16ps(5, 3, 7);
+        }
+        if (j0 < E) {
+            _tile_loadd(0, pr + j0, ps * 2);
+            _tile_loadd(1, vh + (int64_t)(j0 / 2) * D * 2, D * 4);
+            _tile_loadd(2, vh + (int64_t)(j0 / 2) * D * 2 + 32, D * 4);
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_dpbf16ps(5, 0, 2);
+        }
+        _tile_stored(4, acc + (int64_t)rt * 16 * acs, acs * 4);
+        _tile_stored(5, acc + (int64_t)rt * 16 * acs + 16, acs * 4);
+    }
+}
+
+// One row's own blocks: acc[64] += sum over nblk 32-key blocks of prow[32 b ..] (bf16) times
+// vb[b] ([16 pairs][D][2] bf16, gathered), in order.
+AMX_TARGET void amx_decode_pv_row(const uint16_t* prow, const uint16_t* vb, int nblk, float* acc) {
+    alignas(64) float tmp[16][16];
+    for (int c = 0; c < 4; ++c) {
+        _tile_loadd(4, acc + 16 * c, 0);  // every tile row the accumulator (row 0 is kept)
+        for (int b = 0; b < nblk; ++b) {
+            _tile_loadd(0, prow + 32 * b, 0);
+            _tile_loadd(1, vb + ((int64_t)b * 16 * D + 16 * c) * 2, D * 4);
+            _tile_dpbf16ps(4, 0, 1);
+        }
+        _tile_stored(4, &tmp[0][0], 64);
+        std::memcpy(acc + 16 * c, tmp[0], sizeof tmp[0]);
+    }
+}
+#else
+void amx_decode_tiles(bool) { throw std::runtime_error("AMX needs an x86-64 build"); }
+void amx_decode_scores(const uint16_t*, int, const uint16_t*, int64_t, int, int, const uint8_t*, float*, int64_t) {
+    throw std::runtime_error("AMX needs an x86-64 build");
+}
+void amx_decode_pv(const uint16_t*, int64_t, const uint16_t*, int, int, int, float*, int64_t) {
+    throw std::runtime_error("AMX needs an x86-64 build");
+}
+void amx_decode_pv_row(const uint16_t*, const uint16_t*, int, float*) {
+    throw std::runtime_error("AMX needs an x86-64 build");
+}
+#endif
+
 void register_prefill(nb::module_& m) {
+    m.def("decode_amx_available", &decode_amx_available,
+          "whether this CPU (and OS) runs the AMX decode / verify attention");
     m.def("prefill_amx_available", &prefill_amx_available,
           "whether this CPU (and OS) runs the AMX prefill attention");
     m.def("prefill_attention", &prefill_attention, nb::arg("q"), nb::arg("q_stride_h"), nb::arg("q_stride_t"),

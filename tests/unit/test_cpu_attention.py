@@ -306,9 +306,11 @@ def test_fused_tree_node_equals_plain_decoding_row_bitwise(packed_linears):
 def test_every_isa_level_gives_the_same_bits(restore_isa, monkeypatch):
     """Attention and linears: every ISA level this CPU runs (the AVX512-BF16 instruction, its
     AVX-512 / AVX2 / NEON / scalar emulations) computes the same logits and cache, bit for bit.
-    (The prompt's prefill runs through SDPA at every level: the AMX prefill kernel runs only at
-    the top one, and test_prefill_amx.py tests it.)"""
+    (The prompt's prefill runs through SDPA at every level and decode through the VDPBF16PS
+    kernels: the AMX kernels run only at the top level, with their own bits, and
+    test_prefill_amx.py / test_amx_decode_* test them.)"""
     monkeypatch.setattr(cpu_attention, "_PREFILL_AMX", False)
+    monkeypatch.setattr(cpu_attention, "_DECODE_MODE", "blocked")  # the AMX decode kernel: its own bits
     cpu_isa = restore_isa
     levels = cpu_isa.supported()
     args, model = _random_model(packed_linears=True)
@@ -367,3 +369,117 @@ def test_fused_segments_equal_each_request_alone(packed_linears):
     assert torch.equal(together, torch.cat(alone))
     for c, n, r in zip(caches, lens, rows):
         _assert_packed_consistent(c, n + r)
+
+
+def _blocked_case(seed: int):
+    """Segments for QKVAttention: random bfloat16 keys / values in packed caches and the rows'
+    q|k|v, with draft-tree masks (after odd and even prefixes), a chain, a row that sees only
+    part of the prefix, a mask-less segment and a one-row (plain decoding) segment."""
+    from agentspec.engine.model import ModelArgs
+
+    args = ModelArgs(dim=576, n_layers=2, n_heads=H, n_kv_heads=HKV, hidden_dim=256, vocab_size=300,
+                     max_seq_len=2048)
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    segs, qkv_rows = [], []
+    for P, T, kind in [(1000, 9, "tree"), (257, 16, "tree"), (64, 5, "chain"), (130, 3, "gaps"),
+                       (700, 4, "none"), (511, 1, "one")]:
+        cap = (P + T + 15) // 16 * 16 + 16
+        c = _packed_cache(args, cap)
+        c.k[:, :, :P] = torch.randn(2, HKV, P, D, generator=g).bfloat16().float()
+        c.v[:, :, :P] = torch.randn(2, HKV, P, D, generator=g).bfloat16().float()
+        cpu_attention.sync_packed(c, range(P))
+        L = P + T
+        if kind == "tree":
+            mask = torch.zeros(T, L, dtype=torch.bool)
+            mask[:, :P] = True
+            mask[:, P:] = tree_mask(random_parents(rng, T))
+        elif kind == "gaps":
+            mask = torch.ones(T, L, dtype=torch.bool).tril(P)
+            mask[1, 3:90] = False   # a row that sees only part of the prefix
+            mask[2, :P - 1] = False
+        elif kind in ("chain", "one"):
+            mask = torch.ones(T, L, dtype=torch.bool).tril(P)
+        else:
+            mask = None
+        segs.append((c, P, L, mask, T))
+        qkv_rows.append(torch.randn(T, (H + 2 * HKV) * D, generator=g))
+    qkv = torch.cat(qkv_rows).bfloat16()
+    R = qkv.shape[0]
+    ang = torch.rand(R, D // 2, generator=g) * 6.28
+    cos = torch.cat([ang.cos(), ang.cos()], 1).bfloat16()
+    sin = torch.cat([ang.sin(), ang.sin()], 1).bfloat16()
+    return segs, qkv, cos, sin
+
+
+def test_blocked_kernel_equals_per_row_kernel_bitwise(restore_isa, monkeypatch):
+    """QKVAttention's blocked kernel (keys / values streamed once for all of a request's rows)
+    gives the per-row kernel's bits, outputs and caches, at every ISA level this CPU runs, for
+    tree masks, chains, partial prefixes, mask-less and one-row segments in one call."""
+    cpu_isa = restore_isa
+    for isa in cpu_isa.supported():
+        cpu_isa.set_isa(isa)
+        res = {}
+        for blocked in (False, True):
+            monkeypatch.setattr(cpu_attention, "_DECODE_MODE", "blocked" if blocked else "rows")
+            segs, qkv, cos, sin = _blocked_case(5)
+            att = cpu_attention.QKVAttention(segs, cos, sin, n_heads=H, n_kv_heads=HKV, head_dim=D, threads=2)
+            outs = [att(qkv, layer).clone() for layer in (0, 1)]
+            res[blocked] = outs, [(c.k.clone(), c.kt2.clone(), c.vp.clone()) for c, *_ in segs]
+        (o0, c0), (o1, c1) = res[False], res[True]
+        assert all(torch.equal(a, b) for a, b in zip(o0, o1)), f"outputs differ at {isa}"
+        assert not torch.isnan(o1[0].float()).any()
+        for x, y in zip(c0, c1):
+            assert all(torch.equal(a, b) for a, b in zip(x, y)), f"caches differ at {isa}"
+
+
+amx_decode = pytest.mark.skipif(not (cpu_attention.available() and cpu_attention._cpu.decode_amx_runs()),
+                                reason="no AMX here (or the kernels are capped below avx512bf16)")
+
+
+def _amx_vs(monkeypatch, modes, seed=5):
+    out = {}
+    for mode in modes:
+        monkeypatch.setattr(cpu_attention, "_DECODE_MODE", mode)
+        segs, qkv, cos, sin = _blocked_case(seed)
+        att = cpu_attention.QKVAttention(segs, cos, sin, n_heads=H, n_kv_heads=HKV, head_dim=D, threads=2)
+        out[mode] = att(qkv, 0).clone(), segs
+    return out
+
+
+@amx_decode
+def test_amx_decode_matches_the_vdpbf16ps_kernel_closely(monkeypatch):
+    """The AMX decode kernel against the blocked VDPBF16PS kernel on tree masks, chains, partial
+    prefixes, mask-less and one-row segments: the same attention up to the bf16 output's
+    rounding (the tiles sum a block in another order), and the same caches."""
+    out = _amx_vs(monkeypatch, ("blocked", "amx"))
+    a, b = out["amx"][0].float(), out["blocked"][0].float()
+    assert torch.isfinite(a).all()
+    torch.testing.assert_close(a, b, rtol=0.02, atol=0.01)
+    assert (a != b).float().mean() < 0.05  # rounding differences only
+    for (c1, *_), (c2, *_) in zip(out["amx"][1], out["blocked"][1]):
+        assert torch.equal(c1.kt2, c2.kt2) and torch.equal(c1.vp, c2.vp)
+
+
+@amx_decode
+def test_amx_decode_rows_are_invariant_to_their_company(monkeypatch):
+    """A row's AMX output bits depend on its own keys only: the segments of one call equal each
+    segment alone, and each row of a chain equals that row computed alone (one row, its own
+    mask), whatever the rows sharing its tile and whichever of its blocks came from the packed
+    values (the shared prefix of a segment shrinks with the rows that join it)."""
+    monkeypatch.setattr(cpu_attention, "_DECODE_MODE", "amx")
+    segs, qkv, cos, sin = _blocked_case(7)
+    together = cpu_attention.QKVAttention(segs, cos, sin, n_heads=H, n_kv_heads=HKV, head_dim=D)(qkv, 1).clone()
+    off = 0
+    for c, P, L, mask, T in segs:
+        rows = slice(off, off + T)
+        alone = cpu_attention.QKVAttention([(c, P, L, mask, T)], cos[rows], sin[rows], n_heads=H, n_kv_heads=HKV,
+                                           head_dim=D)(qkv[rows].contiguous(), 1)
+        assert torch.equal(alone, together[rows])
+        if mask is not None:  # each row on its own: slot P + t of the same cache, its own mask row
+            for t in range(T):
+                r = slice(off + t, off + t + 1)
+                one = cpu_attention.QKVAttention([(c, P + t, L, mask[t:t + 1], 1)], cos[r], sin[r], n_heads=H,
+                                                 n_kv_heads=HKV, head_dim=D)(qkv[r].contiguous(), 1)
+                assert torch.equal(one[0], together[off + t]), (P, T, t)
+        off += T
