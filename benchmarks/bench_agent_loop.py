@@ -217,7 +217,8 @@ def main() -> int:
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
     ap.add_argument("--hf-folder", default="/work/models/smollm2-hf", help="the model as an HF folder, for vLLM")
     ap.add_argument("--peer-timeout", type=int, default=3600)
-    ap.add_argument("--vllm-methods", default="plain,suffix", help="vLLM-CPU runs: plain and/or suffix")
+    ap.add_argument("--vllm-methods", default="plain,suffix",
+                    help="vLLM-CPU runs: plain and/or suffix; none: ours only (A/B of our own switches)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run our configurations and vLLM this many times, alternating; the summary adds "
                          "each repeat's totals and the median speedups (this machine's speed drifts "
@@ -226,9 +227,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.repeat < 1:
         raise SystemExit(f"--repeat must be at least 1, not {args.repeat}")
-    methods = tuple(m for m in args.vllm_methods.split(",") if m)
-    if not methods or any(m not in ("plain", "suffix") for m in methods):
-        raise SystemExit(f"--vllm-methods takes plain and/or suffix, not {args.vllm_methods!r}")
+    methods = tuple(m for m in args.vllm_methods.split(",") if m and m != "none")
+    if (not methods and args.vllm_methods != "none") or any(m not in ("plain", "suffix") for m in methods):
+        raise SystemExit(f"--vllm-methods takes plain and/or suffix (or none), not {args.vllm_methods!r}")
 
     from agentspec.engine.weights import load_checkpoint
 
@@ -246,7 +247,7 @@ def main() -> int:
                 runs[name] = ours(convs, cache=not name.startswith("nocache"), spec=not name.endswith("nospec"),
                                   max_tokens=args.max_tokens, tmp=Path(tmp))
         vllm_res = vllm(convs, python=args.vllm_python, model=args.hf_folder, max_tokens=args.max_tokens,
-                        timeout=args.peer_timeout, methods=methods)
+                        timeout=args.peer_timeout, methods=methods) if methods else None
         repeats.append((runs, vllm_res))
         if args.repeat > 1:
             log(f"repeat {rep + 1}/{args.repeat}: {json.dumps(summarize(runs, vllm_res))}")

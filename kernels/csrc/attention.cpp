@@ -594,6 +594,21 @@ static void amx_scores_task(const Args& a, const Work& w, int hk, int b0, int b1
                       w.S + (int64_t)hk * w.Mp * w.ss, w.ss);
 }
 
+// AMX softmax of row t's G heads of kv head hk: compacted as softmax_visible compacts them, then
+// amx_softmax_row (the AMX path's own rounding: a fused exp, as its tiles' sums are its own).
+static void amx_softmax_task(const Args& a, const Work& w, int hk, int t) {
+    const int G = a.H / a.Hkv, n = w.n[t];
+    if (n == 0) return;
+    const int32_t* idx = w.idx + (int64_t)t * a.Lr;
+    for (int g = 0; g < G; ++g) {
+        const int64_t m = (int64_t)hk * w.Mp + (int64_t)t * G + g;
+        float* Sg = w.S + m * w.ss;
+        if (a.mask != nullptr)
+            for (int i = w.run[t]; i < n; ++i) Sg[i] = Sg[idx[i]];  // idx[i] >= i: in place
+        amx_softmax_row(Sg, n, w.PB + m * w.ps);
+    }
+}
+
 // The shared blocks every row of the segment holds at its own slots (compact keys [0, E))
 static int amx_shared(const Args& a, const Work& w) {
     int E = a.Lr;
@@ -740,7 +755,8 @@ static void qkv_attention_blocked(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, 
         for (int i = 0; i < b_sm[S]; ++i) {
             const int s = seg_of(b_sm, i);
             const int j = i - b_sm[s];
-            fn.softmax(args[s], work[s], j % Hkv, j / Hkv);
+            if (amx) amx_softmax_task(args[s], work[s], j % Hkv, j / Hkv);
+            else fn.softmax(args[s], work[s], j % Hkv, j / Hkv);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < b_pv[S]; ++i) {

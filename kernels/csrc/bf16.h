@@ -148,3 +148,4 @@ void amx_decode_scores(const uint16_t* qb, int ntiles, const uint16_t* kt2, int6
 void amx_decode_pv(const uint16_t* P, int64_t ps, const uint16_t* vp, int E, int h, int ntiles, float* acc,
                    int64_t acs);
 void amx_decode_pv_row(const uint16_t* prow, const uint16_t* vb, int nblk, float* acc);
+void amx_softmax_row(float* Sg, int n, uint16_t* P);

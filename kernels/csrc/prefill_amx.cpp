@@ -799,6 +799,40 @@ AMX_TARGET void amx_decode_pv(const uint16_t* P, int64_t ps, const uint16_t* vp,
     }
 }
 
+// Softmax of one row's compact scores Sg[0..n) (float32) into P (bf16): p_i = 2^(s_i log2e -
+// m log2e) / sum (one FMA and the base-2 polynomial; the sum over 16 lanes in order of i, then a
+// fixed tree), P zero from n to a multiple of 32. A function of the row's scores alone.
+AMX_TARGET void amx_softmax_row(float* Sg, int n, uint16_t* P) {
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < n; j += 16) {
+        const int left = n - j;
+        const __mmask16 lanes = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        mx = _mm512_mask_max_ps(mx, lanes, mx, _mm512_maskz_loadu_ps(lanes, Sg + j));
+    }
+    const __m512 ml = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * LOG2E);
+    const __m512 l2e = _mm512_set1_ps(LOG2E);
+    __m512 acc = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) {
+        const int left = n - j;
+        const __mmask16 lanes = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        const __m512 p = _mm512_maskz_mov_ps(lanes, exp2_poly(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, Sg + j), l2e, ml)));
+        _mm512_storeu_ps(Sg + j, p);
+        acc = _mm512_add_ps(acc, p);
+    }
+    alignas(64) float lane[16];
+    _mm512_store_ps(lane, acc);
+    for (int w = 8; w >= 1; w /= 2)
+        for (int i = 0; i < w; ++i) lane[i] = lane[i] + lane[i + w];
+    const __m512 inv = _mm512_set1_ps(1.0f / lane[0]);
+    const int n32 = (n + 31) / 32 * 32;
+    for (int j = 0; j < n32; j += 16) {
+        const int left = n - j;
+        const __mmask16 lanes = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, Sg + j), inv);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(P + j), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+}
+
 // One row's own blocks: acc[64] += sum over nblk 32-key blocks of prow[32 b ..] (bf16) times
 // vb[b] ([16 pairs][D][2] bf16, gathered), in order.
 AMX_TARGET void amx_decode_pv_row(const uint16_t* prow, const uint16_t* vb, int nblk, float* acc) {
@@ -815,6 +849,7 @@ AMX_TARGET void amx_decode_pv_row(const uint16_t* prow, const uint16_t* vb, int 
     }
 }
 #else
+void amx_softmax_row(float*, int, uint16_t*) { throw std::runtime_error("AMX needs an x86-64 build"); }
 void amx_decode_tiles(bool) { throw std::runtime_error("AMX needs an x86-64 build"); }
 void amx_decode_scores(const uint16_t*, int, const uint16_t*, int64_t, int, int, const uint8_t*, float*, int64_t) {
     throw std::runtime_error("AMX needs an x86-64 build");

@@ -1,0 +1,101 @@
+"""Decode / verify attention: the three QKVAttention kernels (AGENTSPEC_DECODE_ATTENTION) in the
+same process, alternating.
+
+One request's decode / verify forward of the bundled model's shape (30 layers, 9 query heads,
+3 kv heads, head_dim 64): ``T`` rows (a draft chain after the committed prefix) over a
+``--context``-token packed KV cache, every layer's ``QKVAttention`` call (rotary, cache writes,
+attention). Per kernel and T, the median over ``--rounds`` rounds of the best of ``--repeat``
+forwards, at ``--threads`` threads:
+
+- ``rows``: one task per (row, kv head), each streaming the kv head's keys and values;
+- ``blocked``: the phases over all rows (each key / value block read once for every row), the
+  same bits as ``rows`` at every ISA level;
+- ``amx`` (CPUs with AMX): the phases on AMX tiles, its own bits.
+
+    .venv/bin/python benchmarks/bench_decode_attention.py --out benchmarks/results/decode_attention.json
+
+Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--rows", default="1,4,8,16,32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    rows = [int(r) for r in args.rows.split(",") if r]
+    if args.context < 16 or not rows or min(rows) < 1:
+        raise SystemExit(f"--context must be >= 16 and --rows positive: {args.context}, {args.rows!r}")
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_server import machine_info
+
+    from agentspec.engine.model import KVCache, ModelArgs
+    from agentspec.kernels import cpu_attention
+    from agentspec.kernels.tree import tree_mask
+
+    if not cpu_attention.available():
+        raise SystemExit("agentspec.kernels._cpu is not built")
+    H, HKV, D, NL = 9, 3, 64, 30
+    margs = ModelArgs(dim=576, n_layers=NL, n_heads=H, n_kv_heads=HKV, hidden_dim=256, vocab_size=300,
+                      max_seq_len=args.context + max(rows) + 16)
+    P = args.context
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache(margs, P + max(rows) + 16, dtype=torch.float32, device=torch.device("cpu"), packed=True)
+    cache.k[:, :, :P] = torch.randn(NL, HKV, P, D, generator=g).bfloat16().float()
+    cache.v[:, :, :P] = torch.randn(NL, HKV, P, D, generator=g).bfloat16().float()
+    cpu_attention.sync_packed(cache, range(P))
+    modes = ["rows", "blocked"] + (["amx"] if cpu_attention._cpu.decode_amx_runs() else [])
+    times: dict[str, dict[int, list[float]]] = {m: {T: [] for T in rows} for m in modes}
+    for _ in range(args.rounds):
+        for T in rows:
+            L = P + T
+            mask = torch.zeros(T, L, dtype=torch.bool)
+            mask[:, :P] = True
+            mask[:, P:] = tree_mask([-1] + list(range(T - 1)))
+            qkv = torch.randn(T, (H + 2 * HKV) * D, generator=g).bfloat16()
+            ang = torch.rand(T, D // 2, generator=g)
+            cos = torch.cat([ang.cos(), ang.cos()], 1).bfloat16()
+            sin = torch.cat([ang.sin(), ang.sin()], 1).bfloat16()
+            for mode in modes:
+                cpu_attention._DECODE_MODE = mode
+                att = cpu_attention.QKVAttention([(cache, P, L, mask, T)], cos, sin, n_heads=H, n_kv_heads=HKV,
+                                                 head_dim=D, threads=args.threads)
+                for layer in range(NL):
+                    att(qkv, layer)
+                best = float("inf")
+                for _ in range(args.repeat):
+                    t0 = time.perf_counter()
+                    for layer in range(NL):
+                        att(qkv, layer)
+                    best = min(best, time.perf_counter() - t0)
+                times[mode][T].append(best)
+    ms = {m: {T: round(statistics.median(v) * 1e3, 2) for T, v in tt.items()} for m, tt in times.items()}
+    report = {"machine": machine_info(), "context": P, "threads": args.threads, "layers": NL,
+              "forward_ms": ms,
+              "speedup_vs_rows": {m: {T: round(ms["rows"][T] / ms[m][T], 2) for T in rows} for m in modes if m != "rows"}}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
