@@ -31,10 +31,11 @@ _FUSED = os.environ.get("AGENTSPEC_CPU_FUSED", "1") != "0"
 # AGENTSPEC_DECODE_ATTENTION: how QKVAttention runs decode / verify rows (kernels/csrc/attention.cpp,
 # "Blocked"):
 #   amx      (the default) the blocked kernel on AMX tiles where the CPU has AMX and the kernels run
-#            at the top ISA level (avx512bf16); elsewhere "blocked"
+#            at the top ISA level (avx512bf16); elsewhere "rows"
 #   blocked  each kv head's keys / values streamed once for all of a request's rows, VDPBF16PS
-#            (or its emulation at lower ISA levels)
-#   rows     one task per (row, kv head), each streaming them: blocked's bits
+#            (or its emulation at lower ISA levels): rows' bits, but measured no faster than rows
+#            (benchmarks/bench_decode_attention.py): the dot products, not the loads, bound it
+#   rows     one task per (row, kv head), each streaming them
 # Every mode gives a draft-tree node the bits of the same token decoded plainly; amx's differ
 # from the other two's (its tiles sum in another order), so it is off under an ISA cap.
 DECODE_MODES = {"rows": 0, "blocked": 1, "amx": 2}
@@ -46,7 +47,7 @@ if _DECODE_MODE not in DECODE_MODES:
 def decode_attention_kernel() -> str:
     """The kernel QKVAttention runs decode / verify rows with now: "amx", "blocked" or "rows"."""
     if _DECODE_MODE == "amx" and not (available() and _cpu.decode_amx_runs()):
-        return "blocked"
+        return "rows"
     return _DECODE_MODE
 
 

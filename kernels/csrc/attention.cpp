@@ -793,7 +793,7 @@ static void qkv_attention_blocked(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, 
 // cos / sin: bfloat16 [R, D] (row stride cs_st); out: bfloat16 [R, H*D] (row stride out_st).
 // mode: 0 one row_task per (row, kv head); 1 the blocked kernel (see Work), the same bits;
 // 2 the blocked kernel on AMX tiles (prefill_amx.cpp; where the CPU has AMX and the kernels run at
-// the top ISA level, else 1), its own bits.
+// the top ISA level, else 0), its own bits.
 void qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, int64_t cs_st, uintptr_t segs,
                    int S, int layer, uintptr_t out, int64_t out_st, int H, int Hkv, int head_dim, int threads,
                    int mode) {
@@ -832,7 +832,7 @@ void qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, 
         row_base[s + 1] = row_base[s] + Hkv * a.T;
         for (int t = 0; t < a.T; ++t) seg_of_row.push_back(s);
     }
-    if (mode == 2 && !decode_amx_runs()) mode = 1;
+    if (mode == 2 && !decode_amx_runs()) mode = 0;  // the per-row kernel: the faster of the two measured here
     if (mode >= 1) {
         qkv_attention_blocked(qkv, qkv_st, cos, sin, cs_st, args, start, off, seg_of_row, R, out, out_st, threads,
                               mode == 2);
@@ -971,7 +971,7 @@ NB_MODULE(_cpu, m) {
     m.def("isa_runs", &isa_runs, nb::arg("level"), "whether this CPU runs ISA level `level`");
     m.def("set_isa", &set_isa, nb::arg("level"), "run the bfloat16 kernels at ISA level `level` (-1: the best)");
     m.def("isa", &agentspec_isa, "the ISA level the bfloat16 kernels run now");
-    m.def("decode_amx_runs", &decode_amx_runs, "whether qkv_attention's mode 2 runs on AMX now (else it runs mode 1)");
+    m.def("decode_amx_runs", &decode_amx_runs, "whether qkv_attention's mode 2 runs on AMX now (else it runs mode 0)");
     m.def("qkv_attention", &qkv_attention,
           nb::arg("qkv"), nb::arg("qkv_stride"), nb::arg("cos"), nb::arg("sin"),
           nb::arg("cos_stride"), nb::arg("segments"), nb::arg("n_segments"), nb::arg("layer"), nb::arg("out"),
