@@ -12,7 +12,11 @@ forwards, at ``--threads`` threads:
   same bits as ``rows`` at every ISA level;
 - ``amx`` (CPUs with AMX): the phases on AMX tiles, its own bits.
 
-    .venv/bin/python benchmarks/bench_decode_attention.py --out benchmarks/results/decode_attention.json
+With ``--plain-prompt N`` (N > 0) it also times plain decoding end to end with the bundled model
+(``--plain-tokens`` greedy tokens after an N-token prompt, no speculation), the kernels alternating
+over the same rounds: milliseconds per token, medians.
+
+    .venv/bin/python benchmarks/bench_decode_attention.py --plain-prompt 3000 --out benchmarks/results/decode_attention.json
 
 Prints JSON.
 """
@@ -34,6 +38,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--plain-prompt", type=int, default=0)
+    ap.add_argument("--plain-tokens", type=int, default=48)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",") if r]
@@ -86,7 +92,26 @@ def main() -> int:
                     best = min(best, time.perf_counter() - t0)
                 times[mode][T].append(best)
     ms = {m: {T: round(statistics.median(v) * 1e3, 2) for T, v in tt.items()} for m, tt in times.items()}
+    plain = None
+    if args.plain_prompt > 0:
+        import random
+
+        from agentspec import Engine
+
+        eng = Engine.embedded(prefix_cache_bytes=0)
+        rng = random.Random(1)
+        ids = [rng.randrange(100, eng.tokenizer.vocab_size - 1) for _ in range(args.plain_prompt)]
+        per_tok: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(args.rounds):
+            for mode in modes:
+                cpu_attention._DECODE_MODE = mode
+                st = eng.generate(ids, max_tokens=args.plain_tokens, spec=None).stats
+                per_tok[mode].append(st.decode_seconds / max(1, st.completion_tokens - 1))
+        plain = {"prompt_tokens": args.plain_prompt, "tokens": args.plain_tokens,
+                 "ms_per_token": {m: round(statistics.median(v) * 1e3, 2) for m, v in per_tok.items()},
+                 "ms_per_token_rounds": {m: [round(x * 1e3, 2) for x in v] for m, v in per_tok.items()}}
     report = {"machine": machine_info(), "context": P, "threads": args.threads, "layers": NL,
+              **({"plain_decoding": plain} if plain else {}),
               "forward_ms": ms,
               "speedup_vs_rows": {m: {T: round(ms["rows"][T] / ms[m][T], 2) for T in rows} for m in modes if m != "rows"}}
     text = json.dumps(report, indent=2)
