@@ -252,7 +252,7 @@ def main() -> int:
         if args.repeat > 1:
             log(f"repeat {rep + 1}/{args.repeat}: {json.dumps(summarize(runs, vllm_res))}")
     runs, vllm_res = repeats[0]
-    from bench_server import machine_info
+    from bench_server import emit_report, machine_info
 
     report = {"machine": machine_info(), "max_tokens": args.max_tokens,
               "conversations": [{"task": c["task"], "prompt_tokens": [len(t) for t in c["turns"]],
@@ -264,11 +264,7 @@ def main() -> int:
               "runs": {k: {"conversations": [{"task": c["task"], "turns": [{kk: vv for kk, vv in t.items() if kk != "text"}
                                                                          for t in c["turns"]]}
                                              for c in r["conversations"]]} for k, r in runs.items()}}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit_report(report, args.out)
     return 0
 
 

@@ -162,11 +162,9 @@ def main() -> int:
               "config": {**{k: v for k, v in spec.items() if k not in ("data", "fixture")}, "busy": args.busy,
                          "agentspec_cpu_isa": os.environ.get("AGENTSPEC_CPU_ISA")},
               "identical_outputs": identical, "summary": summary, "runs": runs}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    from bench_server import emit_report
+
+    emit_report(report, args.out)
     if args.plot:
         plot(report, args.plot)
     return 0

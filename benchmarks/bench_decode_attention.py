@@ -1,5 +1,5 @@
-"""Decode / verify attention: the three QKVAttention kernels (AGENTSPEC_DECODE_ATTENTION) in the
-same process, alternating.
+"""Decode / verify attention: the QKVAttention kernels (AGENTSPEC_DECODE_ATTENTION) in the same
+process, alternating.
 
 One request's decode / verify forward of the bundled model's shape (30 layers, 9 query heads,
 3 kv heads, head_dim 64): ``T`` rows (a draft chain after the committed prefix) over a
@@ -8,9 +8,10 @@ attention). Per kernel and T, the median over ``--rounds`` rounds of the best of
 forwards, at ``--threads`` threads:
 
 - ``rows``: one task per (row, kv head), each streaming the kv head's keys and values;
-- ``blocked``: the phases over all rows (each key / value block read once for every row), the
-  same bits as ``rows`` at every ISA level;
-- ``amx`` (CPUs with AMX): the phases on AMX tiles, its own bits.
+- ``amx`` (CPUs with AMX): all of a request's rows at once on AMX tiles, its own bits.
+
+(A third kernel, the same phases with VDPBF16PS and ``rows``' bits, measured 0.64-0.99x of
+``rows`` in ``benchmarks/results/decode_attention.json`` and was removed.)
 
 With ``--plain-prompt N`` (N > 0) it also times plain decoding end to end with the bundled model
 (``--plain-tokens`` greedy tokens after an N-token prompt, no speculation), the kernels alternating
@@ -24,7 +25,6 @@ Prints JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -49,7 +49,7 @@ def main() -> int:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_server import machine_info
+    from bench_server import emit_report, machine_info
 
     from agentspec.engine.model import KVCache, ModelArgs
     from agentspec.kernels import cpu_attention
@@ -66,7 +66,7 @@ def main() -> int:
     cache.k[:, :, :P] = torch.randn(NL, HKV, P, D, generator=g).bfloat16().float()
     cache.v[:, :, :P] = torch.randn(NL, HKV, P, D, generator=g).bfloat16().float()
     cpu_attention.sync_packed(cache, range(P))
-    modes = ["rows", "blocked"] + (["amx"] if cpu_attention._cpu.decode_amx_runs() else [])
+    modes = ["rows"] + (["amx"] if cpu_attention._cpu.decode_amx_runs() else [])
     times: dict[str, dict[int, list[float]]] = {m: {T: [] for T in rows} for m in modes}
     for _ in range(args.rounds):
         for T in rows:
@@ -107,18 +107,14 @@ def main() -> int:
                 cpu_attention._DECODE_MODE = mode
                 st = eng.generate(ids, max_tokens=args.plain_tokens, spec=None).stats
                 per_tok[mode].append(st.decode_seconds / max(1, st.completion_tokens - 1))
-        plain = {"prompt_tokens": args.plain_prompt, "tokens": args.plain_tokens,
+        plain = {"prompt_tokens": args.plain_prompt, "tokens": args.plain_tokens, "engine": eng.kernel_info(),
                  "ms_per_token": {m: round(statistics.median(v) * 1e3, 2) for m, v in per_tok.items()},
                  "ms_per_token_rounds": {m: [round(x * 1e3, 2) for x in v] for m, v in per_tok.items()}}
     report = {"machine": machine_info(), "context": P, "threads": args.threads, "layers": NL,
               **({"plain_decoding": plain} if plain else {}),
               "forward_ms": ms,
               "speedup_vs_rows": {m: {T: round(ms["rows"][T] / ms[m][T], 2) for T in rows} for m in modes if m != "rows"}}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit_report(report, args.out)
     return 0
 
 

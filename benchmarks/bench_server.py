@@ -159,6 +159,15 @@ def summarize(runs: list[dict]) -> dict:
             if any(r["mat"] is not None for r in runs) else None}
 
 
+def emit_report(report: dict, out: Path | None) -> None:
+    """A benchmark's JSON report: printed, and written to ``out`` when given (its folder made)."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+
+
 def machine_info() -> dict:
     """CPU, flags, kernel ISA (the server's engine runs the same ones: same machine, same environment)."""
     from agentspec.kernels import cpu_isa
@@ -269,11 +278,7 @@ def main() -> int:
                          "streamed": True, "greedy": True, "one_request_at_a_time": True},
               "summary": summary, "concurrent": {"concurrency": args.concurrency, **concurrent},
               "rounds": [r[0] for r in rounds]}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit_report(report, args.out)
     return 0
 
 

@@ -165,11 +165,9 @@ def main() -> int:
               "draft_tokens": args.draft_tokens, "max_tokens": args.max_tokens,
               "prompts": {k: len(v) for k, v in sets.items()},
               "results": summarize(ok) if ok else {}, "errors": {m: r["error"] for m, r in raw.items() if "error" in r}}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    from bench_server import emit_report
+
+    emit_report(report, args.out)
     return 0
 
 

@@ -191,11 +191,9 @@ def main() -> int:
                          "max_prompt": args.max_prompt, "greedy": True, "vllm": have_vllm,
                          "step_costs_ms": {k: round(v * 1e3, 2) for k, v in step_costs.items()}},
               "summary": summary, "results": results}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    from bench_server import emit_report
+
+    emit_report(report, args.out)
     if args.plot:
         plot(report, args.plot)
     return 0

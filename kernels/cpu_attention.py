@@ -20,7 +20,7 @@ except ImportError:  # not built (e.g. a source checkout without the extension)
     _cpu = None
 
 __all__ = ["QKVAttention", "available", "bf16_hardware", "decode_attention", "decode_attention_kernel",
-           "fused_supported", "packed_supported",
+           "fused_runs", "fused_supported", "packed_supported",
            "prefill_amx_runs", "prefill_amx_supported", "prefill_attention", "segment_attention", "sync_packed"]
 
 # AGENTSPEC_CPU_ATTENTION=0 turns the native kernel off (benchmarks compare both paths)
@@ -28,24 +28,20 @@ _ENABLED = os.environ.get("AGENTSPEC_CPU_ATTENTION", "1") != "0"
 # AGENTSPEC_CPU_FUSED=0 keeps the native attention but runs rotary / cache writes in torch
 # (QKVAttention off; benchmarks compare both paths)
 _FUSED = os.environ.get("AGENTSPEC_CPU_FUSED", "1") != "0"
-# AGENTSPEC_DECODE_ATTENTION: how QKVAttention runs decode / verify rows (kernels/csrc/attention.cpp,
-# "Blocked"):
-#   amx      (the default) the blocked kernel on AMX tiles where the CPU has AMX and the kernels run
-#            at the top ISA level (avx512bf16); elsewhere "rows"
-#   blocked  each kv head's keys / values streamed once for all of a request's rows, VDPBF16PS
-#            (or its emulation at lower ISA levels): rows' bits, but measured no faster than rows
-#            (benchmarks/bench_decode_attention.py): the dot products, not the loads, bound it
-#   rows     one task per (row, kv head), each streaming them
-# Every mode gives a draft-tree node the bits of the same token decoded plainly; amx's differ
-# from the other two's (its tiles sum in another order), so it is off under an ISA cap.
-DECODE_MODES = {"rows": 0, "blocked": 1, "amx": 2}
+# AGENTSPEC_DECODE_ATTENTION: how QKVAttention runs decode / verify rows (kernels/csrc/attention.cpp):
+#   amx   (the default) on AMX tiles, all of a request's rows at once ("AMX decode"), where the CPU
+#         has AMX and the kernels run at the top ISA level (avx512bf16); elsewhere "rows"
+#   rows  one task per (row, kv head), VDPBF16PS (or its emulation at lower ISA levels)
+# Both give a draft-tree node the bits of the same token decoded plainly; amx's differ from rows'
+# (its tiles sum in another order), so an ISA cap turns it off.
+DECODE_MODES = {"rows": 0, "amx": 1}
 _DECODE_MODE = os.environ.get("AGENTSPEC_DECODE_ATTENTION", "amx")
 if _DECODE_MODE not in DECODE_MODES:
     raise ValueError(f"AGENTSPEC_DECODE_ATTENTION={_DECODE_MODE!r}: expected one of {', '.join(DECODE_MODES)}")
 
 
 def decode_attention_kernel() -> str:
-    """The kernel QKVAttention runs decode / verify rows with now: "amx", "blocked" or "rows"."""
+    """The kernel QKVAttention runs decode / verify rows with now: "amx" or "rows"."""
     if _DECODE_MODE == "amx" and not (available() and _cpu.decode_amx_runs()):
         return "rows"
     return _DECODE_MODE
@@ -139,12 +135,14 @@ def packed_supported(dtype: torch.dtype, device: torch.device, head_dim: int) ->
     return available() and dtype == torch.float32 and device.type == "cpu" and head_dim == 64
 
 
+def fused_runs(dtype: torch.dtype, n_heads: int, n_kv_heads: int) -> bool:
+    """Whether ``QKVAttention`` serves a model of ``dtype`` and these head counts over a packed cache."""
+    return available() and _FUSED and dtype == torch.bfloat16 and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= 8
+
+
 def fused_supported(cache, dtype: torch.dtype, n_heads: int, n_kv_heads: int) -> bool:
     """Whether ``QKVAttention`` serves a forward of a model of ``dtype`` over ``cache``."""
-    return (
-        available() and _FUSED and getattr(cache, "packed", False) and dtype == torch.bfloat16
-        and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= 8
-    )
+    return getattr(cache, "packed", False) and fused_runs(dtype, n_heads, n_kv_heads)
 
 
 def sync_packed(cache, slots) -> None:

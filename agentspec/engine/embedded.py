@@ -167,10 +167,10 @@ class EmbeddedEngine(Engine):
         # prompt chunks' projections: AMX tiles (PackedLinear.prefill) on the AMX path, else torch's GEMM
         self.prefill_linears = ("amx" if self.prefill_attention == "amx" and self.model.layers[0].amx_linears
                                 else "torch")
-        # decode / verify rows' attention (cpu_attention.QKVAttention): "amx", "blocked" or "rows";
-        # "torch" where the fused native path does not run (float32 models, other devices)
-        fused = (self.device.type == "cpu" and dtype == torch.bfloat16 and cpu_attention.fused_supported(
-            self.new_cache(16), dtype, self.args.n_heads, self.args.n_kv_heads))
+        # decode / verify rows' attention (cpu_attention.QKVAttention): "amx" or "rows"; "torch"
+        # where the fused native path does not run (float32 models, other devices)
+        fused = (cpu_attention.packed_supported(self.kv_dtype, self.device, self.args.head_dim)
+                 and cpu_attention.fused_runs(dtype, self.args.n_heads, self.args.n_kv_heads))
         self.decode_attention = cpu_attention.decode_attention_kernel() if fused else "torch"
         self.max_context = min(max_context or min(ckpt.args.max_seq_len, 8192), ckpt.args.max_seq_len)
         self.deterministic = deterministic

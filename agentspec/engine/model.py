@@ -584,11 +584,11 @@ class Transformer(nn.Module):
             return F.linear(self.norm(x).float(), w.float())
         return F.linear(self.norm(x), w).float()
 
-    def native_decode_norm(self) -> bool:
-        """Whether decode / verify rows take their norms natively (``Block.forward_native``): where
-        the AMX decode attention runs (its rows' bits are that path's own already), for bf16."""
-        return (self.embed.weight.dtype == torch.bfloat16 and self.embed.weight.device.type == "cpu"
-                and cpu_attention.decode_attention_kernel() == "amx")
+    @staticmethod
+    def native_decode_norm() -> bool:
+        """Whether the fused decode / verify rows (``Block.forward_native``) take their norms
+        natively: where the AMX decode attention runs (those rows' bits are that path's own)."""
+        return cpu_attention.decode_attention_kernel() == "amx"
 
     def prefill_row_invariant(self, cache: KVCache) -> bool:
         """Whether prompt chunks over ``cache`` run the AMX path end to end (``Block.forward_amx``:

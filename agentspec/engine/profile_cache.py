@@ -137,7 +137,7 @@ def engine_key(kind: str, engine: Any, **params: Any) -> dict:
         "prefill_gemm": getattr(engine, "prefill_gemm", None),  # "bfloat16" or "float32"
         "prefill_attention": getattr(engine, "prefill_attention", None),  # "amx", "sdpa", ...
         "prefill_linears": getattr(engine, "prefill_linears", None),  # "amx" or "torch"
-        "decode_attention": getattr(engine, "decode_attention", None),  # "amx", "blocked", ...
+        "decode_attention": getattr(engine, "decode_attention", None),  # "amx", "rows" or "torch"
         "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
         **_device(engine.device),
     }

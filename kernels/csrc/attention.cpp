@@ -117,32 +117,26 @@ struct Scratch {
     std::vector<uint16_t> pb;  // [G, Lr + 2] probabilities in bfloat16 (bfloat16 models)
 };
 
-// Blocked decode / verify attention (bfloat16 models, qkv_attention's default): the rows of one
-// request share each kv head's keys and values, so rather than one task per (row, kv head) that
-// streams them all (T times the cache traffic of one row), the work runs in phases over all of a
-// request's rows at once:
+// AMX decode / verify attention (bfloat16 models; qkv_attention's mode 1, the default where the
+// CPU has AMX): the rows of one request share each kv head's keys and values, so rather than one
+// task per (row, kv head) that streams them all, the work runs in phases over all of a request's
+// rows at once, on AMX tiles (prefill_amx.cpp, "AMX phases"):
 //   rows    per row: its visible slots, their count, the leading run at their own slots, and
-//           which 64-slot blocks it sees;
-//   scores  per (kv head, 256-slot chunk): each 64-key block comes from memory once and serves
-//           every row from L1;
-//   softmax per (kv head, row), as row_task's;
-//   p @ v   per (kv head, 16 lanes of d): the value pairs of the prefix every row shares are read
-//           once, in blocks of 32 pairs, for all rows (accumulators parked in memory between
-//           blocks), then each row's own tail (its draft-tree ancestors), packed as row_task
-//           packs them.
-// Every lane runs the same operations in the same order as in row_task (scores one lane per slot,
-// sums over d pairs in order; p @ v one lane per d, sums over compact keys in order): the same
-// bits, which test_cpu_attention checks against row_task for tree masks and every ISA level.
+//           which 64-slot blocks it sees (plus rotary and the cache writes);
+//   scores  per (kv head, 256-slot chunk), every row tile of the request;
+//   softmax per (kv head, row), over the row's compact scores;
+//   p @ v   per (kv head, half of d): the 32-key blocks every row holds at its own slots;
+//   tail    per (kv head, row): the row's own blocks (draft-tree ancestors, the last partial
+//           block), then the output.
 struct Work {
     int32_t* idx;         // [T][Lr] visible slots of each row, ascending
     int32_t* n;           // [T] how many
     int32_t* run;         // [T] leading i with idx[i] == i
     uint8_t* vb;          // [T][nb] whether the row sees a key in 64-slot block b
-    float* S;             // [Hkv][Mp][ss] scores, then p / sum (compact); row t G + g
-    uint16_t* PB;         // [Hkv][Mp][ps] p in bfloat16, zero from n to a multiple of 32
-    float* acc;           // [Hkv][Mp][D] p @ v accumulators (AMX)
+    float* S;             // [Hkv][Mp][ss] scores, then p (compact); row t G + g
+    uint16_t* PB;         // [Hkv][Mp][ps] p / sum in bfloat16, zero from n to a multiple of 32
+    float* acc;           // [Hkv][Mp][D] p @ v accumulators
     const uint32_t* qp;   // [T][H][D/2] q / 8 as bfloat16 pairs
-    const float* qs;      // [T][H][D] the same values as floats (AVX2 broadcasts)
     int nb;
     int Mp;               // T G rounded up to a whole AMX tile (16 rows)
     int64_t ss, ps;       // row strides of S and PB: Lr + 16 and Lr + 32 (rows a power of two
@@ -204,7 +198,7 @@ static inline __attribute__((always_inline)) void softmax_visible(float* Sg, int
     for (int j = 0; j < n16; j += 16) store16(Sg + j, load16(Sg + j) * inv_sum);  // p / sum
 }
 
-// The rows phase of the blocked kernel (see Work) for row t.
+// The rows phase of the AMX kernel (see Work) for row t.
 static void row_info(const Args& a, const Work& w, int t) {
     const uint8_t* mr = a.mask == nullptr ? nullptr : a.mask + (int64_t)t * a.m_st;
     int32_t* idx = w.idx + (int64_t)t * a.Lr;
@@ -490,12 +484,6 @@ void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new
 #endif
 
 using row_fn = void (*)(const Args&, int, int, Scratch&);
-struct BlockedFns {
-    void (*scores)(const Args&, const Work&, int, int, int);
-    void (*softmax)(const Args&, const Work&, int, int);
-    void (*pv)(const Args&, const Work&, int, int, uint16_t*, int64_t);
-};
-#define AS_FNS(NS) BlockedFns{NS::scores_task, NS::softmax_task, NS::pv_task}
 
 static row_fn bf16_row_for(int isa) {
     switch (isa) {
@@ -510,21 +498,6 @@ static row_fn bf16_row_for(int isa) {
         default: return bf16_scalar::row_task;
     }
 }
-
-static BlockedFns bf16_blocked_for(int isa) {
-    switch (isa) {
-#if defined(AGENTSPEC_X86)
-        case 4: return AS_FNS(bf16_hw);
-        case 3: return AS_FNS(bf16_avx512);
-        case 2: return AS_FNS(bf16_avx2);
-#endif
-#if defined(AGENTSPEC_NEON)
-        case 1: return AS_FNS(bf16_neon);
-#endif
-        default: return AS_FNS(bf16_scalar);
-    }
-}
-#undef AS_FNS
 
 // Rotary embedding of one head (HF rotate_half layout) as torch computes it in bfloat16:
 //   y = x * cos + cat(-x[D/2:], x[:D/2]) * sin, each product and the sum rounded to bfloat16.
@@ -564,9 +537,9 @@ static void rope_row(const Args& a, int64_t slot, const uint16_t* x, const uint1
     }
 }
 
-// Whether mode 2 runs: AMX here, and the bf16 kernels at the top ISA level (AVX512-BF16; a cap
+// Whether mode 1 runs: AMX here, and the bf16 kernels at the top ISA level (AVX512-BF16; a cap
 // below it keeps every level's bits equal)
-static bool decode_amx_runs() { return agentspec_isa() == 4 && decode_amx_available(); }
+static bool decode_amx_runs() { return agentspec_isa() == 4 && prefill_amx_available(); }
 
 // The AMX scores of every row tile of kv head hk over 64-slot blocks [b0, b1).
 static void amx_scores_task(const Args& a, const Work& w, int hk, int b0, int b1) {
@@ -646,25 +619,24 @@ static void amx_row_task(const Args& a, const Work& w, int hk, int t, int E, uin
     }
     for (int g = 0; g < G; ++g) {
         const int64_t m = (int64_t)hk * w.Mp + (int64_t)t * G + g;
-        float* acc = w.acc + m * D;
-        if (E == 0) std::memset(acc, 0, sizeof(float) * D);
+        float* acc = w.acc + m * D;  // the shared blocks' sums (zero for E = 0)
         if (nblk > 0) amx_decode_pv_row(w.PB + m * w.ps + E, vb.data(), nblk, acc);
         for (int d = 0; d < D; d += 16) store_bf16(dst + g * D + d, load16(acc + d));
     }
 }
 
-// qkv_attention's blocked kernel (see Work): the phases run over every segment's tasks, with a
-// barrier between phases. amx: the scores and p @ v phases on AMX tiles (prefill_amx.cpp).
-static void qkv_attention_blocked(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, int64_t cs_st,
-                                  std::vector<Args>& args, const std::vector<int64_t>& start,
-                                  const std::vector<int64_t>& off, const std::vector<int>& seg_of_row, int R,
-                                  uintptr_t out, int64_t out_st, int threads, bool amx) {
+// qkv_attention's AMX kernel (see Work): the phases run over every segment's tasks, with a
+// barrier between phases.
+static void qkv_attention_amx(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, int64_t cs_st,
+                              std::vector<Args>& args, const std::vector<int64_t>& start,
+                              const std::vector<int64_t>& off, const std::vector<int>& seg_of_row, int R,
+                              uintptr_t out, int64_t out_st, int threads) {
     const int S = (int)args.size();
     const int H = args[0].H, Hkv = args[0].Hkv, G = H / Hkv;
     constexpr int CHUNK = 4;  // 64-slot blocks per scores task
     std::vector<Work> work(S);
     std::vector<size_t> o_idx(S + 1, 0), o_vb(S + 1, 0), o_s(S + 1, 0), o_pb(S + 1, 0), o_acc(S + 1, 0);
-    std::vector<int> b_sc(S + 1, 0), b_sm(S + 1, 0), b_pv(S + 1, 0), b_row(S + 1, 0);
+    std::vector<int> b_sc(S + 1, 0), b_row(S + 1, 0), b_pv(S + 1, 0);
     for (int s = 0; s < S; ++s) {
         const Args& a = args[s];
         Work& w = work[s];
@@ -672,22 +644,19 @@ static void qkv_attention_blocked(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, 
         w.Mp = (a.T * G + 15) / 16 * 16;
         w.ss = a.Lr + 16;
         w.ps = a.Lr + 32;
-        const int nch = (w.nb + CHUNK - 1) / CHUNK;
         o_idx[s + 1] = o_idx[s] + (size_t)a.T * a.Lr;
         o_vb[s + 1] = o_vb[s] + (size_t)a.T * w.nb;
         o_s[s + 1] = o_s[s] + (size_t)Hkv * w.Mp * w.ss;
         o_pb[s + 1] = o_pb[s] + (size_t)Hkv * w.Mp * w.ps;
-        o_acc[s + 1] = o_acc[s] + (amx ? (size_t)Hkv * w.Mp * D : 0);
-        b_sc[s + 1] = b_sc[s] + Hkv * nch;
-        b_sm[s + 1] = b_sm[s] + Hkv * a.T;
-        b_pv[s + 1] = b_pv[s] + Hkv * (amx ? 2 : D / 16);
-        b_row[s + 1] = b_row[s] + (amx ? Hkv * a.T : 0);
+        o_acc[s + 1] = o_acc[s] + (size_t)Hkv * w.Mp * D;
+        b_sc[s + 1] = b_sc[s] + Hkv * ((w.nb + CHUNK - 1) / CHUNK);
+        b_row[s + 1] = b_row[s] + Hkv * a.T;  // softmax, then the tails
+        b_pv[s + 1] = b_pv[s] + Hkv * 2;
     }
-    const BlockedFns fn = bf16_blocked_for(agentspec_isa());
     nb::gil_scoped_release nogil;
     static thread_local std::vector<int32_t> idx, cnt;
     static thread_local std::vector<uint8_t> vb;
-    static thread_local std::vector<float> sc, qs, ac;
+    static thread_local std::vector<float> sc, ac;
     static thread_local std::vector<uint16_t> pb;
     static thread_local std::vector<uint32_t> qp;
     idx.resize(o_idx[S]);
@@ -696,7 +665,6 @@ static void qkv_attention_blocked(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, 
     sc.resize(o_s[S] + 16 * 16);  // + a tile's overhang past the last row's stride
     pb.resize(o_pb[S] + 16 * 32);
     ac.resize(o_acc[S]);
-    qs.resize((size_t)R * H * D);
     qp.resize((size_t)R * H * (D / 2));
     for (int s = 0; s < S; ++s) {
         Work& w = work[s];
@@ -708,9 +676,7 @@ static void qkv_attention_blocked(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, 
         w.PB = pb.data() + o_pb[s];
         w.acc = ac.data() + o_acc[s];
         w.qp = qp.data() + off[s] * H * (D / 2);
-        w.qs = qs.data() + off[s] * H * D;
     }
-    float* const qsp = qs.data();
     uint32_t* const qpp = qp.data();
     const uint16_t* in = reinterpret_cast<const uint16_t*>(qkv);
     const uint16_t* cs = reinterpret_cast<const uint16_t*>(cos);
@@ -724,7 +690,7 @@ static void qkv_attention_blocked(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, 
     threads = std::max(1, std::min(threads, std::max({R, b_sc[S], b_pv[S]})));
 #pragma omp parallel num_threads(threads)
     {
-        if (amx) amx_decode_tiles(true);
+        amx_decode_tiles(true);
 #pragma omp for schedule(static)
         for (int r = 0; r < R; ++r) {  // rotary, cache writes, q / 8 in bf16 pairs, the row's visible slots
             const int s = seg_of_row[r];
@@ -734,12 +700,9 @@ static void qkv_attention_blocked(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, 
             float* const qr = qv.data();
             rope_row(a, start[s] + (r - off[s]), in + (int64_t)r * qkv_st, cs + (int64_t)r * cs_st,
                      sn + (int64_t)r * cs_st, qr);
-            for (int e = 0; e < H * D / 2; ++e) {
-                const uint16_t lo = float_to_bf16(qr[2 * e] * scale), hi = float_to_bf16(qr[2 * e + 1] * scale);
-                qpp[(int64_t)r * H * (D / 2) + e] = (uint32_t)lo | ((uint32_t)hi << 16);
-                qsp[(int64_t)r * H * D + 2 * e] = bf16_to_float(lo);
-                qsp[(int64_t)r * H * D + 2 * e + 1] = bf16_to_float(hi);
-            }
+            for (int e = 0; e < H * D / 2; ++e)
+                qpp[(int64_t)r * H * (D / 2) + e] = (uint32_t)float_to_bf16(qr[2 * e] * scale) |
+                                                    ((uint32_t)float_to_bf16(qr[2 * e + 1] * scale) << 16);
             row_info(a, work[s], (int)(r - off[s]));
         }
 #pragma omp for schedule(dynamic, 1)
@@ -748,41 +711,32 @@ static void qkv_attention_blocked(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, 
             const Work& w = work[s];
             const int nch = (w.nb + CHUNK - 1) / CHUNK;
             const int j = i - b_sc[s], hk = j / nch, b0 = (j % nch) * CHUNK;
-            if (amx) amx_scores_task(args[s], w, hk, b0, std::min(w.nb, b0 + CHUNK));
-            else fn.scores(args[s], w, hk, b0, std::min(w.nb, b0 + CHUNK));
+            amx_scores_task(args[s], w, hk, b0, std::min(w.nb, b0 + CHUNK));
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < b_sm[S]; ++i) {
-            const int s = seg_of(b_sm, i);
-            const int j = i - b_sm[s];
-            if (amx) amx_softmax_task(args[s], work[s], j % Hkv, j / Hkv);
-            else fn.softmax(args[s], work[s], j % Hkv, j / Hkv);
+        for (int i = 0; i < b_row[S]; ++i) {
+            const int s = seg_of(b_row, i);
+            const int j = i - b_row[s];
+            amx_softmax_task(args[s], work[s], j % Hkv, j / Hkv);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < b_pv[S]; ++i) {
             const int s = seg_of(b_pv, i);
             const Args& a = args[s];
             const Work& w = work[s];
-            const int j = i - b_pv[s];
-            if (amx) {
-                const int h = j % 2, hk = j / 2;
-                const int64_t m0 = (int64_t)hk * w.Mp;
-                amx_decode_pv(w.PB + m0 * w.ps, w.ps, a.vp + (int64_t)hk * (a.cap / 2) * D * 2, amx_shared(a, w), h,
-                              w.Mp / 16, w.acc + m0 * D + 32 * h, D);
-            } else {
-                fn.pv(a, w, j / (D / 16), j % (D / 16), o + off[s] * out_st, out_st);
-            }
+            const int j = i - b_pv[s], h = j % 2, hk = j / 2;
+            const int64_t m0 = (int64_t)hk * w.Mp;
+            amx_decode_pv(w.PB + m0 * w.ps, w.ps, a.vp + (int64_t)hk * (a.cap / 2) * D * 2, amx_shared(a, w), h,
+                          w.Mp / 16, w.acc + m0 * D + 32 * h, D);
         }
-        if (amx) {
 #pragma omp for schedule(dynamic, 1)
-            for (int i = 0; i < b_row[S]; ++i) {
-                const int s = seg_of(b_row, i);
-                const int j = i - b_row[s];
-                amx_row_task(args[s], work[s], j % Hkv, j / Hkv, amx_shared(args[s], work[s]), o + off[s] * out_st,
-                             out_st);
-            }
-            amx_decode_tiles(false);
+        for (int i = 0; i < b_row[S]; ++i) {
+            const int s = seg_of(b_row, i);
+            const int j = i - b_row[s];
+            amx_row_task(args[s], work[s], j % Hkv, j / Hkv, amx_shared(args[s], work[s]), o + off[s] * out_st,
+                         out_st);
         }
+        amx_decode_tiles(false);
     }
 }
 
@@ -791,9 +745,8 @@ static void qkv_attention_blocked(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, 
 // rows are written at cache slots [start, start + T) of `layer` and attend over slots [0, L) as
 // mask ([T, >= L] bool; 0 = all) says. qkv: bfloat16 [R, H*D + 2*Hkv*D] (row stride qkv_st);
 // cos / sin: bfloat16 [R, D] (row stride cs_st); out: bfloat16 [R, H*D] (row stride out_st).
-// mode: 0 one row_task per (row, kv head); 1 the blocked kernel (see Work), the same bits;
-// 2 the blocked kernel on AMX tiles (prefill_amx.cpp; where the CPU has AMX and the kernels run at
-// the top ISA level, else 0), its own bits.
+// mode: 0 one row_task per (row, kv head); 1 the AMX kernel (see Work; where the CPU has AMX and
+// the kernels run at the top ISA level, else 0), its own bits.
 void qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, int64_t cs_st, uintptr_t segs,
                    int S, int layer, uintptr_t out, int64_t out_st, int H, int Hkv, int head_dim, int threads,
                    int mode) {
@@ -832,10 +785,8 @@ void qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, 
         row_base[s + 1] = row_base[s] + Hkv * a.T;
         for (int t = 0; t < a.T; ++t) seg_of_row.push_back(s);
     }
-    if (mode == 2 && !decode_amx_runs()) mode = 0;  // the per-row kernel: the faster of the two measured here
-    if (mode >= 1) {
-        qkv_attention_blocked(qkv, qkv_st, cos, sin, cs_st, args, start, off, seg_of_row, R, out, out_st, threads,
-                              mode == 2);
+    if (mode == 1 && decode_amx_runs()) {
+        qkv_attention_amx(qkv, qkv_st, cos, sin, cs_st, args, start, off, seg_of_row, R, out, out_st, threads);
         return;
     }
     const row_fn row_task = bf16_row_for(agentspec_isa());
@@ -971,7 +922,7 @@ NB_MODULE(_cpu, m) {
     m.def("isa_runs", &isa_runs, nb::arg("level"), "whether this CPU runs ISA level `level`");
     m.def("set_isa", &set_isa, nb::arg("level"), "run the bfloat16 kernels at ISA level `level` (-1: the best)");
     m.def("isa", &agentspec_isa, "the ISA level the bfloat16 kernels run now");
-    m.def("decode_amx_runs", &decode_amx_runs, "whether qkv_attention's mode 2 runs on AMX now (else it runs mode 0)");
+    m.def("decode_amx_runs", &decode_amx_runs, "whether qkv_attention's mode 1 runs on AMX now (else it runs mode 0)");
     m.def("qkv_attention", &qkv_attention,
           nb::arg("qkv"), nb::arg("qkv_stride"), nb::arg("cos"), nb::arg("sin"),
           nb::arg("cos_stride"), nb::arg("segments"), nb::arg("n_segments"), nb::arg("layer"), nb::arg("out"),

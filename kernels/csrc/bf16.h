@@ -140,8 +140,9 @@ static inline v16 dp_neon(v16 acc, v16i a, uint32_t b) {
 // The ISA level the kernels run now (attention.cpp keeps it; see the list above).
 int agentspec_isa();
 
-// The AMX phases of the blocked decode / verify attention (prefill_amx.cpp; attention.cpp uses them)
-bool decode_amx_available();
+// AMX (prefill_amx.cpp): whether this CPU and OS run it, and the phases of the decode / verify
+// attention (attention.cpp, "AMX decode")
+bool prefill_amx_available();
 void amx_decode_tiles(bool on);
 void amx_decode_scores(const uint16_t* qb, int ntiles, const uint16_t* kt2, int64_t cap, int j0, int j1,
                        const uint8_t* need, float* S, int64_t ss);

@@ -461,6 +461,10 @@ AMX_TARGET static void linear_rows(const LinArgs& a, int64_t u0, int64_t u1) {
 
 #endif  // AGENTSPEC_AMX (linear)
 
+}  // namespace
+
+// Whether this CPU (and OS) run AMX-BF16 (AVX-512 with it): the prefill kernels here and the
+// decode kernel's phases below (attention.cpp declares it through bf16.h)
 bool prefill_amx_available() {
 #if defined(AGENTSPEC_AMX)
     return amx_ready();
@@ -468,6 +472,8 @@ bool prefill_amx_available() {
     return false;
 #endif
 }
+
+namespace {
 
 // One key / value row (bf16 [D]) of kv head `hk` into the layer's packed copies at `slot`:
 // kt2 [Hkv, D/2, cap, 2] (d-pairs a capacity apart) and vp [Hkv, cap/2, D, 2] (slot pairs)
@@ -691,8 +697,8 @@ void linear_amx(uintptr_t x, int64_t x_st, int64_t M, uintptr_t wp, int64_t N, i
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// AMX phases of the blocked decode / verify attention (attention.cpp, "Blocked"; its default on
-// CPUs with AMX). Query rows m are a request's (row, head) pairs of one kv head, 16 to a tile.
+// AMX phases of the decode / verify attention (attention.cpp, "AMX decode"; the default on CPUs
+// with AMX). Query rows m are a request's (row, head) pairs of one kv head, 16 to a tile.
 //   scores  S[m][j] = TDPBF16PS(q_m[0:32] . k_j[0:32]) then += (q_m[32:64] . k_j[32:64]), from
 //           kt2 in place (its d-pair rows are AMX's VNNI B layout for 16 keys);
 //   p @ v   o_m = sum over the row's compact keys in 32-key blocks, in order, of TDPBF16PS
@@ -705,14 +711,6 @@ void linear_amx(uintptr_t x, int64_t x_st, int64_t M, uintptr_t wp, int64_t N, i
 // its blocks came from vp: a draft-tree node gets the bits of the same token decoded plainly.
 // (Not the VDPBF16PS kernels' bits: the tile sums a block in another order. The engine runs one
 // or the other for every decode / verify row of a process.)
-
-bool decode_amx_available() {
-#if defined(AGENTSPEC_AMX)
-    return amx_ready();
-#else
-    return false;
-#endif
-}
 
 #if defined(AGENTSPEC_AMX)
 // Tile configuration on / off for the calling thread: around a thread's calls below.
@@ -863,8 +861,6 @@ void amx_decode_pv_row(const uint16_t*, const uint16_t*, int, float*) {
 #endif
 
 void register_prefill(nb::module_& m) {
-    m.def("decode_amx_available", &decode_amx_available,
-          "whether this CPU (and OS) runs the AMX decode / verify attention");
     m.def("prefill_amx_available", &prefill_amx_available,
           "whether this CPU (and OS) runs the AMX prefill attention");
     m.def("prefill_attention", &prefill_attention, nb::arg("q"), nb::arg("q_stride_h"), nb::arg("q_stride_t"),

@@ -310,7 +310,7 @@ def test_every_isa_level_gives_the_same_bits(restore_isa, monkeypatch):
     kernels: the AMX kernels run only at the top level, with their own bits, and
     test_prefill_amx.py / test_amx_decode_* test them.)"""
     monkeypatch.setattr(cpu_attention, "_PREFILL_AMX", False)
-    monkeypatch.setattr(cpu_attention, "_DECODE_MODE", "blocked")  # the AMX decode kernel: its own bits
+    monkeypatch.setattr(cpu_attention, "_DECODE_MODE", "rows")  # the AMX decode kernel: its own bits
     cpu_isa = restore_isa
     levels = cpu_isa.supported()
     args, model = _random_model(packed_linears=True)
@@ -371,7 +371,7 @@ def test_fused_segments_equal_each_request_alone(packed_linears):
         _assert_packed_consistent(c, n + r)
 
 
-def _blocked_case(seed: int):
+def _segments_case(seed: int):
     """Segments for QKVAttention: random bfloat16 keys / values in packed caches and the rows'
     q|k|v, with draft-tree masks (after odd and even prefixes), a chain, a row that sees only
     part of the prefix, a mask-less segment and a one-row (plain decoding) segment."""
@@ -412,27 +412,6 @@ def _blocked_case(seed: int):
     return segs, qkv, cos, sin
 
 
-def test_blocked_kernel_equals_per_row_kernel_bitwise(restore_isa, monkeypatch):
-    """QKVAttention's blocked kernel (keys / values streamed once for all of a request's rows)
-    gives the per-row kernel's bits, outputs and caches, at every ISA level this CPU runs, for
-    tree masks, chains, partial prefixes, mask-less and one-row segments in one call."""
-    cpu_isa = restore_isa
-    for isa in cpu_isa.supported():
-        cpu_isa.set_isa(isa)
-        res = {}
-        for blocked in (False, True):
-            monkeypatch.setattr(cpu_attention, "_DECODE_MODE", "blocked" if blocked else "rows")
-            segs, qkv, cos, sin = _blocked_case(5)
-            att = cpu_attention.QKVAttention(segs, cos, sin, n_heads=H, n_kv_heads=HKV, head_dim=D, threads=2)
-            outs = [att(qkv, layer).clone() for layer in (0, 1)]
-            res[blocked] = outs, [(c.k.clone(), c.kt2.clone(), c.vp.clone()) for c, *_ in segs]
-        (o0, c0), (o1, c1) = res[False], res[True]
-        assert all(torch.equal(a, b) for a, b in zip(o0, o1)), f"outputs differ at {isa}"
-        assert not torch.isnan(o1[0].float()).any()
-        for x, y in zip(c0, c1):
-            assert all(torch.equal(a, b) for a, b in zip(x, y)), f"caches differ at {isa}"
-
-
 amx_decode = pytest.mark.skipif(not (cpu_attention.available() and cpu_attention._cpu.decode_amx_runs()),
                                 reason="no AMX here (or the kernels are capped below avx512bf16)")
 
@@ -441,7 +420,7 @@ def _amx_vs(monkeypatch, modes, seed=5):
     out = {}
     for mode in modes:
         monkeypatch.setattr(cpu_attention, "_DECODE_MODE", mode)
-        segs, qkv, cos, sin = _blocked_case(seed)
+        segs, qkv, cos, sin = _segments_case(seed)
         att = cpu_attention.QKVAttention(segs, cos, sin, n_heads=H, n_kv_heads=HKV, head_dim=D, threads=2)
         out[mode] = att(qkv, 0).clone(), segs
     return out
@@ -449,15 +428,15 @@ def _amx_vs(monkeypatch, modes, seed=5):
 
 @amx_decode
 def test_amx_decode_matches_the_vdpbf16ps_kernel_closely(monkeypatch):
-    """The AMX decode kernel against the blocked VDPBF16PS kernel on tree masks, chains, partial
+    """The AMX decode kernel against the per-row VDPBF16PS kernel on tree masks, chains, partial
     prefixes, mask-less and one-row segments: the same attention up to the bf16 output's
     rounding (the tiles sum a block in another order), and the same caches."""
-    out = _amx_vs(monkeypatch, ("blocked", "amx"))
-    a, b = out["amx"][0].float(), out["blocked"][0].float()
+    out = _amx_vs(monkeypatch, ("rows", "amx"))
+    a, b = out["amx"][0].float(), out["rows"][0].float()
     assert torch.isfinite(a).all()
     torch.testing.assert_close(a, b, rtol=0.02, atol=0.01)
     assert (a != b).float().mean() < 0.05  # rounding differences only
-    for (c1, *_), (c2, *_) in zip(out["amx"][1], out["blocked"][1]):
+    for (c1, *_), (c2, *_) in zip(out["amx"][1], out["rows"][1]):
         assert torch.equal(c1.kt2, c2.kt2) and torch.equal(c1.vp, c2.vp)
 
 
@@ -468,7 +447,7 @@ def test_amx_decode_rows_are_invariant_to_their_company(monkeypatch):
     mask), whatever the rows sharing its tile and whichever of its blocks came from the packed
     values (the shared prefix of a segment shrinks with the rows that join it)."""
     monkeypatch.setattr(cpu_attention, "_DECODE_MODE", "amx")
-    segs, qkv, cos, sin = _blocked_case(7)
+    segs, qkv, cos, sin = _segments_case(7)
     together = cpu_attention.QKVAttention(segs, cos, sin, n_heads=H, n_kv_heads=HKV, head_dim=D)(qkv, 1).clone()
     off = 0
     for c, P, L, mask, T in segs:
