@@ -50,7 +50,7 @@ class GenerateOptions(TypedDict, total=False):
 
 
 class EmbeddedEngine(Engine):
-    """Torch engine for Llama-family models.
+    """Torch engine for the families in ``engine.families`` (Llama, Mistral, Qwen2, Qwen3).
 
     Options (keyword-only):
       model: a ``.gguf`` file or Hugging Face folder; None = the bundled SmolLM2-135M-Instruct.
@@ -147,11 +147,10 @@ class EmbeddedEngine(Engine):
         self.model_path = ckpt.source
         self.tokenizer: Tokenizer = ckpt.tokenizer
         self.model = Transformer(ckpt.args, init_weights=False)  # every weight is loaded next
-        missing, unexpected = self.model.load_state_dict(ckpt.state, strict=False)
-        missing = [m for m in missing if not m.startswith("rope_")]
-        if missing or unexpected:
-            raise RuntimeError(f"state dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        # to the device and dtype first (the parameters are still empty), then the checkpoint's
+        # tensors one at a time, each converted as it is copied in: no second copy of the model
         self.model.to(device=self.device, dtype=dtype)
+        ckpt.load_into(self.model)
         self.model.rope_cos = self.model.rope_cos.float()
         self.model.rope_sin = self.model.rope_sin.float()
         self.model.eval()

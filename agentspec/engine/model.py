@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_attention, cpu_linear
+from . import rope
 
 __all__ = ["KVCache", "ModelArgs", "Segment", "Transformer"]
 
@@ -35,10 +36,27 @@ class ModelArgs:
     max_seq_len: int = 2048
     tie_embeddings: bool = True
     head_dim: int = 0  # 0: dim // n_heads
+    family: str = "llama"    # model_type: llama, mistral, qwen2, qwen3 (engine.families)
+    qkv_bias: bool = False   # biases on the q/k/v projections (Qwen2)
+    qk_norm: bool = False    # RMSNorm over each head of q and k before the rotary embedding (Qwen3)
+    # rope scaling as transformers' rope_parameters ((key, value) pairs, sorted; () = none):
+    # rope_type linear / llama3 / yarn / dynamic and their fields (engine.rope)
+    rope_scaling: tuple = ()
+    # llama.cpp's rope_freqs: per-frequency divisors (GGUF files of Llama 3.1+); () = none
+    rope_freq_factors: tuple = ()
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        else:  # from JSON: [[key, value], ...]
+            object.__setattr__(self, "rope_scaling", tuple(tuple(kv) for kv in self.rope_scaling))
+        object.__setattr__(self, "rope_freq_factors", tuple(float(x) for x in self.rope_freq_factors))
+
+    @property
+    def rope_parameters(self) -> dict:
+        return dict(self.rope_scaling)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -138,18 +156,25 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_cos_sin(base: float, head_dim: int, positions: torch.Tensor, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(base: float, head_dim: int, positions: torch.Tensor, *, device=None,
+                 inv: torch.Tensor | None = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin ``[len(positions), head_dim]`` in float32 (Hugging Face ``rotate_half`` layout),
-    computed in float64."""
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    computed in float64. ``inv``: the inverse frequencies (default: unscaled rope of ``base``);
+    ``scale``: a factor on cos and sin (yarn's attention factor)."""
+    if inv is None:
+        inv = rope.inv_freq(base, head_dim)
     freqs = torch.outer(positions.detach().to("cpu", torch.float64), inv)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().float().to(device), emb.sin().float().to(device)
+    return (emb.cos() * scale).float().to(device), (emb.sin() * scale).float().to(device)
 
 
 def rope_tables(args: ModelArgs, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin ``[max_seq_len, head_dim]`` in float32 (Hugging Face ``rotate_half`` layout)."""
-    return rope_cos_sin(args.rope_base, args.head_dim, torch.arange(args.max_seq_len), device=device)
+    """cos/sin ``[max_seq_len, head_dim]`` in float32 (Hugging Face ``rotate_half`` layout), with
+    the checkpoint's rope scaling (``engine.rope``)."""
+    scaling = args.rope_parameters
+    inv = rope.inv_freq(args.rope_base, args.head_dim, scaling, args.rope_freq_factors)
+    return rope_cos_sin(args.rope_base, args.head_dim, torch.arange(args.max_seq_len), device=device, inv=inv,
+                        scale=rope.attention_factor(scaling))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -173,6 +198,11 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.w_gate_up = lin(args.dim, 2 * args.hidden_dim)
         self.w_down = lin(args.hidden_dim, args.dim)
+        # Qwen2: biases on q/k/v, added to the fused projection's output
+        self.qkv_bias = nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size)) if args.qkv_bias else None
+        # Qwen3: RMSNorm over each head of q and of k (weights [head_dim]), before the rotary embedding
+        self.q_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(hd, args.norm_eps) if args.qk_norm else None
         # (wqkv, wo, w_gate_up, w_down) as cpu_linear.PackedLinear, set by Transformer.pack_linears
         self.packed: tuple | None = None
         # prompt chunks on the AMX path also project on AMX tiles (PackedLinear.prefill)
@@ -195,11 +225,26 @@ class Block(nn.Module):
             return F.linear(x.float(), w.float()).to(torch.bfloat16)
         return F.linear(x, w)
 
+    def _qkv_post(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The fused projection's output ``[T, q_size + 2 kv_size]`` with the family's extras
+        before the rotary embedding: Qwen2's q/k/v biases, Qwen3's per-head q/k norms. Row-wise
+        (a row's bits depend on that row only), so every path (torch, native, AMX) shares it."""
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        if self.q_norm is not None:
+            T, D = qkv.shape[0], self.args.head_dim
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = F.rms_norm(q.reshape(T, -1, D), (D,), self.q_norm.weight, self.q_norm.eps).view(T, -1)
+            k = F.rms_norm(k.reshape(T, -1, D), (D,), self.k_norm.weight, self.k_norm.eps).view(T, -1)
+            qkv = torch.cat([q, k, v], dim=-1)
+        return qkv
+
     def _qkv(self, x, cos, sin, rows: bool):
         """x: [T, dim] -> q [H, T, D], k [Hkv, T, D] (rotated), v [Hkv, T, D]."""
         a = self.args
         T = x.shape[0]
-        q, k, v = self._lin(self.attn_norm(x), 0, rows).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self._qkv_post(self._lin(self.attn_norm(x), 0, rows))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(T, a.n_heads, a.head_dim).transpose(0, 1), cos, sin)
         k = apply_rope(k.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1), cos, sin)
         return q, k, v.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1)
@@ -271,7 +316,7 @@ class Block(nn.Module):
         bits do not depend on the chunk it is in or the thread count."""
         a = self.args
         wqkv, wo, w_gate_up, w_down = self.packed
-        qkv = wqkv.prefill(cpu_attention.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps))
+        qkv = self._qkv_post(wqkv.prefill(cpu_attention.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)))
         o = cpu_attention.prefill_qkv_attention(qkv, cos, sin, cache, layer, start, n_heads=a.n_heads,
                                                 n_kv_heads=a.n_kv_heads)
         x = wo.prefill(o, residual=x)
@@ -295,7 +340,7 @@ class Block(nn.Module):
         else:
             def norm(x, m):
                 return F.rms_norm(x, (x.shape[-1],), m.weight, m.eps)
-        x = x + wo(attn(wqkv(norm(x, a)), layer))
+        x = x + wo(attn(self._qkv_post(wqkv(norm(x, a))), layer))
         gate, up = w_gate_up(norm(x, n)).chunk(2, dim=-1)
         return x + w_down(F.silu(gate) * up)
 

@@ -10,6 +10,10 @@ import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from datetime import datetime
+
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
@@ -55,9 +59,15 @@ class Tokenizer:
         bos_token_id: int | None = None,
         chat_template: str | None = None,
         add_bos: bool = False,
+        special_tokens: dict[str, str] | None = None,
     ) -> None:
         self.backend = backend
         eos_list = [int(t) for t in eos_token_ids]
+        for t in _end_of_turn_ids(backend, chat_template):  # the template's own end-of-turn tokens
+            if t not in eos_list:
+                eos_list.append(t)
+        # bos_token, eos_token, pad_token, unk_token as the template sees them (tokenizer_config)
+        self.special_tokens = dict(special_tokens or {})
         self.eos_token_id = eos_list[0] if eos_list else None  # the one templates call eos_token
         self.eos_token_ids = frozenset(eos_list)
         self.bos_token_id = bos_token_id
@@ -80,6 +90,8 @@ class Tokenizer:
         bos_token_id: int | None,
         chat_template: str | None,
         add_bos: bool,
+        eot_token_id: int | None = None,
+        eom_token_id: int | None = None,
     ) -> "Tokenizer":
         if model != "gpt2":
             from ..errors import ModelLoadError
@@ -96,7 +108,7 @@ class Tokenizer:
         if token_types is not None:
             control = [t for t, ty in zip(tokens, token_types) if ty == 3]  # 3 = CONTROL
             backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
-        eos = [eos_token_id] if eos_token_id is not None else []
+        eos = [t for t in (eos_token_id, eot_token_id, eom_token_id) if t is not None]
         end_of_text = vocab.get("<|endoftext|>")
         if end_of_text is not None and end_of_text not in eos:
             eos.append(end_of_text)
@@ -112,6 +124,7 @@ class Tokenizer:
             "bos_token_id": self.bos_token_id,
             "chat_template": self.chat_template,
             "add_bos": self.add_bos,
+            "special_tokens": self.special_tokens,
         }
         (directory / "tokenizer_meta.json").write_text(json.dumps(meta))
 
@@ -123,7 +136,8 @@ class Tokenizer:
         if meta_path.exists():
             meta = json.loads(meta_path.read_text())
             return cls(backend, eos_token_ids=meta["eos_token_ids"], bos_token_id=meta["bos_token_id"],
-                       chat_template=meta["chat_template"], add_bos=meta["add_bos"])
+                       chat_template=meta["chat_template"], add_bos=meta["add_bos"],
+                       special_tokens=meta.get("special_tokens"))
         return cls._from_hf_folder(backend, directory)
 
     @classmethod
@@ -134,10 +148,17 @@ class Tokenizer:
         template = cfg.get("chat_template")
         if (directory / "chat_template.jinja").exists():
             template = (directory / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default", next(iter(named.values()), None))
+        special: dict[str, str] = {}
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            v = cfg.get(key)
+            v = v.get("content") if isinstance(v, dict) else v
+            if isinstance(v, str):
+                special[key] = v
         eos: list[int] = []
-        eos_tok = cfg.get("eos_token")
-        if isinstance(eos_tok, dict):
-            eos_tok = eos_tok.get("content")
+        eos_tok = special.get("eos_token")
         if isinstance(eos_tok, str) and backend.token_to_id(eos_tok) is not None:
             eos.append(backend.token_to_id(eos_tok))
         for source in (gen.get("eos_token_id"), model_cfg.get("eos_token_id")):
@@ -145,8 +166,10 @@ class Tokenizer:
                 if int(x) not in eos:
                     eos.append(int(x))
         bos = model_cfg.get("bos_token_id")
+        if not isinstance(bos, int) and special.get("bos_token"):
+            bos = backend.token_to_id(special["bos_token"])
         return cls(backend, eos_token_ids=eos, bos_token_id=bos if isinstance(bos, int) else None,
-                   chat_template=template, add_bos=bool(cfg.get("add_bos_token", False)))
+                   chat_template=template, add_bos=bool(cfg.get("add_bos_token", False)), special_tokens=special)
 
     # -- use --------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -175,19 +198,73 @@ class Tokenizer:
             body = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             return body + ("assistant: " if add_generation_prompt else "")
         if self._template is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            self._template = env.from_string(self.chat_template)
+            self._template = _compile_template(self.chat_template)
         bos = self.token_text(self.bos_token_id) if self.bos_token_id is not None else ""
         eos_id = self.eos_token_id
-        return self._template.render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt,
-            bos_token=bos or "", eos_token=(self.token_text(eos_id) if eos_id is not None else "") or "",
-        )
+        # as transformers renders it: the special tokens of tokenizer_config, then the call's own
+        variables = {"bos_token": bos or "", "eos_token": (self.token_text(eos_id) if eos_id is not None else "") or "",
+                     **self.special_tokens}
+        try:
+            return self._template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template error: {e}") from None
 
 
 def _raise_template_error(message: str):
-    raise ValueError(f"chat template error: {message}")
+    raise jinja2.TemplateError(message)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask marker): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _compile_template(source: str):
+    """The chat template compiled in the environment transformers' ``apply_chat_template`` uses:
+    sandboxed, ``trim_blocks`` / ``lstrip_blocks``, loop controls, its ``tojson`` (no HTML
+    escaping, unicode kept), ``raise_exception`` and ``strftime_now``."""
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template does not parse: {e}") from None
+
+
+# tokens that end a turn in the chat templates of the families served (Qwen / SmolLM, Llama 3,
+# Phi, Gemma, Mistral / Llama 2): a stop wherever the model's template writes one
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
+
+
+def _end_of_turn_ids(backend: _HFTokenizer, template: str | None) -> list[int]:
+    if not template:
+        return []
+    out = []
+    for text in _END_OF_TURN:
+        tid = backend.token_to_id(text)
+        if tid is not None and text in template:
+            out.append(tid)
+    return out
 
 
 def _read_json(path: Path) -> dict:

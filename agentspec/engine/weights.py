@@ -1,9 +1,13 @@
-"""Checkpoints: the bundled GGUF, other Llama-family GGUF files, or Hugging Face safetensors folders.
+"""Checkpoints: the bundled GGUF, other GGUF files, or Hugging Face safetensors folders.
 
-GGUF tensors are dequantized with the ``gguf`` package and cached on disk as one safetensors file
-(float32, our parameter names, Q/K rows back in Hugging Face order), beside the tokenizer; later
-starts memory-map that cache and take well under 5 s. Cache writes are atomic: a temp folder
-renamed into place.
+Families and config fields: ``engine.families``. Tensors are read one at a time and copied into
+the model's parameters in the model's dtype (``Checkpoint.load_into``), so loading a model never
+holds a second full copy of it.
+
+GGUF tensors (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...) are dequantized with the
+``gguf`` package's reference dequantizer and cached on disk as float32 safetensors shards (one per
+layer, our parameter names, Llama's Q/K rows back in Hugging Face order), beside the tokenizer;
+later starts memory-map that cache. Cache writes are atomic: a temp folder renamed into place.
 """
 
 from __future__ import annotations
@@ -16,28 +20,60 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..errors import ModelLoadError
+from . import families
 from .model import ModelArgs
 from .tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "bundled_model_path", "cache_root", "load_checkpoint"]
 
-CONVERT_VERSION = 1  # bump when the cached layout changes
+CONVERT_VERSION = 2  # bump when the cached layout changes
 
 
 class Checkpoint:
-    """A loaded checkpoint: architecture, float32 state dict (our names) and tokenizer."""
+    """A checkpoint: architecture, tokenizer and its tensors under our parameter names, read one
+    at a time (``tensors``)."""
 
-    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], tokenizer: Tokenizer, source: str):
+    def __init__(self, args: ModelArgs, tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+                 tokenizer: Tokenizer, source: str):
         self.args = args
-        self.state = state
+        self._tensors = tensors
         self.tokenizer = tokenizer
         self.source = source
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for every parameter, one at a time, in the checkpoint's dtype."""
+        return self._tensors()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor at once, float32 (tests and tools; the engine uses ``load_into``)."""
+        return {name: t.float() for name, t in self.tensors()}
+
+    def load_into(self, model: torch.nn.Module) -> None:
+        """Copy every tensor into ``model``'s parameters (converted to each parameter's dtype).
+        A missing, unexpected or wrongly shaped tensor raises ModelLoadError naming it."""
+        params = dict(model.named_parameters())
+        seen: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in self.tensors():
+                p = params.get(name)
+                if p is None:
+                    raise ModelLoadError(f"{self.source}: unexpected tensor {name!r} for a {self.args.family} model")
+                if tuple(p.shape) != tuple(tensor.shape):
+                    raise ModelLoadError(f"{self.source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                         f"the config says {tuple(p.shape)}")
+                p.copy_(tensor)
+                seen.add(name)
+        missing = sorted(set(params) - seen)
+        if missing:
+            raise ModelLoadError(f"{self.source}: missing tensors {missing[:5]}"
+                                 + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
 
 def cache_root() -> Path:
@@ -93,7 +129,7 @@ def _cache_dir_for(path: Path) -> Path:
 
 def _load_gguf_cached(path: Path, *, quiet: bool) -> Checkpoint:
     cache = _cache_dir_for(path)
-    if not (cache / "model.safetensors").exists():
+    if not (cache / "config.json").exists():
         _convert_gguf(path, cache, quiet=quiet)
     t0 = time.perf_counter()
     ckpt = _load_converted(cache, source=str(path))
@@ -101,12 +137,19 @@ def _load_gguf_cached(path: Path, *, quiet: bool) -> Checkpoint:
     return ckpt
 
 
-def _load_converted(cache: Path, *, source: str) -> Checkpoint:
-    from safetensors.torch import load_file
+def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
 
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)
+
+
+def _load_converted(cache: Path, *, source: str) -> Checkpoint:
     args = ModelArgs(**json.loads((cache / "config.json").read_text()))
-    state = load_file(str(cache / "model.safetensors"))
-    return Checkpoint(args, state, Tokenizer.load(cache), source)
+    shards = sorted(cache.glob("model-*.safetensors"))
+    return Checkpoint(args, lambda: _safetensors_tensors(shards), Tokenizer.load(cache), source)
 
 
 def _field(reader, key: str, default=None):
@@ -122,6 +165,26 @@ def _reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _gguf_layer_names(args: ModelArgs, i: int) -> dict[str, list[str]]:
+    """Our parameter name -> the GGUF tensors it is made of (concatenated in this order)."""
+    b = f"blk.{i}."
+    L = f"layers.{i}."
+    names = {
+        L + "wqkv.weight": [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
+        L + "wo.weight": [b + "attn_output.weight"],
+        L + "attn_norm.weight": [b + "attn_norm.weight"],
+        L + "ffn_norm.weight": [b + "ffn_norm.weight"],
+        L + "w_gate_up.weight": [b + "ffn_gate.weight", b + "ffn_up.weight"],
+        L + "w_down.weight": [b + "ffn_down.weight"],
+    }
+    if args.qkv_bias:
+        names[L + "qkv_bias"] = [b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"]
+    if args.qk_norm:
+        names[L + "q_norm.weight"] = [b + "attn_q_norm.weight"]
+        names[L + "k_norm.weight"] = [b + "attn_k_norm.weight"]
+    return names
+
+
 def _convert_gguf(path: Path, cache: Path, *, quiet: bool) -> None:
     try:
         import gguf
@@ -132,85 +195,80 @@ def _convert_gguf(path: Path, cache: Path, *, quiet: bool) -> None:
     from tqdm import tqdm
 
     t0 = time.perf_counter()
+    where = str(path)
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:
-        raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {e}") from e
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (Llama family only): {str(path)!r}")
-    a = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    n_heads = int(a("attention.head_count"))
-    dim = int(a("embedding_length"))
-    args = ModelArgs(
-        dim=dim,
-        n_layers=int(a("block_count")),
-        n_heads=n_heads,
-        n_kv_heads=int(a("attention.head_count_kv", n_heads)),
-        hidden_dim=int(a("feed_forward_length")),
-        vocab_size=int(a("vocab_size", len(tokens))),
-        norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_base=float(a("rope.freq_base", 10000.0)),
-        max_seq_len=int(a("context_length", 2048)),
-        tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-        head_dim=int(a("attention.key_length", dim // n_heads)),
-    )
-    if a("rope.scaling.type") not in (None, "none"):
-        raise ModelLoadError(f"RoPE scaling {a('rope.scaling.type')!r} is not supported: {str(path)!r}")
+        raise ModelLoadError(f"cannot read GGUF file {where!r}: {e}") from e
+    by_name = {t.name: t for t in reader.tensors}
 
-    raw: dict[str, np.ndarray] = {}
-    for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor", disable=quiet,
-                  file=sys.stderr):
-        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    def tensor(name: str) -> np.ndarray:
+        t = by_name.get(name)
+        if t is None:
+            raise ModelLoadError(f"{where}: missing tensor {name!r}")
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"{where}: tensor {name!r} has GGUF type {t.tensor_type.name}, which this "
+                                 f"gguf package cannot dequantize ({e})") from None
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
-        raw[t.name] = arr.reshape(shape)
+        return arr.astype(np.float32, copy=False).reshape(shape)
 
-    state: dict[str, np.ndarray] = {
-        "embed.weight": raw.pop("token_embd.weight"),
-        "norm.weight": raw.pop("output_norm.weight"),
-    }
-    if "output.weight" in raw:
-        state["lm_head.weight"] = raw.pop("output.weight")
-    for i in range(args.n_layers):
-        b = f"blk.{i}."
-        q = _reverse_permute(raw.pop(b + "attn_q.weight"), args.n_heads)
-        k = _reverse_permute(raw.pop(b + "attn_k.weight"), args.n_kv_heads)
-        v = raw.pop(b + "attn_v.weight")
-        L = f"layers.{i}."
-        state[L + "wqkv.weight"] = np.concatenate([q, k, v], axis=0)
-        state[L + "wo.weight"] = raw.pop(b + "attn_output.weight")
-        state[L + "attn_norm.weight"] = raw.pop(b + "attn_norm.weight")
-        state[L + "ffn_norm.weight"] = raw.pop(b + "ffn_norm.weight")
-        state[L + "w_gate_up.weight"] = np.concatenate(
-            [raw.pop(b + "ffn_gate.weight"), raw.pop(b + "ffn_up.weight")], axis=0)
-        state[L + "w_down.weight"] = raw.pop(b + "ffn_down.weight")
-    raw.pop("rope_freqs.weight", None)
-    if raw:
-        raise ModelLoadError(f"unexpected tensors in {str(path)!r}: {sorted(raw)[:5]}")
+    freq_factors: tuple[float, ...] = ()
+    if "rope_freqs.weight" in by_name:  # Llama 3.1+: the llama3 rope scaling as per-frequency divisors
+        freq_factors = tuple(float(x) for x in tensor("rope_freqs.weight").reshape(-1))
+    args = families.args_from_gguf(lambda k: _field(reader, k), set(by_name), where, freq_factors=freq_factors,
+                                   log=lambda m: _log(m, quiet))
+    permute = _field(reader, "general.architecture") == "llama"  # llama.cpp permutes Llama's Q/K rows only
 
-    types = _field(reader, "tokenizer.ggml.token_type")
-    tok = Tokenizer.from_gguf_fields(
-        model=_field(reader, "tokenizer.ggml.model", "gpt2"),
-        pre=_field(reader, "tokenizer.ggml.pre"),
-        tokens=tokens,
-        token_types=types,
-        merges=_field(reader, "tokenizer.ggml.merges", []),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        chat_template=_field(reader, "tokenizer.chat_template"),
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-    )
-    _write_cache(cache, args, {k: np.ascontiguousarray(v) for k, v in state.items()}, tok, save_file)
-    _log(f"converted {path.name} in {time.perf_counter() - t0:.1f}s -> {cache}", quiet)
-
-
-def _write_cache(cache: Path, args: ModelArgs, state, tok: Tokenizer, save_file) -> None:
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".tmp-", dir=cache.parent))
+    used = {"rope_freqs.weight"}
     try:
-        save_file(state, str(tmp / "model.safetensors"))
+        head = {"embed.weight": tensor("token_embd.weight"), "norm.weight": tensor("output_norm.weight")}
+        used |= {"token_embd.weight", "output_norm.weight"}
+        if not args.tie_embeddings:
+            head["lm_head.weight"] = tensor("output.weight")
+            used.add("output.weight")
+        save_file(head, str(tmp / "model-head.safetensors"))
+        del head
+        for i in tqdm(range(args.n_layers), desc=f"dequantizing {path.name}", unit="layer", disable=quiet,
+                      file=sys.stderr):
+            layer: dict[str, np.ndarray] = {}
+            for ours, theirs in _gguf_layer_names(args, i).items():
+                parts = [tensor(n) for n in theirs]
+                used.update(theirs)
+                if ours.endswith("wqkv.weight") or ours.endswith("qkv_bias"):
+                    q_rows = args.n_heads * args.head_dim
+                    kv_rows = args.n_kv_heads * args.head_dim
+                    for n, part, rows in zip(theirs, parts, (q_rows, kv_rows, kv_rows)):
+                        if part.shape[0] != rows:
+                            raise ModelLoadError(f"{where}: tensor {n!r} has {part.shape[0]} rows, the config "
+                                                 f"says {rows}")
+                    if permute and ours.endswith("wqkv.weight"):
+                        parts = [_reverse_permute(parts[0], args.n_heads),
+                                 _reverse_permute(parts[1], args.n_kv_heads), parts[2]]
+                    elif permute:
+                        raise ModelLoadError(f"{where}: q/k/v biases on a GGUF 'llama' model are not supported")
+                layer[ours] = np.ascontiguousarray(np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0])
+            save_file(layer, str(tmp / f"model-{i:05d}.safetensors"))
+        left = sorted(set(by_name) - used)
+        if left:
+            raise ModelLoadError(f"{where}: unexpected tensors {left[:5]} (not part of a {args.family} model)")
         (tmp / "config.json").write_text(json.dumps(args.to_dict()))
+        tok = Tokenizer.from_gguf_fields(
+            model=_field(reader, "tokenizer.ggml.model", "gpt2"),
+            pre=_field(reader, "tokenizer.ggml.pre"),
+            tokens=_field(reader, "tokenizer.ggml.tokens"),
+            token_types=_field(reader, "tokenizer.ggml.token_type"),
+            merges=_field(reader, "tokenizer.ggml.merges", []),
+            eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+            chat_template=_field(reader, "tokenizer.chat_template"),
+            add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+            eot_token_id=_field(reader, "tokenizer.ggml.eot_token_id"),
+            eom_token_id=_field(reader, "tokenizer.ggml.eom_token_id"),
+        )
         tok.save(tmp)
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
@@ -218,69 +276,102 @@ def _write_cache(cache: Path, args: ModelArgs, state, tok: Tokenizer, save_file)
         try:
             os.rename(tmp, cache)  # atomic; a concurrent converter may have won the race
         except OSError:
-            if not (cache / "model.safetensors").exists():
+            if not (cache / "config.json").exists():
                 raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    _log(f"converted {path.name} in {time.perf_counter() - t0:.1f}s -> {cache}", quiet)
 
 
 # ----------------------------------------------------------------------------------------------
-# Hugging Face folders (config.json + *.safetensors + tokenizer.json)
+# Hugging Face folders (config.json + *.safetensors, sharded or not + tokenizer.json)
 
 
-def _load_hf_folder(path: Path, *, quiet: bool) -> Checkpoint:
-    from safetensors.torch import load_file
+def _hf_shards(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (``model.safetensors.index.json`` if any)."""
+    from safetensors import safe_open
 
-    cfg_path = path / "config.json"
-    if not cfg_path.exists():
-        raise ModelLoadError(f"no config.json in model folder {str(path)!r}")
-    cfg = json.loads(cfg_path.read_text())
-    if cfg.get("model_type") not in ("llama", "mistral", None):
-        raise ModelLoadError(f"model_type {cfg.get('model_type')!r} is not supported (Llama family): {str(path)!r}")
-    if cfg.get("rope_scaling") not in (None, {}):
-        raise ModelLoadError(f"rope_scaling {cfg['rope_scaling']!r} is not supported: {str(path)!r}")
-    n_heads = cfg["num_attention_heads"]
-    args = ModelArgs(
-        dim=cfg["hidden_size"],
-        n_layers=cfg["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=cfg.get("num_key_value_heads", n_heads),
-        hidden_dim=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"],
-        norm_eps=cfg.get("rms_norm_eps", 1e-5),
-        rope_base=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        max_seq_len=cfg.get("max_position_embeddings", 2048),
-        tie_embeddings=cfg.get("tie_word_embeddings", False),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
-    )
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"{index}: not a safetensors index ({e})") from None
+        missing = sorted({f for f in weight_map.values() if not (path / f).exists()})
+        if missing:
+            raise ModelLoadError(f"{path}: shards named in model.safetensors.index.json are missing: {missing[:3]}")
+        return {k: path / f for k, f in weight_map.items()}
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors files in model folder {str(path)!r}")
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            out.update({k: f for k in fh.keys()})
+    return out
+
+
+def _hf_tensors(args: ModelArgs, shards: dict[str, Path], where: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our tensors from a Hugging Face checkpoint, read one (or one layer's q/k/v) at a time."""
+    from safetensors import safe_open
+
+    names = {k.removeprefix("model."): k for k in shards}
+    handles: dict[Path, object] = {}
+    used: set[str] = set()
+
+    def get(name: str) -> torch.Tensor:
+        full = names.get(name)
+        if full is None:
+            raise ModelLoadError(f"{where}: missing tensor {'model.' + name if not name.startswith('lm_head') else name!r}")
+        used.add(name)
+        f = shards[full]
+        if f not in handles:
+            handles[f] = safe_open(str(f), framework="pt").__enter__()
+        return handles[f].get_tensor(full)
+
+    try:
+        yield "embed.weight", get("embed_tokens.weight")
+        yield "norm.weight", get("norm.weight")
+        if not args.tie_embeddings:
+            yield "lm_head.weight", get("lm_head.weight")
+        elif "lm_head.weight" in names:
+            used.add("lm_head.weight")  # tied: the embedding serves; a saved copy is not read
+        for i in range(args.n_layers):
+            p, L = f"layers.{i}.", f"layers.{i}."
+            a = p + "self_attn."
+            yield L + "wqkv.weight", torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"),
+                                                get(a + "v_proj.weight")])
+            if args.qkv_bias:
+                yield L + "qkv_bias", torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
+            if args.qk_norm:
+                yield L + "q_norm.weight", get(a + "q_norm.weight")
+                yield L + "k_norm.weight", get(a + "k_norm.weight")
+            yield L + "wo.weight", get(a + "o_proj.weight")
+            yield L + "attn_norm.weight", get(p + "input_layernorm.weight")
+            yield L + "ffn_norm.weight", get(p + "post_attention_layernorm.weight")
+            yield L + "w_gate_up.weight", torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            yield L + "w_down.weight", get(p + "mlp.down_proj.weight")
+        left = sorted(n for n in set(names) - used if "rotary_emb" not in n)
+        if left:
+            raise ModelLoadError(f"{where}: unexpected tensors {left[:5]} (not part of a {args.family} model)")
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+
+
+def _load_hf_folder(path: Path, *, quiet: bool) -> Checkpoint:
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise ModelLoadError(f"no config.json in model folder {str(path)!r}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from None
+    args = families.args_from_hf_config(cfg, str(path), log=lambda m: _log(m, quiet))
+    shards = _hf_shards(path)
     if not (path / "tokenizer.json").exists():
         raise ModelLoadError(f"no tokenizer.json in model folder {str(path)!r}")
-    t0 = time.perf_counter()
-    hf: dict[str, torch.Tensor] = {}
-    for f in files:
-        hf.update(load_file(str(f)))
-    hf = {k.removeprefix("model."): v.float() for k, v in hf.items()}
-    state = {"embed.weight": hf.pop("embed_tokens.weight"), "norm.weight": hf.pop("norm.weight")}
-    if "lm_head.weight" in hf and not args.tie_embeddings:
-        state["lm_head.weight"] = hf.pop("lm_head.weight")
-    hf.pop("lm_head.weight", None)
-    for i in range(args.n_layers):
-        p = f"layers.{i}."
-        state[p + "wqkv.weight"] = torch.cat(
-            [hf.pop(p + "self_attn.q_proj.weight"), hf.pop(p + "self_attn.k_proj.weight"),
-             hf.pop(p + "self_attn.v_proj.weight")])
-        state[p + "wo.weight"] = hf.pop(p + "self_attn.o_proj.weight")
-        state[p + "attn_norm.weight"] = hf.pop(p + "input_layernorm.weight")
-        state[p + "ffn_norm.weight"] = hf.pop(p + "post_attention_layernorm.weight")
-        state[p + "w_gate_up.weight"] = torch.cat(
-            [hf.pop(p + "mlp.gate_proj.weight"), hf.pop(p + "mlp.up_proj.weight")])
-        state[p + "w_down.weight"] = hf.pop(p + "mlp.down_proj.weight")
-    leftover = [k for k in hf if "rotary_emb" not in k]
-    if leftover:
-        raise ModelLoadError(f"unexpected tensors in {str(path)!r}: {leftover[:5]}")
-    _log(f"loaded {path.name} in {time.perf_counter() - t0:.2f}s", quiet)
-    return Checkpoint(args, state, Tokenizer.load(path), str(path))
+    tok = Tokenizer.load(path)
+    _log(f"{path.name}: {args.family}, {args.n_layers} layers, {len(set(shards.values()))} safetensors file(s)", quiet)
+    return Checkpoint(args, lambda: _hf_tensors(args, shards, str(path)), tok, str(path))

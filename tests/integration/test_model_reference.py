@@ -41,8 +41,8 @@ def hf_model(hf_folder):
 @pytest.fixture(scope="module")
 def ours_fp32():
     ckpt = load_checkpoint(quiet=True)
-    m = Transformer(ckpt.args)
-    m.load_state_dict(ckpt.state, strict=False)
+    m = Transformer(ckpt.args, init_weights=False)
+    ckpt.load_into(m)
     return m.eval(), ckpt
 
 
