@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--tcp", metavar="[HOST:]PORT", type=_tcp_address,
                     help="listen on TCP instead of stdio (for debugging; default host 127.0.0.1)")
     ls.add_argument("--url", help="an agentspec server to use (default: the embedded engine in this process)")
-    ls.add_argument("--model", help="remote: the model id; in-process: a .gguf file (default: the bundled model)")
+    ls.add_argument("--model", help="remote: the model id; in-process: a .gguf file or Hugging Face folder (default: the bundled model)")
     ls.add_argument("--config", help="in-process: server TOML (routes)")
 
     tr = sub.add_parser("train-eagle3", help="train an EAGLE-3 draft head for a target model (SGLang layout)")
@@ -292,7 +292,7 @@ def cmd_serve(args) -> int:
             state = build_state(config, repo=args.repo, backend="sglang", sglang_options=sglang_options)
         else:
             state = build_state(config, repo=args.repo,
-                                engine_options={"model": args.model, "device": args.device or "cpu",
+                                engine_options={"model": args.model or config.server.model, "device": args.device or "cpu",
                                                 "dtype": args.dtype, "threads": args.threads,
                                                 "cpu_isa": args.cpu_isa, "eagle3": args.eagle3,
                                                 "eagle3_gate": False if args.no_eagle3_gate else None})

@@ -101,6 +101,9 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1024
     # at most this many tenants get their own Prometheus label value; the rest share "other"
     metrics_max_tenants: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 32
+    # the checkpoint the embedded engine serves: a .gguf file or a Hugging Face folder (relative
+    # paths from the working directory); `agentspec serve --model` overrides it; default: bundled
+    model: str | None = None
     # the model id clients pass; default: the checkpoint's file or folder name
     model_name: str | None = None
     # memory for the embedded engine's prefix cache (prompt KV reused by requests sharing a

@@ -37,7 +37,8 @@ _HARMLESS = {
     "forced_eos_token_id", "length_penalty", "max_length", "min_length", "no_repeat_ngram_size",
     "num_beam_groups", "num_beams", "num_return_sequences", "output_scores", "remove_invalid_values",
     "repetition_penalty", "return_dict_in_generate", "suppress_tokens", "temperature", "top_k", "top_p",
-    "typical_p", "tie_encoder_decoder", "max_window_layers",
+    "typical_p", "tie_encoder_decoder", "max_window_layers", "unk_token_id", "_model_name_or_path",
+    "_attn_implementation", "attn_implementation", "use_return_dict", "model_max_length",
 }
 # fields read below (each implemented, or checked and refused when it asks for what is not)
 _READ = {

@@ -82,11 +82,19 @@ def bundled_tokenizer_json() -> str:
     return load_checkpoint(quiet=True).tokenizer.backend.to_str()
 
 
-def write_tokenizer(folder: Path, template: str, added: list[str], eos: str) -> int:
+# the pre-tokenizer each family's real tokenizer.json has (GGUF: tokenizer.ggml.pre); transformers
+# 5 rebuilds Qwen's and Llama's from the model type, so the fixture must carry the family's own
+PRE = {"llama": "llama-bpe", "mistral": "smollm", "qwen2": "qwen2", "qwen3": "qwen2"}
+
+
+def write_tokenizer(folder: Path, template: str, added: list[str], eos: str, family: str = "mistral") -> int:
     """tokenizer.json (+ ``added`` special tokens), tokenizer_config.json; returns the vocab size."""
     from tokenizers import AddedToken, Tokenizer
 
+    from agentspec.engine.tokenizer import _pre_tokenizer
+
     tok = Tokenizer.from_str(bundled_tokenizer_json())
+    tok.pre_tokenizer = _pre_tokenizer(PRE[family])
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in added])
     tok.save(str(folder / "tokenizer.json"))
     bos = "<|begin_of_text|>" if "<|begin_of_text|>" in added else "<|im_start|>"
@@ -106,7 +114,7 @@ def write_family(folder: Path, family: str, *, dim: int = 128, layers: int = 2, 
     cls_name, extra, template, added = FAMILIES[family]
     folder.mkdir(parents=True, exist_ok=True)
     eos = "<|eot_id|>" if family == "llama" else "<|im_end|>"
-    vocab = write_tokenizer(folder, template, added, eos)
+    vocab = write_tokenizer(folder, template, added, eos, family)
     from tokenizers import Tokenizer
 
     ids = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -202,7 +210,7 @@ def _write_gguf(cfg: dict, hf_folder: Path, state: dict[str, np.ndarray], path: 
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     special = {t["content"] for t in tok.get("added_tokens", []) if t.get("special")}
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
+    w.add_tokenizer_pre(PRE[family])
     w.add_token_list(tokens)
     w.add_token_types([3 if t in special else 1 for t in tokens])
     merges = tok["model"]["merges"]

@@ -395,3 +395,32 @@ def test_gguf_unknown_arch_is_refused(tmp_path):
     w.close()
     with pytest.raises(ModelLoadError, match=r"GGUF architecture 'phi3' is not supported; supported: llama, qwen2, qwen3"):
         load_checkpoint(path, quiet=True)
+
+
+# -- the server ---------------------------------------------------------------------------------
+
+def test_serve_model_folder_answers_with_transformers_tokens(folders, tmp_path):
+    """``agentspec serve`` with ``model = DIR`` in its config (as ``--model DIR``; speculation on)
+    through the openai client: the served
+    model id is the folder's name, the chat uses the checkpoint's template, and the greedy
+    tokens are transformers' on the same weights."""
+    from serve_helper import Server
+
+    folder = folders["qwen2"]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = hf_tok.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    want = ref.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, pad_token_id=0,
+                        eos_token_id=hf_tok.convert_tokens_to_ids("<|im_end|>"))[0, len(ids):].tolist()
+    want_text = hf_tok.decode([t for t in want if t != hf_tok.convert_tokens_to_ids("<|im_end|>")])
+    server = Server(tmp_path, config=f'[server]\nmodel = "{folder}"\n', args=["--dtype", "float32"],
+                    env={"AGENTSPEC_CACHE_DIR": str(tmp_path / "cache")})
+    try:
+        client = server.client()
+        assert [m.id for m in client.models.list().data] == [folder.name]
+        r = client.chat.completions.create(model=folder.name, messages=CONVERSATION, max_tokens=20, temperature=0)
+        assert r.choices[0].message.content == want_text
+        assert r.usage.prompt_tokens == len(ids)
+    finally:
+        server.stop()
