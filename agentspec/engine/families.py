@@ -144,8 +144,6 @@ def args_from_hf_config(cfg: Mapping, where: str, *, log: Callable[[str], None] 
         if kinds - {"full_attention", "sliding_attention"}:
             raise _refuse(where, f"layer_types {sorted(kinds)} are not supported")
         uses_window = uses_window or "sliding_attention" in kinds
-        if family != "mistral" and not cfg.get("use_sliding_window") and "sliding_attention" in kinds:
-            uses_window = True
     if uses_window and window is not None and int(window) < max_pos:
         log(f"sliding window {window}: context capped at {window} tokens, where the window never cuts")
         max_pos = int(window)

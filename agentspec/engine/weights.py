@@ -338,7 +338,7 @@ def _hf_tensors(args: ModelArgs, shards: dict[str, Path], where: str) -> Iterato
         elif "lm_head.weight" in names:
             used.add("lm_head.weight")  # tied: the embedding serves; a saved copy is not read
         for i in range(args.n_layers):
-            p, L = f"layers.{i}.", f"layers.{i}."
+            p = L = f"layers.{i}."   # the same prefix in both namings
             a = p + "self_attn."
             yield L + "wqkv.weight", torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"),
                                                 get(a + "v_proj.weight")])

@@ -11,6 +11,8 @@ import agentspec
 from agentspec import Draft, SpecConfig
 from agentspec.drafting import PromptLookupDrafter
 
+from tree_drafts import with_decoys  # tests/integration (on sys.path)
+
 pytestmark = pytest.mark.slow
 
 # 64: the plain references are then the session's shared ones (conftest.plain_greedy), which the
@@ -94,17 +96,7 @@ class NoisyTreeDrafter:
 
     def propose(self, req_id, budget):
         chain = self.inner.propose(req_id, max(budget // 2, 1)).token_ids
-        tokens, parents = [], []
-        parent = -1
-        for t in chain:
-            if len(tokens) + 2 > budget:
-                break
-            decoy = (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
-            pair = [decoy, t] if self.rng.random() < 0.5 else [t, decoy]
-            for tok in pair:
-                tokens.append(tok)
-                parents.append(parent)
-            parent = len(tokens) - (1 if pair[1] == t else 2)
+        tokens, parents = with_decoys(chain, budget, self.rng, self.vocab)
         while len(tokens) < budget and len(tokens) < 12:  # random twigs anywhere
             parents.append(self.rng.randrange(-1, len(tokens)))
             tokens.append(self.rng.randrange(self.vocab))

@@ -28,6 +28,7 @@ from agentspec.engine.weights import load_checkpoint
 from agentspec.errors import ModelLoadError
 
 from family_checkpoints import write_family, write_gguf, write_quantized_pair  # tests/integration (on sys.path)
+from tree_drafts import with_decoys
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -105,16 +106,8 @@ class OracleTreeDrafter:
         pass
 
     def propose(self, req_id, budget):
-        tokens, parents, parent = [], [], -1
-        for t in self.answer[self.pos:self.pos + max(budget // 2, 1)]:
-            if len(tokens) + 2 > budget:
-                break
-            decoy = (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
-            pair = [decoy, t] if self.rng.random() < 0.5 else [t, decoy]
-            for tok in pair:
-                tokens.append(tok)
-                parents.append(parent)
-            parent = len(tokens) - (1 if pair[1] == t else 2)
+        chain = self.answer[self.pos:self.pos + max(budget // 2, 1)]
+        tokens, parents = with_decoys(chain, budget, self.rng, self.vocab)
         if self.rng.random() < 0.3:   # now and then a wrong turn mid-way
             tokens, parents = tokens[:len(tokens) // 2], parents[:len(tokens) // 2]
         return Draft(tokens, parents, [0.9] * len(tokens), source="oracle-tree")
