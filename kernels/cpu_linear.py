@@ -18,7 +18,7 @@ import torch
 
 from .cpu_attention import _cpu, available
 
-__all__ = ["PackedLinear", "amx_linear_supported", "linear_supported", "pack_weight"]
+__all__ = ["PackedLinear", "amx_linear_supported", "linear_supported", "pack_weight", "unpack_weight"]
 
 # AGENTSPEC_CPU_LINEAR=0 keeps torch's GEMM for decode rows (benchmarks compare both paths)
 _ENABLED = os.environ.get("AGENTSPEC_CPU_LINEAR", "1") != "0"
@@ -52,6 +52,14 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return w.view(Np // 16, 16, K // 2, 2).transpose(1, 2).contiguous()
 
 
+def unpack_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``pack_weight``'s inverse: ``[ceil(N/16), K/2, 16, 2]`` -> the ``[N, K]`` weight, a new
+    contiguous tensor with the same values (a model that keeps only the packed copy multiplies
+    prompt chunks with torch's GEMM over this, one projection at a time)."""
+    P, K2, _, _ = packed.shape
+    return packed.transpose(1, 2).reshape(P * 16, K2 * 2)[:n]
+
+
 class PackedLinear:
     """``y = x @ weight.T`` (no bias) for bfloat16 rows ``x [M, K]`` -> ``[M, N]`` bfloat16."""
 
@@ -60,6 +68,10 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor):
         self.N, self.K = weight.shape
         self.packed = pack_weight(weight)
+
+    def weight(self) -> torch.Tensor:
+        """The ``[N, K]`` weight, unpacked into a new tensor (``unpack_weight``)."""
+        return unpack_weight(self.packed, self.N)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.K or x.dtype != torch.bfloat16 or x.device.type != "cpu":

@@ -141,6 +141,7 @@ class EmbeddedEngine(Engine):
         self.eagle3 = None if eagle3 is None else str(eagle3)
         self.eagle3_gate = (os.environ.get("AGENTSPEC_EAGLE3_GATE", "1") != "0") if eagle3_gate is None \
             else bool(eagle3_gate)
+        _weight_copies_setting()   # a bad value fails before the weights load
         t0 = time.perf_counter()
         ckpt = load_checkpoint(model, quiet=quiet)
         self.args = ckpt.args
@@ -157,7 +158,7 @@ class EmbeddedEngine(Engine):
         self.kernels = "torch"
         if self.device.type == "cpu":
             # decode rows: native row-invariant bf16 linears where they run
-            if self.model.pack_linears():
+            if self.model.pack_linears(keep_weights=self._keep_weight_copy()):
                 self.kernels = f"native {isa}"
             # prefill: torch's GEMM, in float32 where the CPU has no bf16 dot products
             self.model.set_gemm_float32(dtype == torch.bfloat16 and not _cpu_isa.bf16_native())
@@ -225,6 +226,23 @@ class EmbeddedEngine(Engine):
                 f"the prefix cache off")
         self.prefix_cache = PrefixCache(capacity_bytes, shared=shared) if capacity_bytes else None
 
+    def _keep_weight_copy(self) -> bool:
+        """Whether the native linears' packed copy goes beside the torch weights (2 copies) or
+        replaces them (1 copy; prompt chunks off the AMX path then unpack a projection per
+        forward). AGENTSPEC_WEIGHT_COPIES: "2", "1" or "auto" (the default: 1 where the packed
+        copy would take more than half the memory still available)."""
+        mode = _weight_copies_setting()
+        if mode != "auto":
+            return mode == "2"
+        need, avail = self.model.linear_weight_bytes(), _available_bytes()
+        if need <= avail // 2:
+            return True
+        if not self.quiet:
+            print(f"[agentspec] one copy of the weights: packing them for decoding needs {need / 2**30:.1f} GiB "
+                  f"and {avail / 2**30:.1f} GiB is available, so prompts unpack one projection at a time "
+                  "(AGENTSPEC_WEIGHT_COPIES=2 keeps both)", file=sys.stderr, flush=True)
+        return False
+
     def hardware_summary(self) -> str:
         """One line: CPU, threads, decode kernels and prefill GEMM dtype (the "model ready" line)."""
         if self.device.type != "cpu":
@@ -233,7 +251,8 @@ class EmbeddedEngine(Engine):
         gov = "adaptive" if self.governor.enabled else "fixed"
         return (f"{info['cpu']}, {self.governor.max_threads} threads ({gov}), decode kernels {self.kernels}, "
                 f"prefill GEMM {self.prefill_gemm} ({self.prefill_linears}), prefill attention {self.prefill_attention}, "
-                f"decode attention {self.decode_attention}")
+                f"decode attention {self.decode_attention}"
+                + (", one weight copy" if self.model.weight_copies == 1 else ""))
 
     def kernel_info(self) -> dict:
         """What ran, for benchmark JSON: CPU model and flags, usable cores, threads, dtype, kernels."""
@@ -243,7 +262,8 @@ class EmbeddedEngine(Engine):
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "decode_kernels": self.kernels,
                 "prefill_gemm": self.prefill_gemm, "prefill_linears": self.prefill_linears,
                 "prefill_attention": self.prefill_attention, "decode_attention": self.decode_attention,
-                "row_invariant_linears": self.model.head_packed is not None}
+                "row_invariant_linears": self.model.head_packed is not None,
+                "weight_copies": self.model.weight_copies}
 
     def _prefill_attention_kernel(self) -> str:
         """Which attention a prompt's chunks run (``Transformer.forward``): "amx" (AMX tiles over
@@ -499,6 +519,38 @@ class EmbeddedEngine(Engine):
             self._cache = None
             self._cache = self.new_cache(max(cap, need))
         return self._cache
+
+
+def _weight_copies_setting() -> str:
+    mode = os.environ.get("AGENTSPEC_WEIGHT_COPIES", "auto").strip().lower()
+    if mode not in ("auto", "1", "2"):
+        raise ConfigError(f"AGENTSPEC_WEIGHT_COPIES={mode!r}: use 1, 2 or auto")
+    return mode
+
+
+def _available_bytes() -> int:
+    """Memory this process can still take: MemAvailable, or the cgroup's headroom when lower."""
+    avail = _ram_bytes()
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_path, used_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                   "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_path) as f:
+                limit = f.read().strip()
+            with open(used_path) as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit():
+            avail = min(avail, int(limit) - used)
+    return avail
 
 
 def _ram_bytes() -> int:

@@ -220,10 +220,19 @@ class Block(nn.Module):
         widens weights and rows to float32 (exact) and rounds the result to bfloat16 once."""
         if rows and self.packed is not None:
             return self.packed[i](x)
-        w = (self.wqkv, self.wo, self.w_gate_up, self.w_down)[i].weight
+        w = self.weight(i)
         if self.gemm_f32 and x.dtype == torch.bfloat16:
             return F.linear(x.float(), w.float()).to(torch.bfloat16)
         return F.linear(x, w)
+
+    def weight(self, i: int) -> torch.Tensor:
+        """Projection ``i``'s ``[out, in]`` weight: the module's own, or, where
+        ``Transformer.pack_linears(keep_weights=False)`` dropped it, unpacked from the packed copy
+        for this forward (the same values, so the same bits)."""
+        m = (self.wqkv, self.wo, self.w_gate_up, self.w_down)[i]
+        if m.weight.numel() == 0 and self.packed is not None:
+            return self.packed[i].weight()
+        return m.weight
 
     def _qkv_post(self, qkv: torch.Tensor) -> torch.Tensor:
         """The fused projection's output ``[T, q_size + 2 kv_size]`` with the family's extras
@@ -331,8 +340,7 @@ class Block(nn.Module):
         the norms natively (``cpu_attention.rms_norm``, row-wise; ``Transformer.forward`` sets it
         where the AMX decode attention runs: ~0.2 ms of torch dispatch per call saved, twice per
         layer)."""
-        wqkv, wo, w_gate_up, w_down = self.packed or tuple(
-            partial(F.linear, weight=m.weight) for m in (self.wqkv, self.wo, self.w_gate_up, self.w_down))
+        wqkv, wo, w_gate_up, w_down = self.packed or tuple(partial(F.linear, weight=self.weight(i)) for i in range(4))
         a, n = self.attn_norm, self.ffn_norm
         if native_norm:
             def norm(x, m):
@@ -625,6 +633,8 @@ class Transformer(nn.Module):
         if self.head_packed is not None and (native or x.shape[0] <= SMALL_T):
             return self.head_packed(self.norm(x)).float()
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        if w.numel() == 0:   # pack_linears(keep_weights=False) kept only the packed head
+            w = self.head_packed.weight()
         if self.layers[0].gemm_f32 and x.dtype == torch.bfloat16:
             return F.linear(self.norm(x).float(), w.float())
         return F.linear(self.norm(x), w).float()
@@ -651,20 +661,44 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.gemm_f32 = bool(on)
 
-    def pack_linears(self) -> bool:
+    def pack_linears(self, keep_weights: bool = True) -> bool:
         """Give decode / verify forwards on the native attention path (a bfloat16 model on CPU
         with a packed KV cache) the native row-invariant linears (``cpu_linear.PackedLinear``),
         which keep a second, panel-packed copy of every projection. Prefill keeps torch's GEMM.
-        Returns whether they are on (False where the kernels do not run)."""
+        Returns whether they are on (False where the kernels do not run).
+
+        ``keep_weights=False``: the packed copy is the only one. Each projection's weight is
+        freed as soon as it is packed (peak: the model plus one projection), and torch-path
+        forwards (prompt chunks off the AMX path) unpack one projection at a time
+        (``Block.weight``): the same values, so the same bits, for a copy of the weights per
+        prompt forward. For models that do not fit in memory twice."""
         w = self.embed.weight
         if not cpu_linear.linear_supported(w.dtype, w.device):
             return False
         for layer in self.layers:
             mods = (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
-            layer.packed = tuple(cpu_linear.PackedLinear(m.weight) for m in mods)
             layer.amx_linears = all(cpu_linear.amx_linear_supported(m.weight) for m in mods)
+            packed = []
+            for m in mods:
+                packed.append(cpu_linear.PackedLinear(m.weight))
+                if not keep_weights:
+                    _drop_weight(m)
+            layer.packed = tuple(packed)
         self.head_packed = cpu_linear.PackedLinear(w if self.lm_head is None else self.lm_head.weight)
+        if not keep_weights and self.lm_head is not None:
+            _drop_weight(self.lm_head)
         return True
+
+    def linear_weight_bytes(self) -> int:
+        """Bytes of the projections ``pack_linears`` packs (each layer's four and the output head)."""
+        mods = [m for layer in self.layers for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return sum(m.weight.numel() * m.weight.element_size() for m in mods) + head.numel() * head.element_size()
+
+    @property
+    def weight_copies(self) -> int:
+        """2 where the torch weights are kept beside the packed copy, else 1."""
+        return 1 if self.head_packed is not None and self.layers[0].wqkv.weight.numel() == 0 else 2
 
     def row_invariant(self, cache: KVCache) -> bool:
         """Whether a decode / verify row's logits over ``cache`` are the same bits however many
@@ -715,7 +749,18 @@ class Transformer(nn.Module):
         return (logits, hidden) if want else logits
 
     def param_count(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """Parameters of the model (a projection kept only in packed form counts its weight)."""
+        n = sum(p.numel() for p in self.parameters())
+        if self.weight_copies == 1:
+            n += sum(lin.N * lin.K for layer in self.layers for lin in layer.packed)
+            if self.lm_head is not None:
+                n += self.head_packed.N * self.head_packed.K
+        return n
+
+
+def _drop_weight(m: nn.Linear) -> None:
+    """Free ``m``'s weight (``pack_linears(keep_weights=False)``): an empty parameter of its dtype."""
+    m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
 
 
 def _check_layers(layers: Sequence[int], n: int) -> frozenset[int]:

@@ -87,8 +87,10 @@ def bundled_tokenizer_json() -> str:
 PRE = {"llama": "llama-bpe", "mistral": "smollm", "qwen2": "qwen2", "qwen3": "qwen2"}
 
 
-def write_tokenizer(folder: Path, template: str, added: list[str], eos: str, family: str = "mistral") -> int:
-    """tokenizer.json (+ ``added`` special tokens), tokenizer_config.json; returns the vocab size."""
+def write_tokenizer(folder: Path, template: str, added: list[str], eos: str, family: str = "mistral",
+                    vocab_size: int | None = None) -> int:
+    """tokenizer.json (+ ``added`` special tokens), tokenizer_config.json; returns the vocab size.
+    ``vocab_size``: pad the vocabulary to this many with unused special tokens (a real model's shape)."""
     from tokenizers import AddedToken, Tokenizer
 
     from agentspec.engine.tokenizer import _pre_tokenizer
@@ -96,6 +98,10 @@ def write_tokenizer(folder: Path, template: str, added: list[str], eos: str, fam
     tok = Tokenizer.from_str(bundled_tokenizer_json())
     tok.pre_tokenizer = _pre_tokenizer(PRE[family])
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in added])
+    if vocab_size is not None:
+        n = tok.get_vocab_size(with_added_tokens=True)
+        tok.add_special_tokens([AddedToken(f"<|unused_{i}|>", normalized=False, special=True)
+                                for i in range(vocab_size - n)])
     tok.save(str(folder / "tokenizer.json"))
     bos = "<|begin_of_text|>" if "<|begin_of_text|>" in added else "<|im_start|>"
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "bos_token": bos,
@@ -107,14 +113,17 @@ def write_tokenizer(folder: Path, template: str, added: list[str], eos: str, fam
 
 def write_family(folder: Path, family: str, *, dim: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                  hidden: int = 256, seed: int = 0, init_std: float = 0.08, shards: bool = False,
-                 dtype: torch.dtype = torch.float32, **overrides) -> Path:
-    """A ``family`` checkpoint with random weights in ``folder`` (config, safetensors, tokenizer)."""
+                 dtype: torch.dtype = torch.float32, vocab_size: int | None = None, build_dtype=torch.float32,
+                 **overrides) -> Path:
+    """A ``family`` checkpoint with random weights in ``folder`` (config, safetensors, tokenizer).
+    ``vocab_size``: pad the tokenizer to it; ``build_dtype``: the dtype transformers builds the
+    model in (bfloat16 for real sizes, where float32 would not fit)."""
     import transformers
 
     cls_name, extra, template, added = FAMILIES[family]
     folder.mkdir(parents=True, exist_ok=True)
     eos = "<|eot_id|>" if family == "llama" else "<|im_end|>"
-    vocab = write_tokenizer(folder, template, added, eos, family)
+    vocab = write_tokenizer(folder, template, added, eos, family, vocab_size)
     from tokenizers import Tokenizer
 
     ids = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -125,7 +134,7 @@ def write_family(folder: Path, family: str, *, dim: int = 128, layers: int = 2, 
         intermediate_size=hidden, vocab_size=vocab, initializer_range=init_std, rms_norm_eps=1e-6,
         **{**extra, **overrides})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=build_dtype)
     with torch.no_grad():  # norms and biases away from their init (ones, zeros), so a misread shows
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -168,12 +177,12 @@ def write_gguf(hf_folder: Path, path: Path, *, qtype: str = "F32", tensor_types:
     from the weights). For the K-quants use ``write_quantized_pair``."""
     import gguf
     from gguf.quants import quantize
-    from safetensors.numpy import load_file
+    from safetensors.torch import load_file
 
     cfg = json.loads((hf_folder / "config.json").read_text())
     state: dict[str, np.ndarray] = {}
-    for f in sorted(hf_folder.glob("*.safetensors")):
-        state.update({k.removeprefix("model."): v.astype(np.float32) for k, v in load_file(str(f)).items()})
+    for f in sorted(hf_folder.glob("*.safetensors")):   # torch: bfloat16 folders too
+        state.update({k.removeprefix("model."): v.float().numpy() for k, v in load_file(str(f)).items()})
     return _write_gguf(cfg, hf_folder, state, path, lambda name, w: (
         quantize(w, gguf.GGMLQuantizationType[qtype]) if w.ndim == 2 and qtype != "F32" else w,
         gguf.GGMLQuantizationType[qtype] if w.ndim == 2 else gguf.GGMLQuantizationType.F32))

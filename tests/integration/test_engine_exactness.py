@@ -250,3 +250,36 @@ def test_verification_logits_equal_plain_logits_bitwise(engine, rewrite_prompts,
         del engine.model.forward   # back to the class's forward
     assert checked > 50 * n_prompts
     assert mismatched == 0, f"{mismatched} of {checked} verification rows differ from plain decoding"
+
+
+def test_one_weight_copy_same_bits(engine, plain_greedy, rewrite_prompts, chat_prompts, monkeypatch):
+    """AGENTSPEC_WEIGHT_COPIES=1 (what a model too large to hold twice gets): the torch weights
+    are freed once packed and prompt chunks unpack them per forward. Prompt logits are the same
+    bits as with both copies, and greedy output, plain and speculative, the same tokens."""
+    from agentspec.engine.model import KVCache
+
+    if engine.model.head_packed is None:
+        pytest.skip("the native linears do not run here (nothing is packed)")
+    monkeypatch.setenv("AGENTSPEC_WEIGHT_COPIES", "1")
+    one = agentspec.Engine.embedded(quiet=True)
+    assert one.model.weight_copies == 1 and engine.model.weight_copies == 2
+    assert one.kernel_info()["weight_copies"] == 1
+    assert all(m.weight.numel() == 0 for layer in one.model.layers
+               for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+    assert one.model.param_count() == engine.model.param_count()
+    ids = rewrite_prompts[0]
+    logits = []
+    for e in (engine, one):
+        cache = KVCache(e.args, len(ids) + 8, dtype=e.kv_dtype, device="cpu")
+        logits.append(e.model(torch.tensor(ids), torch.arange(len(ids)), cache, logits_rows=slice(0, None)))
+    assert torch.equal(logits[0], logits[1])
+    assert one.generate(chat_prompts[0], max_tokens=MAX_TOKENS, spec=None).token_ids == \
+        plain_greedy(chat_prompts[0], MAX_TOKENS).token_ids
+    for ids in rewrite_prompts[:2] + chat_prompts[:1]:
+        assert one.generate(ids, max_tokens=MAX_TOKENS).token_ids == plain_greedy(ids, MAX_TOKENS).token_ids
+
+
+def test_weight_copies_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("AGENTSPEC_WEIGHT_COPIES", "3")
+    with pytest.raises(agentspec.ConfigError, match="AGENTSPEC_WEIGHT_COPIES='3'"):
+        agentspec.Engine.embedded(quiet=True)
