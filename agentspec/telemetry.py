@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from suffix_index.atomic import fsync_dir
+
 if TYPE_CHECKING:
     from .engine.base import GenerationStats
 
@@ -170,14 +172,6 @@ def validate_tenant(tenant: str) -> str:
     if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant) or tenant in (".", ".."):
         raise ValueError(f"invalid tenant name {tenant!r}: use 1-64 characters from [A-Za-z0-9._-]")
     return tenant
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class TenantLogSink:
@@ -396,7 +390,7 @@ class TenantLogSink:
                 if older.exists():
                     os.replace(older, path.with_name(f"{path.name}.{i + 1}"))
             os.replace(path, path.with_name(f"{path.name}.1"))
-        _fsync_dir(self.log_dir)
+        fsync_dir(self.log_dir)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from suffix_index.atomic import write_atomic
+
 from .chunking import chunk_text
 
 __all__ = ["Workspace", "DEFAULT_IGNORE", "ignore_checker", "is_ignored"]
@@ -337,7 +339,7 @@ class Workspace:
             manifest = {"version": MANIFEST_VERSION, "root": str(self.root), "tenant": self.tenant,
                         "tokenizer": self._tokenizer_id(),
                         "index_sha256": digest, "files": self._files}
-            _atomic_write(self.snapshot / "manifest.json", json.dumps(manifest).encode())
+            write_atomic(self.snapshot / "manifest.json", json.dumps(manifest).encode())
 
     def close(self) -> None:
         if self._closed:
@@ -833,17 +835,3 @@ def _file_sha(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

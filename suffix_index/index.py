@@ -13,7 +13,6 @@ and its tenant's documents (``add_document`` / ``remove_document``). Nothing cro
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 from agentspec.drafting.draft import Draft  # the leaf module: stdlib + msgspec, no torch
 
 from . import _core
+from .atomic import write_atomic
 
 __all__ = ["SuffixIndex", "MAX_TOKEN_ID"]
 
@@ -179,27 +179,9 @@ class SuffixIndex:
     def save(self, path: str | os.PathLike) -> None:
         """Write tenants' histories and documents to ``path`` atomically (temp file, fsync,
         rename): a crash leaves the previous snapshot intact. Active requests are not saved."""
-        path = Path(path)
         with self._lock:
             blob = self._core.dump()
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_atomic(path, blob)
 
     def load(self, path: str | os.PathLike) -> None:
         """Replace histories and documents with a snapshot written by ``save``. Needs an index

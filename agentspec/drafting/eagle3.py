@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from suffix_index.atomic import fsync_dir, fsync_tree
+
 from ..engine.model import ModelArgs, apply_rope, rope_cos_sin
 from ..errors import ConfigError, ModelLoadError
 
@@ -452,11 +454,13 @@ def save_eagle3(head: Eagle3Head, config: Eagle3Config, path: str | os.PathLike)
     try:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(config.to_json())
+        fsync_tree(tmp)
         old = None
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
             os.replace(path, old / path.name)
         os.replace(tmp, path)
+        fsync_dir(path.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

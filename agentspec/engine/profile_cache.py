@@ -11,9 +11,10 @@ native kernels' build (``agentspec.kernels._cpu``: file size, mtime, ABI version
 ``AGENTSPEC_CPU_*`` / ``OMP_*`` (and similar) switches and the measurement's own parameters.
 
 A file whose key differs (hash collision, other build) or that cannot be read or parsed is a
-miss: the caller measures again and overwrites it. Files are written to a temporary file and
-renamed (``os.replace``), so a crash never leaves a half-written profile. Delete the folder to
-re-measure; ``AGENTSPEC_NO_PROFILE_CACHE=1`` turns the cache off (always measure, never store).
+miss: the caller measures again and overwrites it. Files are written to a temporary file,
+fsynced and renamed (``os.replace``), so a crash never leaves a half-written profile. Delete the
+folder to re-measure; ``AGENTSPEC_NO_PROFILE_CACHE=1`` turns the cache off (always measure, never
+store).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import json
 import math
 import os
 import platform
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from suffix_index.atomic import write_atomic
 
 __all__ = ["FORMAT", "cache_dir", "enabled", "engine_key", "load", "path_for", "store",
            "valid_row_cost", "valid_step_costs"]
@@ -176,32 +178,19 @@ def load(key: dict, validate: Callable[[Any], Any] | None = None) -> Any | None:
 
 
 def store(key: dict, value: Any) -> Path | None:
-    """Write ``value`` under ``key`` atomically (temporary file, fsync, ``os.replace``); returns
+    """Write ``value`` under ``key`` atomically (``suffix_index.atomic.write_atomic``); returns
     the path, or None when the cache is off or not writable (never raises)."""
     if not enabled():
         return None
-    tmp = None
     try:
         path = path_for(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        payload = json.dumps({"format": FORMAT, "key": _jsonable(key), "value": value}, sort_keys=True, indent=1)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
+        write_atomic(path, json.dumps({"format": FORMAT, "key": _jsonable(key), "value": value}, sort_keys=True,
+                                      indent=1))
         _prune(path.parent, keep=KEEP)
         return path
     except Exception:  # noqa: BLE001 - a read-only or full disk must not fail a start
         return None
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def _prune(folder: Path, keep: int) -> None:

@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from suffix_index.atomic import fsync_dir, fsync_tree
+
 from ..errors import ModelLoadError
 from . import families
 from .model import ModelArgs
@@ -270,14 +272,13 @@ def _convert_gguf(path: Path, cache: Path, *, quiet: bool) -> None:
             eom_token_id=_field(reader, "tokenizer.ggml.eom_token_id"),
         )
         tok.save(tmp)
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+        fsync_tree(tmp)
         try:
             os.rename(tmp, cache)  # atomic; a concurrent converter may have won the race
         except OSError:
             if not (cache / "config.json").exists():
                 raise
+        fsync_dir(cache.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

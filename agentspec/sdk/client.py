@@ -13,11 +13,12 @@ from __future__ import annotations
 import difflib
 import os
 import secrets
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
+
+from suffix_index.atomic import write_atomic
 
 from .errors import FileChangedError
 from .types import ApplyResult, ChatResult, CompletionResult, RewriteResult, result_from_body
@@ -228,36 +229,6 @@ def _read_text(path: Path) -> str:
 def _diff(old: str, new: str, name: str) -> str:
     return "".join(difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
                                         fromfile=f"a/{name}", tofile=f"b/{name}"))
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path``'s contents with ``text`` (UTF-8): a temporary file in the same folder,
-    fsynced, given the original's mode, renamed over it; a crash leaves the old file or the new."""
-    mode = path.stat().st_mode & 0o7777
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    try:
-        dfd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
 
 
 def _rewrite_result(path: Path, original: str, result: ApplyResult, write: bool) -> RewriteResult:

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from suffix_index.atomic import open_atomic
+
 from ..drafting.eagle3 import Eagle3Config, Eagle3Head, build_vocab_map, save_eagle3
 from ..engine.model import apply_rope
 
@@ -348,9 +350,6 @@ def evaluate(head: Eagle3Head, embed, samples: list[Sample], t2d_index, cfg: Tra
 
 
 def _save_state(path: Path, head, opt, cfg, step, epoch, pos, history, n_samples) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "config": asdict(cfg), "step": step,
-                "epoch": epoch, "pos": pos, "history": history, "n_samples": n_samples}, tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with open_atomic(path) as f:   # a crash mid-save leaves the previous state to resume from
+        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "config": asdict(cfg), "step": step,
+                    "epoch": epoch, "pos": pos, "history": history, "n_samples": n_samples}, f)

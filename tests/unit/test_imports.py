@@ -56,6 +56,12 @@ def test_suffix_index_alone_and_the_draft_leaf():
     assert r["type"] == "agentspec.drafting.draft.Draft"
     r = _run("""
         import json, sys
+        import suffix_index.atomic
+        print(json.dumps({"mods": sorted(sys.modules)}))
+    """)
+    assert "numpy" not in r["mods"] and "suffix_index._core" not in r["mods"]   # the write helper alone is light
+    r = _run("""
+        import json, sys
         import agentspec.drafting.draft
         print(json.dumps({"mods": sorted(sys.modules)}))
     """)
