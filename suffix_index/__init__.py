@@ -13,9 +13,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .index import MAX_TOKEN_ID, SuffixIndex
+    from .index import MAX_TOKEN_ID, Proposal, SuffixIndex
 
-__all__ = ["MAX_TOKEN_ID", "SuffixIndex"]
+__all__ = ["MAX_TOKEN_ID", "Proposal", "SuffixIndex"]
 
 
 def __getattr__(name: str) -> Any:

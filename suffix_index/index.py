@@ -16,16 +16,14 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
-
-from agentspec.drafting.draft import Draft  # the leaf module: stdlib + msgspec, no torch
 
 from . import _core
 from .atomic import write_atomic
 
-__all__ = ["SuffixIndex", "MAX_TOKEN_ID"]
+__all__ = ["MAX_TOKEN_ID", "Proposal", "SuffixIndex"]
 
 MAX_TOKEN_ID = 2**31 - 1   # token ids are stored as uint32; 0xFFFFFFFF is the text separator
 
@@ -39,6 +37,18 @@ _INT_OPTIONS = {
     "min_draft": (1, 1 << 16),
     "history_tokens": (0, 1 << 40),
 }
+
+
+class Proposal(NamedTuple):
+    """A draft tree from ``SuffixIndex.propose``. ``parents[i]`` is the index of token i's parent
+    in ``token_ids`` (always < i), or -1 for the request's last token; ``probs[i]`` estimates
+    that token i is accepted given its parent is; ``score`` is the expected number of accepted
+    tokens (the sum over nodes of the product of ``probs`` along the node's path)."""
+
+    token_ids: list[int]
+    parents: list[int]
+    probs: list[float]
+    score: float
 
 
 class SuffixIndex:
@@ -120,13 +130,13 @@ class SuffixIndex:
         with self._lock:
             self._call(self._core.extend, "tokens", tokens, req_id, toks)
 
-    def propose(self, req_id: str, budget: int):
-        """A draft tree (``agentspec.drafting.Draft``) of at most ``budget`` tokens."""
+    def propose(self, req_id: str, budget: int) -> Proposal:
+        """A draft tree of at most ``budget`` tokens."""
         if type(budget) is not int and (isinstance(budget, bool) or not isinstance(budget, np.integer)) or budget < 0:
             raise ValueError(f"budget must be an integer >= 0, got {budget!r}")
         with self._lock:
             toks, parents, probs, score = self._core.propose(req_id, int(min(budget, 1 << 20)))
-        return Draft(toks, parents, probs, score, "suffix")
+        return Proposal(toks, parents, probs, score)
 
     def stop(self, req_id: str) -> None:
         """Close a request; its output joins its tenant's history (``keep_outputs``)."""

@@ -2,7 +2,8 @@
 
 One index serves every request of an engine: each request drafts from its own context (prompt
 + committed tokens), its tenant's earlier outputs and its tenant's documents (a workspace feeds
-those); see suffix_index/reference.py for the algorithm.
+those); see suffix_index/reference.py for the algorithm. The index knows nothing of agentspec:
+it returns a plain ``Proposal`` tuple, which ``propose`` turns into a ``Draft``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .base import Draft
+from .draft import Draft
 
 __all__ = ["SuffixDrafter"]
 
@@ -25,10 +26,9 @@ class SuffixDrafter:
         if index is not None and index_options:
             raise ValueError(f"pass either an index or index options, not both (got {sorted(index_options)})")
         self.index = index if index is not None else SuffixIndex(**index_options)
-        # the protocol's methods are the index's own (one call less per step)
+        # the protocol's methods are the index's own where no conversion is needed (one call less per step)
         self.start = self.index.start
         self.extend = self.index.extend
-        self.propose = self.index.propose
         self.stop = self.index.stop
 
     def start(self, req_id: str, prompt: Sequence[int], *, tenant: str = "default") -> None:
@@ -38,7 +38,8 @@ class SuffixDrafter:
         self.index.extend(req_id, tokens)
 
     def propose(self, req_id: str, budget: int) -> Draft:
-        return self.index.propose(req_id, budget)
+        token_ids, parents, probs, score = self.index.propose(req_id, budget)
+        return Draft(token_ids, parents, probs, score, "suffix")
 
     def stop(self, req_id: str) -> None:
         self.index.stop(req_id)

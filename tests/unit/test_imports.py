@@ -33,7 +33,7 @@ def test_light_imports_load_no_torch_and_no_kernels():
         import agentspec, suffix_index, agentspec.drafting, agentspec.config, agentspec.routing
         from agentspec import Draft, SpecConfig, ConfigError
         from agentspec.drafting import build_drafter, FallbackDrafter, HiddenStateDrafter
-        from agentspec.drafting.base import cut_for_cost
+        from agentspec.drafting.draft import cut_for_cost
         d = build_drafter(["suffix>lookahead", "prompt_lookup"])
         d.start("r", [1, 2, 3, 1, 2])
         d.propose("r", 4)
@@ -53,7 +53,8 @@ def test_suffix_index_alone_and_the_draft_leaf():
         print(json.dumps({"mods": a, "type": type(d).__module__ + "." + type(d).__name__}))
     """)
     assert _heavy(r["mods"]) == []
-    assert r["type"] == "agentspec.drafting.draft.Draft"
+    assert r["type"] == "suffix_index.index.Proposal"
+    assert [m for m in r["mods"] if m.split(".")[0] == "agentspec"] == []   # standalone: nothing from agentspec
     r = _run("""
         import json, sys
         import suffix_index.atomic

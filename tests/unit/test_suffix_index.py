@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentspec.drafting import Draft, SuffixDrafter, default_drafter
-from suffix_index import MAX_TOKEN_ID, SuffixIndex
+from suffix_index import MAX_TOKEN_ID, Proposal, SuffixIndex
 from suffix_index.reference import ReferenceIndex
 
 # ------------------------------------------------------------------------------------------------
@@ -91,10 +91,8 @@ def test_native_core_agrees_with_reference(scenario):
         elif kind == "propose":
             _, rid, budget = op
             d = native.propose(rid, budget)
-            toks, parents, probs, score = ref.propose(rid, budget)
-            assert (d.token_ids, d.parents, d.probs) == (toks, parents, probs)
-            assert d.score == score
-            d.validate(budget)
+            assert tuple(d) == ref.propose(rid, budget)    # the same plain tuple as the reference
+            Draft(*d, "suffix").validate(budget)
         elif kind == "candidates":
             rid = op[1]
             assert native.candidates(rid) == ref.candidates(rid)
@@ -122,7 +120,7 @@ def test_defaults_copy_a_rewrite_and_resync_after_an_edit():
     ix.extend("r", old[:10])
     d = ix.propose("r", 32)
     assert d.token_ids[:16] == old[10:26]          # copies the file it is rewriting
-    assert d.source == "suffix" and d.score > 0
+    assert isinstance(d, Proposal) and d.score > 0
     # an edit: new tokens, then the old text again from line 30 on
     ix.extend("r", [5, 6] + old[30:32])
     d = ix.propose("r", 8)
@@ -286,7 +284,7 @@ def test_bad_calls_raise_value_error():
             call()
     with pytest.raises(ValueError, match="budget must be an integer >= 0, got -1"):
         ix.propose("r", -1)
-    assert ix.propose("r", 0) == Draft([], [], [], 0.0, "suffix")
+    assert ix.propose("r", 0) == Proposal([], [], [], 0.0)
     with pytest.raises(ValueError, match="max_ngram"):
         SuffixIndex(min_ngram=3, max_ngram=2)
     with pytest.raises(ValueError, match="max_candidates"):
@@ -301,7 +299,9 @@ def test_default_drafter_is_the_suffix_drafter():
     assert isinstance(d, SuffixDrafter)
     d.start("r", [5, 6, 7, 5, 6])
     d.extend("r", [7])
-    assert d.propose("r", 2).token_ids[:2] == [5, 6]
+    draft = d.propose("r", 2)
+    assert isinstance(draft, Draft) and draft.source == "suffix" and draft.token_ids[:2] == [5, 6]
+    assert tuple(d.index.propose("r", 2)) == (draft.token_ids, draft.parents, draft.probs, draft.score)
     d.stop("r")
 
     class Workspace:
