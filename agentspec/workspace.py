@@ -261,13 +261,6 @@ class Workspace:
             time.sleep(0.002)
         return False
 
-    def refresh(self, path: str | os.PathLike) -> None:
-        """Re-index one file (or forget it if it is gone or now ignored) right away."""
-        p = Path(path)
-        if not p.is_absolute():
-            p = self.root / p
-        self._apply({str(p)})
-
     def overlay(self, path: str | os.PathLike, text: str) -> bool:
         """Index ``text`` as the content of ``path`` (an editor's unsaved buffer) instead of the
         file on disk, until ``drop_overlay(path)``: drafts come from what the user sees, and the

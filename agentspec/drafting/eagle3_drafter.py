@@ -402,12 +402,6 @@ class Eagle3Drafter:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _next_feature_position(self, r: _Req) -> int:
-        if r.feats:
-            p, f = r.feats[-1]
-            return p + f.shape[0]
-        return r.done
-
     def _catch_up(self, r: _Req) -> int:
         """Run the pending feature rows whose next token is known through the head (extend): the
         rows run, or -1 when the head has nothing to draft from yet."""
