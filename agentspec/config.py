@@ -25,7 +25,7 @@ class SpecConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Stop a draft once the drafter's survival estimate for a token falls below this.
     min_prob: float = 0.0
     # Cost of one more verified token relative to a one-token step. Drafts are cut to the prefix
-    # that maximises expected tokens per step cost (agentspec.drafting.base.cut_for_cost), so
+    # that maximises expected tokens per step cost (agentspec.drafting.draft.cut_for_cost), so
     # speculation does not make steps slower than it gains. None: the engine's own figure,
     # profiled at start-up (``engine.row_cost``); 0: always verify the whole draft.
     row_cost: float | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import SpecConfig
-from .drafting.base import EMPTY_DRAFT, Draft, cut_for_cost, drop_unlikely
+from .drafting.draft import EMPTY_DRAFT, Draft, cut_for_cost, drop_unlikely
 
 __all__ = ["MAX_STEP_ROWS", "DraftPolicy", "main_chain"]
 

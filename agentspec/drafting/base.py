@@ -1,7 +1,8 @@
-"""The drafter role: one protocol, one draft shape (a tree), shared by every drafting method.
+"""Deprecated alias of ``agentspec.drafting.draft`` (import from there).
 
-Everything lives in the leaf module ``agentspec.drafting.draft`` (stdlib + msgspec only); this
-module re-exports it so existing ``from agentspec.drafting.base import ...`` keep working.
+Nothing in agentspec, its tests or integrations imports this any more; it stays only while
+``benchmarks/replay.py`` and ``benchmarks/bench_index.py`` still do: delete it once they import
+from ``agentspec.drafting.draft``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The draft shape (a tree) and the drafter protocol, shared by every drafting method.
 
-A leaf module: it imports only the standard library and msgspec, so the suffix index, the
-config and anything else can use ``Draft`` without loading numpy, torch or the native kernels.
-``agentspec.drafting.base`` re-exports everything here (the historical import path).
+A leaf module: it imports only the standard library and msgspec, so the config, the budget policy
+and anything else can use ``Draft`` without loading numpy, torch or the native kernels.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Lookahead n-gram pool, and a drafter that merges several drafters' trees into one.
+"""Lookahead n-gram pool: a drafter from the n-grams a request and its tenant generated.
 
 ``LookaheadDrafter`` keeps the n-grams a request has generated (and its tenant's recent
 outputs) in a pool keyed by their first ``key`` tokens, like lookahead decoding's n-gram pool
 (without the Jacobi iterations, which need the model): when the context ends with a key, the
-pool's recent continuations become a draft tree. ``MergedDrafter`` (now in combine.py,
-re-exported here) runs several drafters and merges their trees.
+pool's recent continuations become a draft tree. ``MergedDrafter`` (combine.py) merges its
+trees with other drafters'.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .combine import MergedDrafter  # re-exported: it lived here
 from .draft import EMPTY_DRAFT, Draft, trie_draft
 
-__all__ = ["LookaheadDrafter", "MergedDrafter"]
+__all__ = ["LookaheadDrafter"]
 
 
 class _Pool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import EMPTY_DRAFT, Draft, trie_draft
+from .draft import EMPTY_DRAFT, Draft, trie_draft
 
 __all__ = ["PromptLookupDrafter"]
 

@@ -29,7 +29,7 @@ import torch
 
 from ..config import SpecConfig
 from ..drafting import EMPTY_DRAFT, Draft, Drafter
-from ..drafting.base import AcceptanceTracker
+from ..drafting.draft import AcceptanceTracker
 from ..drafting.protocols import hidden_wanted, propose_all, wants_hidden_states
 from ..kernels.tree import greedy_verify_batch, tree_depths, tree_mask, with_root
 from ..policy import MAX_STEP_ROWS, DraftPolicy

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentspec import SpecConfig
-from agentspec.drafting.base import AcceptanceTracker, Draft, cut_for_cost, drop_unlikely
+from agentspec.drafting.draft import AcceptanceTracker, Draft, cut_for_cost, drop_unlikely
 from agentspec.errors import ConfigError
 
 
