@@ -13,8 +13,8 @@ Per configuration and turn: TTFT (client side), prompt tokens, cached tokens
 from turn 3 on, whole-conversation time, and whether outputs are identical across our
 configurations.
 
-    .venv/bin/python benchmarks/bench_agent_loop.py --out benchmarks/results/agent_loop.json
-    .venv/bin/python benchmarks/bench_agent_loop.py --configs cache+spec --vllm-methods suffix --repeat 3
+    .venv/bin/python -m benchmarks.bench_agent_loop --out benchmarks/results/agent_loop.json
+    .venv/bin/python -m benchmarks.bench_agent_loop --configs cache+spec --vllm-methods suffix --repeat 3
 """
 
 from __future__ import annotations
@@ -23,32 +23,39 @@ import argparse
 import itertools
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import (  # noqa: E402
+    DATA,
+    emit_report,
+    logger,
+    machine_info,
+    run_peer,
+    sse_events,
+    start_server,
+)
+from benchmarks.harness import conversations as turns_of  # noqa: E402
 
-def log(msg: str) -> None:
-    print(f"[bench_agent_loop] {msg}", file=sys.stderr, flush=True)
+log = logger("bench_agent_loop")
 
 
 def conversations(data: Path, tokenizer, *, turns: int, max_prompt: int, n: int) -> list[dict]:
     """The first ``n`` trajectories with ``turns`` turns under ``max_prompt`` tokens
-    (``bench_prefix_cache.conversations``: a recorded history split into its successive turns)."""
-    from bench_prefix_cache import conversations as pick
+    (``harness.conversations``: a recorded history split into its successive turns)."""
 
-    class Encoder:   # what pick() needs of an engine: the chat template, then token ids
+    class Encoder:   # what turns_of() needs of an engine: the chat template, then token ids
         @staticmethod
         def encode(messages):
             return tokenizer.encode(tokenizer.apply_chat_template(messages))
 
     out = []
-    for task, ids in pick(data / "agent_turns.jsonl", Encoder, tasks=n, turns=turns, max_prompt=max_prompt):
+    for task, ids in turns_of(data / "agent_turns.jsonl", Encoder, tasks=n, turns=turns, max_prompt=max_prompt):
         shared = [lcp(a, b) / len(b) for a, b in itertools.pairwise(ids)]
         out.append({"task": task, "turns": ids, "shared_prefix": [round(x, 3) for x in shared]})
     return out
@@ -62,57 +69,31 @@ def lcp(a: list[int], b: list[int]) -> int:
     return i
 
 
-def start_server(tmp: Path, cache: bool, port: int) -> subprocess.Popen:
+def serve(tmp: Path, cache: bool):
+    """``agentspec serve`` with the prefix cache on or off (its output in ``server-<cache>.log``)."""
     cfg = tmp / f"server-{int(cache)}.toml"
     cfg.write_text(f"[server]\nlog_dir = {json.dumps(str(tmp / 'logs'))}\n"
                    + ("" if cache else "prefix_cache_bytes = 0\n"))
-    errlog = open(tmp / f"server-{int(cache)}.log", "w+")  # noqa: SIM115 - the server writes it until it stops
-    proc = subprocess.Popen([sys.executable, "-m", "agentspec", "serve", "--port", str(port), "--config", str(cfg),
-                             "--insecure-no-auth"], stdout=errlog, stderr=subprocess.STDOUT)
-    import httpx
-
-    t0 = time.monotonic()
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            errlog.seek(0)
-            raise SystemExit(f"server exited: {errlog.read()[-2000:]}")
-        if time.monotonic() - t0 > 300:
-            raise SystemExit("server did not start in 300 s")
-        time.sleep(0.5)
-    return proc
+    return start_server(["--config", str(cfg), "--insecure-no-auth"], log_path=tmp / f"server-{int(cache)}.log")
 
 
 WARMUP_IDS = list(range(1000, 1300))   # 300 arbitrary token ids
 
 
 def run_turn(base: str, ids: list[int], session: str, spec: bool, max_tokens: int) -> dict:
-    import httpx
-
     body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "prompt_cache_key": session, "spec_stats": True}
     if not spec:
         body["speculation"] = False
     t0 = time.perf_counter()
     ttft, text, usage, stats = None, [], None, None
-    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=1200) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                raise RuntimeError(ev["error"])
-            for ch in ev.get("choices") or []:
-                if ch.get("text") and ttft is None:
-                    ttft = time.perf_counter() - t0
-                text.append(ch.get("text") or "")
-            usage = ev.get("usage") or usage
-            stats = ev.get("spec") or stats
+    for ev in sse_events(base + "/v1/completions", body, timeout=1200):
+        for ch in ev.get("choices") or []:
+            if ch.get("text") and ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(ch.get("text") or "")
+        usage = ev.get("usage") or usage
+        stats = ev.get("spec") or stats
     wall = time.perf_counter() - t0
     details = (usage or {}).get("prompt_tokens_details") or {}
     return {"ttft_s": round(ttft or wall, 4), "wall_s": round(wall, 4), "prompt_tokens": len(ids),
@@ -122,11 +103,8 @@ def run_turn(base: str, ids: list[int], session: str, spec: bool, max_tokens: in
 
 
 def ours(convs: list[dict], *, cache: bool, spec: bool, max_tokens: int, tmp: Path) -> dict:
-    from bench_server import free_port
-
-    port = free_port()
-    proc = start_server(tmp, cache, port)
-    base = f"http://127.0.0.1:{port}"
+    server = serve(tmp, cache)
+    base = server.base
     try:
         # warm-up, as the vLLM runner does: one short unrelated request, not timed (first forwards
         # pay one-time set-up); its prompt shares no chunk with the conversations
@@ -142,14 +120,11 @@ def ours(convs: list[dict], *, cache: bool, spec: bool, max_tokens: int, tmp: Pa
                  if ln.startswith("[agentspec] model ready")]
         return {"conversations": out, "server_model_ready": ready[-1] if ready else None}
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.stop()
 
 
 def vllm(convs: list[dict], *, python: str, model: str, max_tokens: int, timeout: int,
          methods: tuple[str, ...] = ("plain", "suffix")) -> dict | None:
-    from bench_e2e import run_peer
-
     if not Path(python).exists():
         log(f"vLLM skipped: no {python}")
         return None
@@ -157,7 +132,7 @@ def vllm(convs: list[dict], *, python: str, model: str, max_tokens: int, timeout
     spec = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "methods": list(methods),
             "num_speculative_tokens": 8, "batched": False, "enable_prefix_caching": True,
             "max_model_len": max(len(p) for p in prompts) + max_tokens + 16}
-    res = run_peer(python, ROOT / "benchmarks" / "peers" / "vllm_runner.py", spec, timeout)   # its "results"
+    res = run_peer(python, "vllm_runner.py", spec, timeout)   # its "results"
     if res is None:
         return None
     out = {}
@@ -208,7 +183,7 @@ def _repeats(repeats: list) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--conversations", type=int, default=3)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-prompt", type=int, default=4096, help="prompt tokens of a conversation's last turn")
@@ -252,8 +227,6 @@ def main() -> int:
         if args.repeat > 1:
             log(f"repeat {rep + 1}/{args.repeat}: {json.dumps(summarize(runs, vllm_res))}")
     runs, vllm_res = repeats[0]
-    from bench_server import emit_report, machine_info
-
     report = {"machine": machine_info(), "max_tokens": args.max_tokens,
               "conversations": [{"task": c["task"], "prompt_tokens": [len(t) for t in c["turns"]],
                                  "shared_prefix": c["shared_prefix"]} for c in convs],

@@ -11,7 +11,7 @@ machine and once while a busy-loop process spins (one core's worth of work), per
 Times are decode-only (prefill excluded) and prefill-included. Greedy outputs are checked
 identical across all runs. Prints one JSON object (last line of stdout).
 
-    python benchmarks/bench_contention.py [--prompts 3] [--max-tokens 128] [--busy 1]
+    python -m benchmarks.bench_contention [--prompts 3] [--max-tokens 128] [--busy 1]
         [--policies passive,default] [--out FILE] [--plot PNG]
 
 Set ``AGENTSPEC_CPU_ISA=avx2`` to measure the AVX2 path on a machine with AVX-512.
@@ -22,17 +22,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import (  # noqa: E402
+    DATA,
+    FIXTURE,
+    ROOT,
+    emit_report,
+    logger,
+    machine_record,
+    pyplot,
+    save_figure,
+)
 
-def log(msg: str) -> None:
-    print(f"[bench_contention] {msg}", file=sys.stderr, flush=True)
+log = logger("bench_contention")
 
 
 CHILD = r'''
@@ -92,11 +101,7 @@ def run_child(env: dict, spec: dict, busy: int) -> dict:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = report["runs"]
     labels = [f"{r['policy']}\n{'busy' if r['busy'] else 'quiet'}" for r in rows]
     fig, ax = plt.subplots(figsize=(7, 3.6))
@@ -112,13 +117,12 @@ def plot(report: dict, path: Path) -> None:
     ax.set_title(f"Decoding with a busy-loop process on one of {m.get('cpus_usable')} cores "
                  f"({m.get('decode_kernels')})", fontsize=9)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--start", type=int, default=200)
     ap.add_argument("--max-prompt", type=int, default=1500)
@@ -128,9 +132,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
-    spec = {"data": str(args.data / "file_rewrites.jsonl"), "fixture": str(ROOT / "tests" / "fixtures" /
-            "file_rewrites_sample.jsonl"), "prompts": args.prompts, "start": args.start,
-            "max_prompt": args.max_prompt, "max_tokens": args.max_tokens}
+    spec = {"data": str(args.data / "file_rewrites.jsonl"), "fixture": str(FIXTURE), "prompts": args.prompts,
+            "start": args.start, "max_prompt": args.max_prompt, "max_tokens": args.max_tokens}
     runs = []
     machine = None
     for policy in args.policies.split(","):
@@ -158,12 +161,10 @@ def main() -> int:
         b = next(r for r in runs if r["policy"] == policy and r["busy"])
         summary[policy] = {f"{m}_busy_vs_quiet": round(b[m]["decode_tokens_per_s"] / q[m]["decode_tokens_per_s"], 3)
                            for m in ("plain", "spec")}
-    report = {"benchmark": "bench_contention", "machine": {"cpus": os.cpu_count(), **machine},
+    report = {"benchmark": "bench_contention", "machine": machine_record(machine),
               "config": {**{k: v for k, v in spec.items() if k not in ("data", "fixture")}, "busy": args.busy,
                          "agentspec_cpu_isa": os.environ.get("AGENTSPEC_CPU_ISA")},
               "identical_outputs": identical, "summary": summary, "runs": runs}
-    from bench_server import emit_report
-
     emit_report(report, args.out)
     if args.plot:
         plot(report, args.plot)

@@ -17,7 +17,7 @@ With ``--plain-prompt N`` (N > 0) it also times plain decoding end to end with t
 (``--plain-tokens`` greedy tokens after an N-token prompt, no speculation), the kernels alternating
 over the same rounds: milliseconds per token, medians.
 
-    .venv/bin/python benchmarks/bench_decode_attention.py --plain-prompt 3000 --out benchmarks/results/decode_attention.json
+    .venv/bin/python -m benchmarks.bench_decode_attention --plain-prompt 3000 --out benchmarks/results/decode_attention.json
 
 Prints JSON.
 """
@@ -29,6 +29,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import emit_report, machine_info  # noqa: E402
 
 
 def main() -> int:
@@ -47,9 +52,6 @@ def main() -> int:
         raise SystemExit(f"--context must be >= 16 and --rows positive: {args.context}, {args.rows!r}")
 
     import torch
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_server import emit_report, machine_info
 
     from agentspec.engine.model import KVCache, ModelArgs
     from agentspec.kernels import cpu_attention

@@ -13,7 +13,7 @@ one request at a time, prefill included in every time:
 Prints one JSON object (last line of stdout). Timings on a shared machine are noisy: every
 method runs in this process or a child of it back to back, and ratios come from this one run.
 
-    python benchmarks/bench_e2e.py [--data ../shared/data] [--prompts 4] [--max-tokens 256]
+    python -m benchmarks.bench_e2e [--data ../shared/data] [--prompts 4] [--max-tokens 256]
         [--vllm-python /work/venvs/vllm/bin/python] [--llamacpp-python ...] [--hf-folder DIR]
 """
 
@@ -23,36 +23,26 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import (  # noqa: E402
+    DATA,
+    emit_report,
+    logger,
+    machine_record,
+    method_bars,
+    pyplot,
+    run_peer,
+    save_figure,
+    select_prompts,
+)
 
-def log(msg: str) -> None:
-    print(f"[bench_e2e] {msg}", file=sys.stderr, flush=True)
-
-
-def select_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> list[tuple[str, list[int]]]:
-    """File-rewrite prompts not used by the tests, in file order from record ``start``."""
-    from agentspec.traces import load_records, prompt_messages
-
-    fixture = ROOT / "tests" / "fixtures" / "file_rewrites_sample.jsonl"
-    held = {json.loads(line)["id"] for line in fixture.read_text().splitlines() if line.strip()}
-    out = []
-    for k, rec in enumerate(load_records(data / "file_rewrites.jsonl")):
-        if k < start or rec["id"] in held:
-            continue
-        ids = engine.encode(prompt_messages(rec["prompt"]))
-        if len(ids) <= max_prompt:
-            out.append((rec["id"], ids))
-        if len(out) == n:
-            break
-    return out
+log = logger("bench_e2e")
 
 
 def run_ours(engine, prompts, max_tokens: int, spec, repeats: int) -> dict:
@@ -133,23 +123,6 @@ def run_hf(prompts, max_tokens: int, dtype: str, lookup: int | None) -> dict:
             "per_prompt_s": [round(t, 3) for t in per_prompt], "outputs": outputs}
 
 
-def run_peer(python: str, runner: Path, spec: dict, timeout: int) -> dict | None:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-        spec_path = f.name
-    try:
-        r = subprocess.run([python, str(runner), spec_path], capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        log(f"{runner.name} timed out after {timeout}s")
-        return None
-    finally:
-        os.unlink(spec_path)
-    if r.returncode != 0:
-        log(f"{runner.name} failed (rc {r.returncode}): {r.stderr[-2000:]}")
-        return None
-    return json.loads(r.stdout.strip().splitlines()[-1])["results"]
-
-
 LABELS = {
     "agentspec_plain": "agentspec plain", "agentspec_spec": "agentspec speculative",
     "agentspec_spec_full_budget": "agentspec spec, whole budget",
@@ -162,29 +135,20 @@ LABELS = {
 
 def plot(report: dict, path: Path) -> None:
     """Horizontal bars: tokens/s per method, prefill included."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(report["summary"])
     tps = [report["summary"][n]["tokens_per_s"] for n in names]
-    colors = ["tab:blue" if n.startswith("agentspec") else "tab:gray" for n in names]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.2))
-    bars = ax.barh([LABELS.get(n, n) for n in names], tps, color=colors)
-    ax.bar_label(bars, labels=[f"{t:.0f}" for t in tps], padding=3)
-    ax.invert_yaxis()
+    fig, ax = pyplot().subplots(figsize=(8, 0.45 * len(names) + 1.2))
+    method_bars(ax, names, tps, labels=LABELS, ours=lambda n: n.startswith("agentspec"), fmt="{:.0f}")
     cfg = report["config"]
     ax.set_xlabel("tokens/s (prefill included, one request at a time)")
     ax.set_title(f"File rewrites, {len(cfg['prompts'])} prompts, {cfg['max_tokens']} new tokens, "
                  f"SmolLM2-135M {cfg['dtype']}, {report['machine']['cpus']} CPU cores", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--prompts", type=int, default=4, help="number of rewrite prompts")
     ap.add_argument("--start", type=int, default=200, help="first record index to consider (tests use earlier ones)")
     ap.add_argument("--max-prompt", type=int, default=2000, help="max prompt tokens")
@@ -216,7 +180,7 @@ def main() -> int:
     opts = {"quiet": True} | ({"dtype": args.dtype} if args.dtype else {})
     engine = agentspec.Engine.embedded(**opts)
     dtype = str(engine.dtype).removeprefix("torch.")
-    machine = {"cpus": os.cpu_count(), **engine.kernel_info(), "torch_caps": {
+    machine = {**machine_record(engine.kernel_info()), "torch_caps": {
         k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_WAIT_POLICY")}}
     # transformers runs at its fastest dtype here: bfloat16 where the CPU has bf16 dot products
     # (the engine's dtype), float32 elsewhere (torch's bf16 GEMM is ~3.5x slower there)
@@ -258,11 +222,10 @@ def main() -> int:
         results["hf_greedy"] = run_hf(prompts, args.max_tokens, hf_dtype, None)
         results["hf_prompt_lookup"] = run_hf(prompts, args.max_tokens, hf_dtype, args.hf_lookup)
 
-    peers = ROOT / "benchmarks" / "peers"
     token_prompts = [ids for _, ids in prompts]
     if Path(args.vllm_python).exists() and Path(args.vllm_model).exists():
         log("vLLM-CPU plain / ngram / suffix")
-        r = run_peer(args.vllm_python, peers / "vllm_runner.py", {
+        r = run_peer(args.vllm_python, "vllm_runner.py", {
             "model": args.vllm_model, "prompts": token_prompts, "max_tokens": args.max_tokens,
             "methods": ["plain", "ngram", "suffix"], "num_speculative_tokens": args.vllm_spec_tokens,
             "batched": False}, args.peer_timeout)
@@ -272,7 +235,7 @@ def main() -> int:
         log(f"vLLM skipped: {args.vllm_python} or {args.vllm_model} missing")
     if Path(args.llamacpp_python).exists():
         log("llama.cpp plain")
-        r = run_peer(args.llamacpp_python, peers / "llamacpp_runner.py", {
+        r = run_peer(args.llamacpp_python, "llamacpp_runner.py", {
             "model": str(bundled_model_path()), "prompts": token_prompts, "max_tokens": args.max_tokens,
             "methods": ["plain"], "batched": False}, args.peer_timeout)
         for k, v in (r or {}).items():
@@ -309,12 +272,9 @@ def main() -> int:
         "summary": summary,
         "results": results,
     }
-    text = json.dumps(report)
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2))
+    emit_report(report, args.out, indent=2, one_line=True)
     if args.plot:
         plot(report, args.plot)
-    print(text)
     return 0
 
 

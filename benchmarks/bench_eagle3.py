@@ -19,7 +19,7 @@ Reports tokens/s (generated tokens / wall, prefill included), MAT (mean tokens p
 accepted tokens by draft source, whether outputs equal plain decoding, and what ran (device,
 kernels, dtype). Methods alternate per repeat; medians over repeats.
 
-    python benchmarks/bench_eagle3.py --out benchmarks/results/issue15/e2e_cpu.json
+    python -m benchmarks.bench_eagle3 --out benchmarks/results/issue15/e2e_cpu.json
 """
 
 from __future__ import annotations
@@ -31,15 +31,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import DATA, agent_prompts, emit_report, logger, rewrite_prompts, write_json  # noqa: E402
 
 METHODS = {"plain": None, "suffix": ["suffix"], "suffix+eagle3": ["suffix", "eagle3"], "eagle3": ["eagle3"]}
 
-
-def log(msg: str) -> None:
-    print(f"[bench_eagle3] {msg}", file=sys.stderr, flush=True)
+log = logger("bench_eagle3")
 
 
 def make_drafter(engine, method: str):
@@ -93,7 +92,7 @@ def engine_default_spec():
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--model", help="target model (default: bundled)")
     ap.add_argument("--eagle3", help="head directory (default: the shipped head)")
     ap.add_argument("--device", default="cpu")
@@ -109,8 +108,6 @@ def main() -> int:
     ap.add_argument("--dump-prompts", type=Path, help="write the tokenized prompts there and exit")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-
-    from bench_throughput import agent_prompts, rewrite_prompts
 
     from agentspec.engine.embedded import EmbeddedEngine
 
@@ -168,10 +165,9 @@ def main() -> int:
             for m in methods:
                 if base and row.get(m, {}).get("tokens_per_s"):
                     row[m]["speed_vs_suffix"] = round(row[m]["tokens_per_s"] / base, 3)
-            if args.out:
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
+            if args.out:   # after every cell: a long run that fails keeps what it measured
+                write_json(report, args.out, indent=1)
+    emit_report(report, args.out, indent=1)
     return 0
 
 

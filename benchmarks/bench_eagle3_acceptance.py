@@ -16,7 +16,7 @@ observe_hidden, extend, propose), verification walking the draft tree against th
 Reports tau (mean accepted length, bonus token included), P(accepted >= d) per depth d, the
 accepted tokens by source in the combined drafter (where the head wins).
 
-    python benchmarks/bench_eagle3_acceptance.py --out benchmarks/results/issue15/acceptance.json
+    python -m benchmarks.bench_eagle3_acceptance --out benchmarks/results/issue15/acceptance.json
 """
 
 from __future__ import annotations
@@ -29,21 +29,18 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import DATA, emit_report, logger, select_prompts  # noqa: E402
 
 DEPTHS = 8
 
-
-def log(msg: str) -> None:
-    print(f"[bench_eagle3_acceptance] {msg}", file=sys.stderr, flush=True)
+log = logger("bench_eagle3_acceptance")
 
 
 def dev_records(engine, data: Path, n_agent: int, n_rewrites: int, max_prompt: int, max_tokens: int,
                 cache: Path) -> dict[str, list[dict]]:
-    from bench_e2e import select_prompts
-
     from agentspec.training.distill import (
         PromptItem,
         distill,
@@ -121,7 +118,7 @@ def replay(drafter, recs, feats_of, budget: int, layers, tag: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--eagle3", help="head directory (default: the shipped head)")
     ap.add_argument("--agent", type=int, default=40, help="development agent-turn records")
     ap.add_argument("--rewrites", type=int, default=6)
@@ -172,10 +169,7 @@ def main() -> int:
             log(f"{wl} {name}: tau {res[name]['tau']}, P(acc>=d) {res[name]['p_accepted_ge_depth'][:4]}")
         res["tau_ratio_combined_vs_suffix"] = round(res["suffix+eagle3"]["tau"] / res["suffix"]["tau"], 3)
         report["results"][wl] = res
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
+    emit_report(report, args.out, indent=1)
     return 0
 
 

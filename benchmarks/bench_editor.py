@@ -10,7 +10,7 @@
    incremental) at a random line, ``--edits`` times; the time until the server has indexed that
    version (its ``agentspec/indexed`` notification, i.e. drafts see it): p50 / p99.
 
-    .venv/bin/python benchmarks/bench_editor.py --out benchmarks/results/editor.json
+    .venv/bin/python -m benchmarks.bench_editor --out benchmarks/results/editor.json
 """
 
 from __future__ import annotations
@@ -29,14 +29,16 @@ from pathlib import Path
 from lsprotocol import types
 from pygls.lsp.client import LanguageClient
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests" / "fixtures" / "file_rewrites_sample.jsonl"
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import FIXTURE, emit_report, logger, machine_info  # noqa: E402
+
 PROMPT = re.compile(r"Apply this change to `(?P<path>[^`]+)`:\n\n(?P<instruction>.*?)\n\nCurrent contents of "
                     r"`[^`]+`:\n```[^\n]*\n(?P<code>.*)\n```", re.S)
 
 
-def log(msg: str) -> None:
-    print(f"[bench_editor] {msg}", file=sys.stderr, flush=True)
+log = logger("bench_editor")
 
 
 def rewrites(limit: int) -> list[dict]:
@@ -189,9 +191,6 @@ async def run_overlays(root: Path, lines: int, edits: int, seed: int) -> dict:
 
 
 async def main_async(args) -> dict:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_server import machine_info
-
     recs = rewrites(args.prompts)
     out: dict = {"machine": machine_info(), "prompts": [r["id"] for r in recs]}
     with tempfile.TemporaryDirectory() as tmp:
@@ -230,10 +229,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     out = asyncio.run(main_async(args))
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit_report(out, args.out, indent=1)
     return 0
 
 

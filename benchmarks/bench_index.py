@@ -17,7 +17,7 @@ benchmarks/peers/arctic_index_bench.py (run in the same invocation in its own ve
 
 Prints one JSON object with both sides and the ratios.
 
-    python benchmarks/bench_index.py [--data ../shared/data] [--tokens 1000000]
+    python -m benchmarks.bench_index [--data ../shared/data] [--tokens 1000000]
         [--vllm-python /work/venvs/vllm/bin/python]
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import subprocess
 import sys
 import time
@@ -34,23 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import replay_data  # noqa: E402
-from replay import accepted_length  # noqa: E402
+from benchmarks import replay_data  # noqa: E402
+from benchmarks.harness import DATA, PEERS, ROOT, emit_report, logger, rss_bytes  # noqa: E402
+from benchmarks.replay import accepted_length  # noqa: E402
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def log(msg: str) -> None:
-    print(f"[bench_index] {msg}", file=sys.stderr, flush=True)
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
+log = logger("bench_index")
 
 
 def streams(data: Path) -> list[list[tuple[str, np.ndarray, np.ndarray]]]:
@@ -158,7 +148,7 @@ def latency(ix, all_recs, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--tokens", type=int, default=1_000_000)
     ap.add_argument("--queries", type=int, default=20_000)
     ap.add_argument("--holdout", type=int, default=50)
@@ -186,7 +176,7 @@ def main() -> None:
         paths = [str(replay_data.tokenize(args.data, n)) for n in replay_data.DATASETS]
         out = ROOT / "bench_out" / "arctic_index.json"
         out.parent.mkdir(exist_ok=True)
-        cmd = [args.vllm_python, str(ROOT / "benchmarks" / "peers" / "arctic_index_bench.py"),
+        cmd = [args.vllm_python, str(PEERS / "arctic_index_bench.py"),
                "--streams", paths[0], "--streams", paths[1], "--out", str(out), "--tokens", str(args.tokens),
                "--queries", str(args.queries), "--holdout", str(args.holdout), "--repeat", str(args.repeat),
                "--budget", str(args.budget)]
@@ -200,12 +190,7 @@ def main() -> None:
                 "insert_prompt_vs_arctic_prompt": ours["insert_prompt_tok_s"] / a["insert_prompt_tok_s"],
                 "propose_p50_arctic_over_ours": a["propose_p50_us"] / ours["propose_p50_us"],
             }
-    text = json.dumps(result, indent=1)
-    if args.out:
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, args.out)
-    print(json.dumps(result))
+    emit_report(result, args.out, indent=1, one_line=True)
 
 
 if __name__ == "__main__":

@@ -7,18 +7,19 @@ kernel (AVX512-BF16 dot products, p rounded to bf16: ``QKVAttention``) or the fl
 measures what each costs in fidelity to the float32 model (weights dequantized exactly): the
 number of leading greedy tokens equal to the float32 model's, per prompt. Prints JSON.
 
-    python benchmarks/bench_precision.py [--prompts 14] [--max-tokens 64] [--start 100]
+    python -m benchmarks.bench_precision [--prompts 14] [--max-tokens 64] [--start 100]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import DATA, emit_report  # noqa: E402
 
 
 def agree(a: list[int], b: list[int]) -> int:
@@ -27,7 +28,7 @@ def agree(a: list[int], b: list[int]) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--prompts", type=int, default=14)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--start", type=int, default=100, help="first record to consider")
@@ -65,7 +66,7 @@ def main() -> None:
         "of": sum(args.max_tokens for _ in rows),
         "rows": rows,
     }
-    print(json.dumps(out))
+    emit_report(out, one_line=True)
 
 
 if __name__ == "__main__":

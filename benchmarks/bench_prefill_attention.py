@@ -10,7 +10,7 @@ kernel, the path it replaced, in the same process.
    whole layer on AMX (``Block.forward_amx``, the default), AMX attention with torch's GEMMs and
    elementwise ops, and SDPA with torch's GEMMs.
 
-    .venv/bin/python benchmarks/bench_prefill_attention.py --out benchmarks/results/prefill_attention.json
+    .venv/bin/python -m benchmarks.bench_prefill_attention --out benchmarks/results/prefill_attention.json
 
 Needs a CPU with AMX-BF16 (exits with a message otherwise). Prints JSON.
 """
@@ -18,12 +18,15 @@ Needs a CPU with AMX-BF16 (exits with a message otherwise). Prints JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import emit_report  # noqa: E402
 
 
 def _median_ms(fn, repeat: int) -> float:
@@ -159,13 +162,7 @@ def main() -> int:
               "layer_256_token_chunk": layer,
               "projections_256_token_chunk": projections, "model_prefill": {"prompt_tokens": args.prompt,
                                                                 "rounds": args.rounds, **model}}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(text + "\n")
-        os.replace(tmp, args.out)
+    emit_report(report, args.out, indent=1)
     return 0
 
 

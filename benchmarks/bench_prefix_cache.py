@@ -7,7 +7,7 @@ with it (the cache kept across the conversation's turns), so machine load drifts
 Prints JSON: per-turn TTFT, prefilled and cached tokens, whether the outputs are identical, and
 the TTFT p50 from turn 3 on with its ratio.
 
-    .venv/bin/python benchmarks/bench_prefix_cache.py --tasks 3 --turns 4 --max-tokens 64
+    .venv/bin/python -m benchmarks.bench_prefix_cache --tasks 3 --turns 4 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -18,35 +18,15 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def conversations(path: Path, engine, *, tasks: int, turns: int, max_prompt: int) -> list[tuple[str, list]]:
-    """The first ``tasks`` trajectories with ``turns`` turns whose prompts stay under ``max_prompt``."""
-    from agentspec.traces import conversation_turns, load_records, prompt_messages
-
-    out, seen = [], set()
-    for rec in load_records(path):
-        task = rec["id"].split("#")[0]
-        if task in seen:
-            continue
-        seen.add(task)
-        msgs = conversation_turns(prompt_messages(rec["prompt"]))[:turns]
-        if len(msgs) < turns:
-            continue
-        prompts = [engine.encode(m) for m in msgs]
-        if len(prompts[-1]) > max_prompt:
-            continue
-        out.append((task, prompts))
-        if len(out) == tasks:
-            break
-    return out
+from benchmarks.harness import DATA, conversations, emit_report  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--data-dir", type=Path, default=DATA)
     ap.add_argument("--tasks", type=int, default=3)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -82,7 +62,7 @@ def main() -> None:
     late = [r for r in rows if r["turn"] >= 3]
     p50_off = statistics.median(r["ttft_off_ms"] for r in late) if late else None
     p50_on = statistics.median(r["ttft_on_ms"] for r in late) if late else None
-    print(json.dumps({
+    emit_report({
         "benchmark": "prefix_cache", "tasks": [t for t, _ in convs], "turns": args.turns,
         "max_tokens": args.max_tokens, "spec": not args.no_spec, "machine": engine.kernel_info(),
         "ttft_p50_turn3plus_off_ms": p50_off, "ttft_p50_turn3plus_on_ms": p50_on,
@@ -90,7 +70,7 @@ def main() -> None:
         "prefilled_tokens_off": sum(r["prompt_tokens"] for r in rows),
         "prefilled_tokens_on": sum(r["prefilled_tokens_on"] for r in rows),
         "identical": sum(r["identical"] for r in rows), "runs": len(rows), "per_turn": rows,
-    }, indent=1))
+    }, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,32 +9,37 @@ each once with speculation on (the default route) and once with `"speculation": 
 greedy, one request at a time. Reports tokens/s (completion tokens / request wall time, prefill
 included), time to first token (first streamed text), and whether both modes produced the same text.
 
-    python benchmarks/bench_server.py --prompts 6 --out benchmarks/results/server_2026-11-29.json
+    python -m benchmarks.bench_server --prompts 6 --out benchmarks/results/server_2026-11-30_native-linear.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import (  # noqa: E402
+    DATA,
+    agent_items,
+    emit_report,
+    logger,
+    machine_record,
+    sse_events,
+    start_server,
+)
 
 _INSTR = re.compile(r"Apply this change to `([^`]+)`:\n\n(.*?)\n\nCurrent contents of `[^`]+`:\n```[^\n]*\n(.*)\n```\n\n"
                     r"Reply with the complete updated file and nothing else\.", re.S)
 
 
-def log(msg: str) -> None:
-    print(f"[bench_server] {msg}", file=sys.stderr, flush=True)
+log = logger("bench_server")
 
 
 def select(data: Path, n: int, max_prompt: int, start: int, tokenizer) -> list[dict]:
@@ -57,15 +62,7 @@ def select(data: Path, n: int, max_prompt: int, start: int, tokenizer) -> list[d
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def stream_apply(base: str, item: dict, spec: bool, max_tokens: int) -> dict:
-    import httpx
-
     body = {"path": item["path"], "instruction": item["instruction"], "max_tokens": max_tokens, "stream": True,
             "temperature": 0}
     if not spec:
@@ -73,19 +70,12 @@ def stream_apply(base: str, item: dict, spec: bool, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     ttft = None
     text, final = [], None
-    with httpx.stream("POST", base + "/v1/apply", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                raise RuntimeError(ev["error"])
-            if ev.get("delta") and ttft is None:
-                ttft = time.perf_counter() - t0
-            text.append(ev.get("delta", ""))
-            if "usage" in ev:
-                final = ev
+    for ev in sse_events(base + "/v1/apply", body, timeout=600):
+        if ev.get("delta") and ttft is None:
+            ttft = time.perf_counter() - t0
+        text.append(ev.get("delta", ""))
+        if "usage" in ev:
+            final = ev
     wall = time.perf_counter() - t0
     n = final["usage"]["completion_tokens"]
     return {"tokens": n, "wall_s": wall, "ttft_s": ttft or wall, "text": "".join(text),
@@ -114,27 +104,6 @@ def stream_chat(client, model: str, item: dict, spec: bool, max_tokens: int) -> 
             "mat": stats["mean_acceptance_length"] if stats else None}
 
 
-def agent_items(data: Path, n: int, max_prompt: int, start: int, tokenizer) -> list[dict]:
-    """Agent turns as chat messages: the system message plus the latest messages within ``max_prompt`` tokens."""
-    from agentspec.traces import load_records, prompt_messages
-
-    out = []
-    for i, r in enumerate(load_records(data / "agent_turns.jsonl")):
-        if i < start:
-            continue
-        msgs = prompt_messages(r["prompt"])
-        head, tail = msgs[:1], []
-        for m in reversed(msgs[1:]):
-            if len(tokenizer.encode(tokenizer.apply_chat_template(head + [m] + tail))) > max_prompt:
-                break
-            tail.insert(0, m)
-        if tail:
-            out.append({"id": r["id"], "messages": head + tail})
-        if len(out) == n:
-            break
-    return out
-
-
 def concurrent_chat(client, model: str, items: list[dict], spec: bool, max_tokens: int, concurrency: int) -> dict:
     """All ``items`` through chat completions, at most ``concurrency`` in flight."""
     from concurrent.futures import ThreadPoolExecutor
@@ -159,26 +128,9 @@ def summarize(runs: list[dict]) -> dict:
             if any(r["mat"] is not None for r in runs) else None}
 
 
-def emit_report(report: dict, out: Path | None) -> None:
-    """A benchmark's JSON report: printed, and written to ``out`` when given (its folder made)."""
-    text = json.dumps(report, indent=2)
-    print(text)
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
-
-
-def machine_info() -> dict:
-    """CPU, flags, kernel ISA (the server's engine runs the same ones: same machine, same environment)."""
-    from agentspec.kernels import cpu_isa
-
-    cpu_isa.apply_env()
-    return cpu_isa.machine_info()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--start", type=int, default=200, help="first record index (tests use earlier ones)")
     ap.add_argument("--max-prompt", type=int, default=2000)
@@ -204,24 +156,10 @@ def main() -> int:
             f = repo / it["path"]
             f.parent.mkdir(parents=True, exist_ok=True)
             f.write_text(it["code"])
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        errlog = open(Path(tmp) / "server.log", "w+")
-        proc = subprocess.Popen([sys.executable, "-m", "agentspec", "serve", "--port", str(port), "--repo", str(repo)],
-                                cwd=tmp, stdout=subprocess.DEVNULL, stderr=errlog, env={**os.environ})
+        t0 = time.monotonic()
+        server = start_server(["--repo", str(repo)], log_path=Path(tmp) / "server.log", cwd=Path(tmp))
+        base = server.base
         try:
-            import httpx
-
-            t0 = time.monotonic()
-            while True:
-                if proc.poll() is not None:
-                    errlog.seek(0)
-                    raise SystemExit(f"server exited: {errlog.read()[-2000:]}")
-                try:
-                    if httpx.get(base + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.2)
             log(f"server up in {time.monotonic() - t0:.1f}s; {len(items)} prompts x 2 endpoints x 2 modes")
             client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
             model = client.models.list().data[0].id
@@ -258,9 +196,7 @@ def main() -> int:
                     log(f"concurrency {args.concurrency}, {wl}: spec {on['tokens_per_s']} vs plain {off['tokens_per_s']} "
                         f"tok/s, identical {same_n}/{len(its)}")
         finally:
-            proc.terminate()
-            proc.wait(30)
-            errlog.close()
+            server.stop()
 
     def med(key: str, field: str):
         return statistics.median(r[0][key][field] for r in rounds)
@@ -273,7 +209,7 @@ def main() -> int:
     for ep in ("apply", "chat"):
         summary[f"{ep}_speedup"] = round(summary[f"{ep}_spec"]["tokens_per_s"] / summary[f"{ep}_plain"]["tokens_per_s"], 3)
         summary[f"{ep}_identical"] = f"{min(r[1][ep] for r in rounds)}/{len(items)}"
-    report = {"benchmark": "bench_server", "machine": {"cpus": os.cpu_count(), **machine_info()},
+    report = {"benchmark": "bench_server", "machine": machine_record(),
               "config": {"prompts": [it["id"] for it in items], "max_tokens": args.max_tokens, "repeats": args.repeats,
                          "streamed": True, "greedy": True, "one_request_at_a_time": True},
               "summary": summary, "concurrent": {"concurrency": args.concurrency, **concurrent},

@@ -15,7 +15,7 @@ whether each output is identical to ``none``'s. On a CPU, SGLang runs through a 
 stand-in for its compiled kernels (tests/sglang/standin): absolute speeds mean little there,
 acceptance lengths are what carry over.
 
-    .venv-sglang/bin/python benchmarks/bench_sglang.py --out benchmarks/results/sglang_cpu.json
+    .venv-sglang/bin/python -m benchmarks.bench_sglang --out benchmarks/results/sglang_cpu.json
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import DATA, ROOT, agent_prompts, emit_report, logger, rewrite_prompts  # noqa: E402
+
 DEFAULT_MODEL = ROOT / ".venv-sglang" / "models" / "SmolLM2-135M-Instruct"
 
-
-def log(msg: str) -> None:
-    print(f"[bench_sglang] {msg}", file=sys.stderr, flush=True)
+log = logger("bench_sglang")
 
 
 def engine_kwargs(method: str, model: str, draft_tokens: int, device: str, eagle3: str | None,
@@ -115,7 +116,7 @@ def summarize(raw: dict) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="Hugging Face model folder")
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="default: float32 on CPU (SGLang's bf16 CPU verify is not "
                     "row-invariant: its own NGRAM diverges from plain there), bfloat16 on CUDA")
@@ -137,8 +138,6 @@ def main() -> int:
     if args.prompts_file:
         sets = json.loads(args.prompts_file.read_text())
     else:
-        from bench_throughput import agent_prompts, rewrite_prompts
-
         from agentspec.engine.embedded import EmbeddedEngine
 
         tok_engine = EmbeddedEngine(quiet=True)   # the same tokenizer and chat template as the HF folder
@@ -165,8 +164,6 @@ def main() -> int:
               "draft_tokens": args.draft_tokens, "max_tokens": args.max_tokens,
               "prompts": {k: len(v) for k, v in sets.items()},
               "results": summarize(ok) if ok else {}, "errors": {m: r["error"] for m, r in raw.items() if "error" in r}}
-    from bench_server import emit_report
-
     emit_report(report, args.out)
     return 0
 

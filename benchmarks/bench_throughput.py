@@ -15,40 +15,33 @@ beat 2x). Every run of ours gets a fresh suffix index (no memory of earlier runs
 fresh LLM per method and concurrency. Tokens/s = generated tokens / wall time, prefill included.
 Prints JSON; --plot draws tokens/s against concurrency.
 
-    python benchmarks/bench_throughput.py --out benchmarks/results/throughput_2026-11-29.json \\
+    python -m benchmarks.bench_throughput --out benchmarks/results/throughput_2026-11-30_native-linear.json \\
         --plot docs/bench_throughput.png
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import (  # noqa: E402
+    DATA,
+    agent_prompts,  # with rewrite_prompts, still importable from here (tests/sglang imports them so)
+    emit_report,
+    logger,
+    machine_record,
+    pyplot,
+    rewrite_prompts,
+    run_peer,
+    save_figure,
+)
 
-def log(msg: str) -> None:
-    print(f"[bench_throughput] {msg}", file=sys.stderr, flush=True)
-
-
-def rewrite_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> list[list[int]]:
-    from bench_e2e import select_prompts
-
-    return [ids for _, ids in select_prompts(engine, data, n, max_prompt, start)]
-
-
-def agent_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> list[list[int]]:
-    """Agent turns: the system message plus the most recent messages that fit ``max_prompt``
-    tokens (the recorded histories run to ~10k tokens, past what this CPU can prefill quickly)."""
-    from bench_server import agent_items
-
-    return [engine.encode(it["messages"]) for it in agent_items(data, n, max_prompt, start, engine.tokenizer)]
+log = logger("bench_throughput")
 
 
 def run_ours(engine, prompts, c: int, policy: str, max_tokens: int, step_costs) -> dict:
@@ -79,11 +72,9 @@ def run_sequential(engine, prompts, max_tokens: int) -> dict:
 
 
 def run_vllm(python: str, model: str, prompts, c: int, max_tokens: int, timeout: int) -> dict | None:
-    from bench_e2e import run_peer
-
     spec = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "methods": ["plain", "suffix"],
             "num_speculative_tokens": 8, "batched": True, "max_num_seqs": c}
-    res = run_peer(python, ROOT / "benchmarks" / "peers" / "vllm_runner.py", spec, timeout)
+    res = run_peer(python, "vllm_runner.py", spec, timeout)
     if res is None:
         return None
     return {m: {"tokens": r["total_tokens"], "wall_s": round(r["wall_s"], 3), "tokens_per_s": round(r["tokens_per_s"], 2),
@@ -91,13 +82,8 @@ def run_vllm(python: str, model: str, prompts, c: int, max_tokens: int, timeout:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     workloads = list(report["results"])
-    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.2), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(workloads), figsize=(6 * len(workloads), 4.2), squeeze=False)
     for ax, wl in zip(axes[0], workloads):
         rows = report["results"][wl]
         cs = sorted(int(c) for c in rows)
@@ -110,13 +96,12 @@ def plot(report: dict, path: Path) -> None:
         ax.set_xticks(cs, [str(c) for c in cs])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--requests", type=int, default=8, help="requests per run (at least the concurrency)")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -186,13 +171,11 @@ def main() -> int:
         if seq.get(wl):
             for c in rows:
                 summary[wl][c]["plain_batched_vs_sequential"] = round(rows[c]["ours_plain"]["tokens_per_s"] / seq[wl], 3)
-    report = {"benchmark": "bench_throughput", "machine": {"cpus": os.cpu_count(), **engine.kernel_info()},
+    report = {"benchmark": "bench_throughput", "machine": machine_record(engine.kernel_info()),
               "config": {"concurrency": cs, "requests": args.requests, "max_tokens": args.max_tokens,
                          "max_prompt": args.max_prompt, "greedy": True, "vllm": have_vllm,
                          "step_costs_ms": {k: round(v * 1e3, 2) for k, v in step_costs.items()}},
               "summary": summary, "results": results}
-    from bench_server import emit_report
-
     emit_report(report, args.out)
     if args.plot:
         plot(report, args.plot)

@@ -11,7 +11,7 @@
 
 Prints one JSON object.
 
-    python benchmarks/bench_workspace.py [--tree DIR] [--edits 40] [--out FILE]
+    python -m benchmarks.bench_workspace [--tree DIR] [--edits 40] [--out FILE]
 """
 
 from __future__ import annotations
@@ -28,22 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from replay import accepted_length  # noqa: E402
+from benchmarks.harness import emit_report, logger, rss_bytes  # noqa: E402
+from benchmarks.replay import accepted_length  # noqa: E402
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-def log(msg: str) -> None:
-    print(f"[bench_workspace] {msg}", file=sys.stderr, flush=True)
+log = logger("bench_workspace")
 
 
 def reproduce_files(ws, tok, tree: Path, n: int) -> dict:
@@ -98,11 +89,11 @@ def main() -> None:
         log(f"copying {args.tree} to {tree}")
         shutil.copytree(args.tree, tree, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "site-packages"))
         tok.encode_batch(["warm up"])
-        before = rss()
+        before = rss_bytes()
         t0 = time.perf_counter()
         ws = Workspace(tree, tokenizer=tok, watch=False, progress=True)
         secs = time.perf_counter() - t0
-        grown = rss() - before
+        grown = rss_bytes() - before
         s = ws.summary()
         index_result = {"tree": str(args.tree), "files": s["files"], "chunks": s["chunks"], "tokens": s["tokens"],
                         "skipped": s["skipped"], "seconds": round(secs, 2), "tokens_per_s": round(s["tokens"] / secs),
@@ -160,12 +151,7 @@ def main() -> None:
                        "save_to_draftable_ms_max": round(float(lat_ms.max()), 1)}
         log(json.dumps(edit_result))
     result = {"index": index_result, "reproduce": mat_result, "edit": edit_result, "cpus": os.cpu_count()}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        tmp_out = args.out.with_suffix(".tmp")
-        tmp_out.write_text(text)
-        os.replace(tmp_out, args.out)
-    print(json.dumps(result))
+    emit_report(result, args.out, indent=1, one_line=True)
 
 
 if __name__ == "__main__":

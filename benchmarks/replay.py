@@ -20,7 +20,7 @@ rest): MAT (mean committed tokens per step, bonus included), drafted tokens per 
 per step (propose + extend, p50/p99 µs), and the speedup estimated from the engine's measured
 cost of verifying n tokens vs 1 (``--costs``, from benchmarks/results/step_costs*.json).
 
-    python benchmarks/replay.py [--data ../shared/data] [--budget 32] [--limit N]
+    python -m benchmarks.replay [--data ../shared/data] [--budget 32] [--limit N]
         [--methods agentspec,prompt_lookup,oracle,arctic,sglang_ngram] [--out FILE]
 """
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -38,18 +37,16 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import replay_data  # noqa: E402
+from benchmarks import replay_data  # noqa: E402
+from benchmarks.harness import DATA, PEERS, ROOT, emit_report, logger, method_bars, pyplot, save_figure  # noqa: E402
 
 # Records tuned on: the first DEV_RECORDS[name] records of each file; the rest are held out.
 DEV_RECORDS = {"file_rewrites": 100, "agent_turns": 150}
 
-
-def log(msg: str) -> None:
-    print(f"[replay] {msg}", file=sys.stderr, flush=True)
+log = logger("replay")
 
 
 def accepted_length(draft_tokens, parents, target) -> int:
@@ -222,7 +219,7 @@ def run_peer(script: str, python: str, streams: Path, budget: int, stop: int, ex
         return None
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        cmd = [python, str(ROOT / "benchmarks" / "peers" / script), "--streams", str(streams), "--out", str(out),
+        cmd = [python, str(PEERS / script), "--streams", str(streams), "--out", str(out),
                "--budget", str(budget), "--records", f"0:{stop}", *extra]
         log(" ".join(cmd))
         res = subprocess.run(cmd, stderr=sys.stderr, stdout=subprocess.DEVNULL)
@@ -234,7 +231,7 @@ def run_peer(script: str, python: str, streams: Path, budget: int, stop: int, ex
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--datasets", default=",".join(replay_data.DATASETS))
     ap.add_argument("--budget", type=int, default=32)
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N records of each file")
@@ -292,14 +289,9 @@ def main() -> None:
             per_method[m] = {"dev": summarize(recs[:cut], costs), "held_out": summarize(recs[cut:], costs)}
             log(f"{name} {m}: {json.dumps(per_method[m])} ({time.perf_counter() - t0:.0f} s)")
         result["datasets"][name] = per_method
-    text = json.dumps(result, indent=1)
-    if args.out:
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, args.out)
+    emit_report(result, args.out, indent=1, one_line=True)
     if args.plot:
         plot(result, args.plot)
-    print(json.dumps(result))
 
 
 LABELS = {"agentspec": "agentspec (suffix index)", "prompt_lookup": "prompt lookup (n<=3)",
@@ -309,27 +301,18 @@ LABELS = {"agentspec": "agentspec (suffix index)", "prompt_lookup": "prompt look
 
 def plot(result: dict, path: Path) -> None:
     """Held-out MAT per method, one panel per dataset."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(result["datasets"])
-    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 3.6))
+    fig, axes = pyplot().subplots(1, len(names), figsize=(6 * len(names), 3.6))
     for ax, name in zip(np.atleast_1d(axes), names):
         methods = [m for m in result["datasets"][name] if m != "oracle"]
         mats = [result["datasets"][name][m]["held_out"]["mat"] for m in methods]
-        colors = ["tab:blue" if m == "agentspec" else "tab:gray" for m in methods]
-        bars = ax.barh([LABELS.get(m, m) for m in methods], mats, color=colors)
-        ax.bar_label(bars, labels=[f"{x:.2f}" for x in mats], padding=3)
-        ax.invert_yaxis()
+        method_bars(ax, methods, mats, labels=LABELS, ours=lambda m: m == "agentspec", fmt="{:.2f}")
         oracle = result["datasets"][name].get("oracle", {}).get("held_out", {}).get("mat")
         ax.set_xlabel("mean accepted tokens per step (bonus included)")
         ax.set_title(f"{name}, held-out records, budget {result['budget']}"
                      + (f" (oracle {oracle:.1f})" if oracle else ""), fontsize=9)
         ax.set_xlim(0, max(mats) * 1.2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

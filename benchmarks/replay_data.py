@@ -34,7 +34,6 @@ def tokenize(data_dir: Path, name: str, *, quiet: bool = False) -> Path:
     out = cache_path(data_dir, name)
     if out.exists():
         return out
-    sys.path.insert(0, str(ROOT))
     from agentspec.engine.weights import load_checkpoint
     from agentspec.traces import load_records, prompt_messages
 

@@ -13,7 +13,7 @@ the acceptance logs checked against the responses: every request that the server
 a stream's end, a cancelled stream) has exactly one log record with its id, and no record is
 there twice.
 
-    .venv/bin/python benchmarks/soak.py --minutes 10 --clients 16 --plot benchmarks/results/soak.png \\
+    .venv/bin/python -m benchmarks.soak --minutes 10 --clients 16 --plot benchmarks/results/soak.png \\
         --out benchmarks/results/soak.json
 """
 
@@ -23,10 +23,8 @@ import argparse
 import asyncio
 import collections
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,8 +32,10 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import ROOT, emit_report, logger, machine_info, pyplot, save_figure, start_server  # noqa: E402
 
 TENANTS = {"alpha": "sk-alpha-soak-0001", "beta": "sk-beta-soak-00002", "gamma": "sk-gamma-soak-0003"}
 MODULE = '''def total(items):
@@ -56,8 +56,7 @@ CONTEXTS = [(ROOT / "agentspec" / name).read_text()[:3000] for name in
             if (ROOT / "agentspec" / name).exists()]
 
 
-def log(msg: str) -> None:
-    print(f"[soak] {msg}", file=sys.stderr, flush=True)
+log = logger("soak")
 
 
 def rss_bytes(pid: int) -> int:
@@ -192,30 +191,15 @@ class Soak:
             await asyncio.sleep(every)
 
 
-def start_server(tmp: Path, workspaces: dict[str, Path], port: int,
-                 prefix_cache_mb: int) -> tuple[subprocess.Popen, Path]:
+def serve(tmp: Path, workspaces: dict[str, Path], prefix_cache_mb: int):
+    """The soak server: a tenant per key with its own workspace; its acceptance logs in ``tmp/logs``."""
     logs = tmp / "logs"
     cfg = tmp / "soak.toml"
     lines = [f"[server]\nlog_dir = {json.dumps(str(logs))}\nprefix_cache_bytes = {prefix_cache_mb * 2**20}\n"]
     for name, key in TENANTS.items():
         lines.append(f"[[tenants]]\nname = \"{name}\"\napi_keys = [\"{key}\"]\nworkspace = {json.dumps(str(workspaces[name]))}\n")
     cfg.write_text("\n".join(lines))
-    err = open(tmp / "server.log", "w+")  # noqa: SIM115 - the server writes it until it stops
-    proc = subprocess.Popen([sys.executable, "-m", "agentspec", "serve", "--port", str(port), "--config", str(cfg)],
-                            stdout=err, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            err.seek(0)
-            raise SystemExit(f"server exited: {err.read()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc, logs
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("server did not start")
+    return start_server(["--config", str(cfg)], log_path=tmp / "server.log"), logs
 
 
 def check_logs(logs: Path, results: list[dict]) -> dict:
@@ -277,11 +261,7 @@ def summarize(results: list[dict], samples: list[dict], minutes: float, warmup_s
 
 
 def plot(path: Path, results: list[dict], samples: list[dict], summary: dict) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
+    fig, ax = pyplot().subplots(3, 1, figsize=(9, 9), sharex=True)
     t = [s["t"] / 60 for s in samples]
     ax[0].plot(t, [s["rss"] / 2**20 for s in samples], label="server RSS (MiB)")
     for key, label in (("prefix_cache_bytes", "prefix cache (MiB)"), ("index_bytes", "suffix index (MiB)")):
@@ -302,13 +282,10 @@ def plot(path: Path, results: list[dict], samples: list[dict], summary: dict) ->
     ax[2].set_xlabel("minutes")
     ax[2].legend()
     fig.suptitle(f"soak: {summary['requests']} requests, {summary['server_errors_5xx']} 5xx")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 async def run(args) -> dict:
-    from bench_server import free_port, machine_info
-
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         workspaces = {}
@@ -318,10 +295,9 @@ async def run(args) -> dict:
             (ws / "src" / "shop.py").write_text(MODULE)
             (ws / ".gitignore").write_text("*.log\n")
             workspaces[name] = ws
-        port = free_port()
-        proc, logs = start_server(tmp, workspaces, port, args.prefix_cache_mb)
-        log(f"server up on {port}; {args.clients} clients for {args.minutes} min")
-        soak = Soak(f"http://127.0.0.1:{port}", workspaces, args.seed, args.max_tokens)
+        server, logs = serve(tmp, workspaces, args.prefix_cache_mb)
+        log(f"server up on {server.port}; {args.clients} clients for {args.minutes} min")
+        soak = Soak(server.base, workspaces, args.seed, args.max_tokens)
         samples: list[dict] = []
         stop = time.monotonic() + args.minutes * 60
         limits = httpx.Limits(max_connections=args.clients + 4)
@@ -329,16 +305,11 @@ async def run(args) -> dict:
             async with httpx.AsyncClient(base_url=soak.base, timeout=args.request_timeout, limits=limits) as http:
                 tasks = [asyncio.create_task(soak.client(http, stop)) for _ in range(args.clients)]
                 edits = asyncio.create_task(soak.edit_workspaces(stop))
-                sampler = asyncio.create_task(soak.sample(http, proc.pid, stop, args.sample_every, samples))
+                sampler = asyncio.create_task(soak.sample(http, server.pid, stop, args.sample_every, samples))
                 await asyncio.gather(*tasks, sampler)
                 n_edits = await edits
         finally:
-            proc.terminate()
-            try:
-                code = proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
+            code = server.stop(60)
         summary = summarize(soak.results, samples, args.minutes, args.warmup)
         # the server's start-up lines: its model, dtype, kernels and hardware ("model ready ...")
         startup = [ln for ln in (tmp / "server.log").read_text(errors="replace").splitlines()
@@ -366,13 +337,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     out = asyncio.run(run(args))
-    text = json.dumps(out, indent=1, default=str)
     s = out["summary"]
     log(f"{s['requests']} requests, by status {s['by_status']}, 5xx {s['server_errors_5xx']}, RSS {s['rss']}, "
         f"logs {out['logs']}")
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit_report(out, args.out, indent=1, default=str)
     return 0 if s["server_errors_5xx"] == 0 and not out["logs"]["missing"] and not out["logs"]["duplicated"] else 1
 
 

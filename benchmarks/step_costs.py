@@ -6,7 +6,7 @@ engine runs per decode step (the engine's own path: a chain of ``n`` rows with t
 at least 2 rows) after a prefill of ``--context`` tokens, median over ``--repeat`` runs.
 benchmarks/replay.py turns these into an estimated speedup (``--costs``).
 
-    python benchmarks/step_costs.py [--context 2048] [--rows 1,2,4,8,16,24,33,48,65]
+    python -m benchmarks.step_costs [--context 2048] [--rows 1,2,4,8,16,24,33,48,65]
         [--out benchmarks/results/step_costs.json] [--breakdown]
 
 ``--breakdown``: also the time per forward inside the native kernels (bfloat16 models on CPU):
@@ -17,15 +17,15 @@ attention (``QKVAttention``) and the row-invariant linears (``PackedLinear``); t
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import ROOT, emit_report  # noqa: E402
 
 
 def main() -> None:
@@ -99,11 +99,7 @@ def main() -> None:
               "machine": engine.kernel_info()}
     if args.breakdown:
         result["native_seconds_per_forward"] = {str(k): v for k, v in parts.items()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, args.out)
-    print(json.dumps(result))
+    emit_report(result, args.out, indent=1, one_line=True)
 
 
 if __name__ == "__main__":

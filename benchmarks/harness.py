@@ -1,0 +1,307 @@
+"""What the benchmark scripts share, in one place.
+
+- paths: the repository, the recorded traffic (``../shared/data``), the tests' held-in fixture,
+  the peer runners;
+- ``logger``: a script's ``[name] message`` lines on stderr;
+- the machine record: ``machine_info`` (CPU, flags, kernel ISA of this process) and
+  ``machine_record`` (the same, or an engine's ``kernel_info()``, with the core count); ``rss_bytes``;
+- JSON out: ``emit_report`` prints a report and writes it (atomically) to ``--out``;
+- a server for a benchmark's client side: ``start_server`` runs ``agentspec serve`` on a free
+  loopback port and waits for ``/health``; ``sse_events`` reads a streamed response;
+- peers: ``run_peer`` runs a ``benchmarks/peers`` runner under another venv's python;
+- workloads: the recorded prompts the scripts share (held-out rewrites, agent turns,
+  multi-turn conversations);
+- plots: matplotlib without a display, and the per-method bar chart.
+
+Scripts import it as ``from benchmarks.harness import ...``. Run them from the repository root as
+``python -m benchmarks.<script>``; ``python benchmarks/<script>.py`` works too (each script then
+puts the repository root on ``sys.path`` first, the same two lines in every script).
+
+Module-level imports are the standard library only: the scripts run under other interpreters
+too (``.venv-sglang``), and ``--help`` loads nothing heavy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"                            # recorded traffic (--data default)
+FIXTURE = ROOT / "tests" / "fixtures" / "file_rewrites_sample.jsonl"   # held in: the tests use these records
+PEERS = ROOT / "benchmarks" / "peers"                             # runners for other venvs' pythons
+
+
+def logger(name: str) -> Callable[[str], None]:
+    """``log(msg)``: one ``[name] msg`` line on stderr, flushed."""
+
+    def log(msg: str) -> None:
+        print(f"[{name}] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+_log = logger("harness")
+
+
+# --- the machine record ---------------------------------------------------------------------------
+
+def machine_info() -> dict:
+    """CPU, flags, kernel ISA (a server started from here runs the same ones: same machine, same
+    environment)."""
+    from agentspec.kernels import cpu_isa
+
+    cpu_isa.apply_env()
+    return cpu_isa.machine_info()
+
+
+def machine_record(kernels: dict | None = None) -> dict:
+    """``{"cpus": os.cpu_count(), ...}`` with ``kernels`` (an engine's ``kernel_info()``) or, without
+    it, ``machine_info()``."""
+    return {"cpus": os.cpu_count(), **(machine_info() if kernels is None else kernels)}
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (Linux: ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# --- JSON out -------------------------------------------------------------------------------------
+
+def write_json(obj, path: Path, *, indent: int | None = 1, default=None) -> None:
+    """``obj`` as JSON in ``path`` (its folder made), written beside it first and renamed over it,
+    so an interrupted run never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=indent, default=default) + "\n")
+    os.replace(tmp, path)
+
+
+def emit_report(report: dict, out: Path | None = None, *, indent: int | None = 2, one_line: bool = False,
+                default=None) -> None:
+    """A benchmark's JSON report: written to ``out`` when given (``indent``), and printed: indented
+    the same, or with ``one_line`` as the last line of stdout (what a parent process parses)."""
+    if out:
+        write_json(report, out, indent=indent, default=default)
+    print(json.dumps(report, indent=None if one_line else indent, default=default), flush=True)
+
+
+# --- a server for the client side -----------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """An ``agentspec serve`` child process on loopback; ``stop()`` (or leaving a ``with`` block)
+    ends it. Its stdout and stderr go to ``log_path``."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, log_path: Path, log_file) -> None:
+        self.proc, self.port, self.log_path, self._log_file = proc, port, log_path, log_file
+        self.base = f"http://127.0.0.1:{port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, chars: int = 3000) -> str:
+        self._log_file.flush()
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self, timeout: float = 30) -> int:
+        """Terminate (kill after ``timeout`` seconds); the exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self._log_file.close()
+        return code
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_server(args: list[str], *, log_path: Path, cwd: Path | None = None, timeout: float = 300) -> Server:
+    """``python -m agentspec serve --port PORT *args`` on a free port, once ``/health`` answers 200.
+    Exits (SystemExit, with the server's last output) if it dies or is not up in ``timeout`` s."""
+    import httpx
+
+    port = free_port()
+    log_file = open(log_path, "w")  # noqa: SIM115 - the server writes it until it stops; Server.stop closes it
+    proc = subprocess.Popen([sys.executable, "-m", "agentspec", "serve", "--port", str(port), *args], cwd=cwd,
+                            stdout=log_file, stderr=subprocess.STDOUT)
+    server = Server(proc, port, log_path, log_file)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(server.base + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            tail = server.log_tail()
+            server.stop()
+            raise SystemExit(f"server exited: {tail}")
+        if time.monotonic() > deadline:
+            tail = server.log_tail()
+            server.stop()
+            raise SystemExit(f"server did not start in {timeout:.0f} s: {tail}")
+        time.sleep(0.2)
+
+
+def sse_events(url: str, body: dict, timeout: float = 600) -> Iterator[dict]:
+    """POST ``body`` to ``url`` and yield each streamed ``data: {...}`` event; an event with an
+    ``error`` raises RuntimeError."""
+    import httpx
+
+    with httpx.stream("POST", url, json=body, timeout=timeout) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                raise RuntimeError(ev["error"])
+            yield ev
+
+
+# --- peers ----------------------------------------------------------------------------------------
+
+def run_peer(python: str, runner: Path | str, spec: dict, timeout: int) -> dict | None:
+    """A peer runner (``benchmarks/peers/<runner>``, or a path) under ``python`` with ``spec`` as its
+    JSON file argument: the ``results`` of the JSON object on its last stdout line; None (logged)
+    when it fails or times out."""
+    runner = PEERS / runner if isinstance(runner, str) else runner
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+        spec_path = f.name
+    try:
+        r = subprocess.run([python, str(runner), spec_path], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _log(f"{runner.name} timed out after {timeout}s")
+        return None
+    finally:
+        os.unlink(spec_path)
+    if r.returncode != 0:
+        _log(f"{runner.name} failed (rc {r.returncode}): {r.stderr[-2000:]}")
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])["results"]
+
+
+# --- workloads: recorded prompts ------------------------------------------------------------------
+
+def select_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> list[tuple[str, list[int]]]:
+    """File-rewrite prompts not used by the tests, in file order from record ``start``."""
+    from agentspec.traces import load_records, prompt_messages
+
+    held = {json.loads(line)["id"] for line in FIXTURE.read_text().splitlines() if line.strip()}
+    out = []
+    for k, rec in enumerate(load_records(data / "file_rewrites.jsonl")):
+        if k < start or rec["id"] in held:
+            continue
+        ids = engine.encode(prompt_messages(rec["prompt"]))
+        if len(ids) <= max_prompt:
+            out.append((rec["id"], ids))
+        if len(out) == n:
+            break
+    return out
+
+
+def rewrite_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> list[list[int]]:
+    """``select_prompts``' token ids."""
+    return [ids for _, ids in select_prompts(engine, data, n, max_prompt, start)]
+
+
+def agent_items(data: Path, n: int, max_prompt: int, start: int, tokenizer) -> list[dict]:
+    """Agent turns as chat messages: the system message plus the latest messages within ``max_prompt`` tokens."""
+    from agentspec.traces import load_records, prompt_messages
+
+    out = []
+    for i, r in enumerate(load_records(data / "agent_turns.jsonl")):
+        if i < start:
+            continue
+        msgs = prompt_messages(r["prompt"])
+        head, tail = msgs[:1], []
+        for m in reversed(msgs[1:]):
+            if len(tokenizer.encode(tokenizer.apply_chat_template(head + [m] + tail))) > max_prompt:
+                break
+            tail.insert(0, m)
+        if tail:
+            out.append({"id": r["id"], "messages": head + tail})
+        if len(out) == n:
+            break
+    return out
+
+
+def agent_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> list[list[int]]:
+    """Agent turns: the system message plus the most recent messages that fit ``max_prompt``
+    tokens (the recorded histories run to ~10k tokens, past what this CPU can prefill quickly)."""
+    return [engine.encode(it["messages"]) for it in agent_items(data, n, max_prompt, start, engine.tokenizer)]
+
+
+def conversations(path: Path, engine, *, tasks: int, turns: int, max_prompt: int) -> list[tuple[str, list]]:
+    """The first ``tasks`` trajectories with ``turns`` turns whose prompts stay under ``max_prompt``
+    (``engine.encode(messages)`` gives a turn's token ids): a recorded history split into its
+    successive turns."""
+    from agentspec.traces import conversation_turns, load_records, prompt_messages
+
+    out, seen = [], set()
+    for rec in load_records(path):
+        task = rec["id"].split("#")[0]
+        if task in seen:
+            continue
+        seen.add(task)
+        msgs = conversation_turns(prompt_messages(rec["prompt"]))[:turns]
+        if len(msgs) < turns:
+            continue
+        prompts = [engine.encode(m) for m in msgs]
+        if len(prompts[-1]) > max_prompt:
+            continue
+        out.append((task, prompts))
+        if len(out) == tasks:
+            break
+    return out
+
+
+# --- plots ----------------------------------------------------------------------------------------
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def method_bars(ax, names: list[str], values: list[float], *, labels: dict[str, str], ours: Callable[[str], bool],
+                fmt: str) -> None:
+    """Horizontal bars, one per method, top to bottom in ``names`` order, each labelled with its
+    value (``fmt``); ours blue, peers grey."""
+    colors = ["tab:blue" if ours(n) else "tab:gray" for n in names]
+    bars = ax.barh([labels.get(n, n) for n in names], values, color=colors)
+    ax.bar_label(bars, labels=[fmt.format(v) for v in values], padding=3)
+    ax.invert_yaxis()
+
+
+def save_figure(fig, path: Path, dpi: int = 120) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
