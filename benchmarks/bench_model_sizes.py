@@ -16,7 +16,7 @@ From the step costs and the replay MAT (``benchmarks/replay.py``, held-out traff
 it prints the speed-up speculation would give: ``min(MAT, R) * t(1) / t(R)``, best R. That is a
 model (measured step cost x replayed acceptance), not a measurement of a served request.
 
-    .venv/bin/python benchmarks/bench_model_sizes.py --shape qwen2.5-coder-1.5b \
+    .venv/bin/python -m benchmarks.bench_model_sizes --shape qwen2.5-coder-1.5b \
         --out benchmarks/results/model_sizes_qwen2.5-coder-1.5b.json
 """
 
@@ -35,6 +35,11 @@ from pathlib import Path
 
 import agentspec  # noqa: F401  (first: OpenMP / ISA environment before torch loads)
 
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import ROOT, emit_report, logger  # noqa: E402
+
 SHAPES = {
     # hidden, layers, heads, kv heads, head_dim, intermediate, vocab, tied, family
     "qwen2.5-coder-1.5b": dict(dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, head_dim=128, hidden_dim=8960,
@@ -51,15 +56,22 @@ SHAPES = {
 REPLAY_MAT = {"rewrites": 25.24, "agent_turns": 3.26}
 
 
-def log(msg: str) -> None:
-    print(f"[bench_model_sizes] {msg}", file=sys.stderr, flush=True)
+log = logger("bench_model_sizes")
 
 
 def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-ROOT = Path(__file__).resolve().parents[1]
+def family_checkpoints():
+    """``tests/integration/family_checkpoints.py``, the tests' checkpoint and GGUF writers (the one
+    module this script imports from outside the package: put on the path once, here)."""
+    path = str(ROOT / "tests" / "integration")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    import family_checkpoints
+
+    return family_checkpoints
 
 
 def ram_bytes() -> int:
@@ -70,10 +82,9 @@ def checkpoint(shape: dict, folder: Path) -> Path:
     """The shape as a Hugging Face folder with random bfloat16 weights (written once)."""
     if (folder / "model.safetensors").exists() or (folder / "model.safetensors.index.json").exists():
         return folder
-    sys.path.insert(0, str(ROOT / "tests" / "integration"))
     import torch
-    from family_checkpoints import write_family
 
+    write_family = family_checkpoints().write_family
     log(f"writing a random-weight checkpoint to {folder} (transformers, bfloat16)")
     t0 = time.perf_counter()
     write_family(folder, shape["family"], dim=shape["dim"], layers=shape["n_layers"], heads=shape["n_heads"],
@@ -87,12 +98,9 @@ def checkpoint(shape: dict, folder: Path) -> Path:
 def gguf_file(folder: Path, qtype: str) -> Path:
     path = folder / f"model-{qtype}.gguf"
     if not path.exists():
-        sys.path.insert(0, str(ROOT / "tests" / "integration"))
-        from family_checkpoints import write_gguf
-
         log(f"writing {path.name} (gguf package)")
         tmp = path.with_suffix(".tmp")
-        write_gguf(folder, tmp, qtype=qtype)
+        family_checkpoints().write_gguf(folder, tmp, qtype=qtype)
         tmp.replace(path)
     return path
 
@@ -267,11 +275,7 @@ def main() -> int:
             log("transformers: plain greedy decoding, same weights, bf16")
             report["transformers"] = [transformers_decode(folder, c, 16) for c in contexts[:1]]
     report["peak_rss_gib"] = peak_rss_gib()
-    text = json.dumps(report, indent=2)
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
+    emit_report(report, a.out)
     return 0
 
 
