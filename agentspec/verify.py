@@ -1,4 +1,4 @@
-"""Reference tree verification: greedy and exact tree speculative sampling.
+"""Reference tree verification: greedy, and seeded sampling by keyed Gumbel-max.
 
 Terms (as vLLM's rejection sampler uses them): *draft tokens* are proposed; *accepted tokens*
 pass verification; the *bonus token* is the one the target adds after the accepted path. The
@@ -8,9 +8,11 @@ Nodes are numbered as the engine forwards them: node 0 is the root (the last com
 not yet in the KV cache) and node i + 1 is draft token i. Row i of the target's output is its
 distribution for the token after node i.
 
-Both verifiers return ``(path, bonus)``: the accepted node indices starting with the root, and
-the target's token after the last of them. The batched torch and Triton versions live in
-``agentspec.kernels``; they are tested for equality against these.
+``greedy_verify`` returns ``(path, bonus)``: the accepted node indices starting with the root,
+and the target's token after the last of them. Sampled requests use the same walk with the
+target's token at each position drawn by ``seeded_target`` instead of the argmax. The batched
+torch and Triton versions of the walk live in ``agentspec.kernels``; they are tested for
+equality against ``greedy_verify``.
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["gumbel_noise", "greedy_verify", "process_logits", "sample", "sampling_verify",
-           "sampling_walk", "seeded_target"]
+__all__ = ["gumbel_noise", "greedy_verify", "process_logits", "sample", "seeded_target"]
 
 
 def greedy_verify(
@@ -104,8 +105,9 @@ def seeded_target(
 
     As a verifier (``Decoder.step``): a draft token is accepted iff it equals this token. For
     point-mass (model-free) drafts that accepts a node's children c1, c2, ... with probability
-    p(c1) + p(c2) + ..., as the recursive rejection rule of ``sampling_walk`` does, and the bonus
-    token is this token at the first position no child matched."""
+    p(c1) + p(c2) + ..., as recursive rejection sampling (SpecInfer, Sequoia) would, and the
+    bonus token is this token at the first position no child matched: it follows p restricted
+    to the tokens no child drafted (tests/unit/test_seeded_sampling.py checks both)."""
     p = process_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k)
     score = torch.log(p.double().cpu()) + gumbel_noise(seed, position, p.shape[-1])
     return int(score.argmax())
@@ -115,82 +117,6 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, g
     """Draw one token from ``process_logits(logits, ...)`` with ``gen`` (``torch.multinomial``)."""
     probs = process_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k)
     return int(torch.multinomial(probs, 1, generator=gen))
-
-
-def sampling_verify(
-    tokens: Sequence[int],     # [T] node tokens, tokens[0] = root
-    parents: Sequence[int],    # [T] parent node per node, parents[0] = -1
-    logits: torch.Tensor,      # [T, V] target logits after each node
-    *,
-    temperature: float,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    generator: torch.Generator | None = None,
-) -> tuple[list[int], int]:
-    """Exact tree speculative sampling for deterministic drafts (see ``sampling_walk``).
-
-    The emitted tokens (accepted path, then bonus) are distributed exactly as tokens sampled
-    one by one from ``process_logits(logits, ...)``. Draws ``2 * T`` uniforms from ``generator``.
-    """
-    probs = process_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k)
-    u = torch.rand(2, len(tokens), generator=generator, device=probs.device)
-    return sampling_walk(tokens, parents, probs, u[0], u[1])
-
-
-def sampling_walk(
-    tokens: Sequence[int],     # [T] node tokens, tokens[0] = root
-    parents: Sequence[int],    # [T] parent node per node, parents[0] = -1
-    probs: torch.Tensor,       # [T, V] target distribution after each node (rows sum to 1)
-    u_accept: torch.Tensor,    # [T] uniforms in [0, 1): u_accept[c] decides whether node c is accepted
-    u_bonus: torch.Tensor,     # [T] uniforms in [0, 1): u_bonus[n] draws the bonus when the walk ends at n
-) -> tuple[list[int], int]:
-    """Recursive rejection for a tree of point-mass drafts (SpecInfer, Sequoia).
-
-    At node n, with p' = probs[n], try n's children in index order without replacement: accept
-    child c with probability p'(c) (a point-mass draft has q(c) = 1, so min(1, p/q) = p'(c));
-    on rejection set p'(c) = 0, renormalise, try the next child. An accepted child becomes the
-    new node. When every child is rejected, the bonus is drawn from the residual p'.
-
-    Why exact: child c1 is emitted with probability p(c1); otherwise, given rejection, the
-    walk continues from p restricted to tokens != c1, renormalised, and so on; so the first
-    emitted token has distribution p. After an accepted child, the walk restarts from that
-    child's row, so the next token follows the target given the new prefix.
-
-    Renormalising is kept implicit: ``mass`` is the p-mass not yet rejected, and c is accepted
-    when ``u * mass < p(c)``; the bonus is the first token whose residual cumulative mass
-    exceeds ``u * mass`` (the same arithmetic as the kernels, which can then match exactly).
-    """
-    children = _children(parents)
-    node, path = 0, [0]
-    while True:
-        row = probs[node]
-        mass = 1.0          # p-mass not yet rejected at this node
-        rejected: list[int] = []
-        for c in children.get(node, ()):
-            t = tokens[c]
-            q = 0.0 if t in rejected else float(row[t])   # a token already rejected has p' = 0
-            if float(u_accept[c]) * mass < q:            # accept with probability q / mass
-                path.append(c)
-                node = c
-                break
-            rejected.append(t)
-            mass = max(mass - q, 0.0)   # (clamped: rounding must not make it negative)
-        else:
-            residual = row.clone()
-            residual[rejected] = 0.0
-            return path, _inverse_cdf(residual, float(u_bonus[node]) * mass, row)
-
-
-def _inverse_cdf(residual: torch.Tensor, threshold: float, row: torch.Tensor) -> int:
-    """First token whose cumulative ``residual`` exceeds ``threshold``. When rounding puts the
-    threshold past the end: the last token with residual mass; with none left (only reachable
-    through rounding or rows that do not sum to 1): the row's argmax."""
-    cdf = residual.cumsum(0)
-    i = int((cdf <= threshold).sum())
-    if i < residual.numel():
-        return i
-    nonzero = torch.nonzero(residual > 0)
-    return int(nonzero[-1]) if nonzero.numel() else int(row.argmax())
 
 
 def _children(parents: Sequence[int]) -> dict[int, list[int]]:

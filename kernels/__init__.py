@@ -1,9 +1,10 @@
 """Tree-speculation kernels (installed as ``agentspec.kernels``).
 
-Tree attention mask and positions, greedy verification and exact tree speculative sampling,
-batched over ragged requests: torch references (``*_torch``), Triton kernels (``*_triton``,
-needing the optional ``triton``), and dispatchers (Triton for CUDA tensors, torch elsewhere).
-Layout and outputs: ``agentspec.kernels.tree``.
+Tree attention mask and positions and greedy tree verification, batched over ragged requests:
+torch references (``*_torch``), Triton kernels (``*_triton``, needing the optional ``triton``),
+and dispatchers (Triton for CUDA tensors, torch elsewhere). Layout and outputs:
+``agentspec.kernels.tree``. (Sampled requests are verified by the keyed Gumbel-max rule,
+``agentspec.verify.seeded_target``, which needs no kernel of its own.)
 """
 
 from .tree import *  # noqa: F401,F403  (the names tree.__all__ lists)

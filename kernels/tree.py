@@ -29,9 +29,6 @@ __all__ = [
     "greedy_verify_batch_torch",
     "greedy_verify_batch_triton",
     "pack_trees",
-    "sampling_verify_batch",
-    "sampling_verify_batch_torch",
-    "sampling_verify_batch_triton",
     "tree_attention",
     "tree_attention_torch",
     "tree_attention_triton",
@@ -96,22 +93,6 @@ def greedy_verify_batch(tokens: torch.Tensor, parents: torch.Tensor, target: tor
     return fn(tokens, parents, target, offsets)
 
 
-def sampling_verify_batch(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
-                          u_accept: torch.Tensor, u_bonus: torch.Tensor, offsets: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact tree speculative sampling of every request (``agentspec.verify.sampling_walk``).
-
-    ``probs [N, V]`` float32: the processed target distribution after each row
-    (``agentspec.verify.process_logits``); ``u_accept [N]``, ``u_bonus [N]`` float32 uniforms
-    in [0, 1) (``u_accept`` of a row decides that row's acceptance, ``u_bonus`` of the row the
-    walk ends at draws the bonus). Given the same uniforms, the reference and the kernel agree
-    except where a uniform falls within float rounding of a boundary (the bonus's cumulative
-    sums are added in a different order).
-    """
-    fn = sampling_verify_batch_triton if tokens.is_cuda else sampling_verify_batch_torch
-    return fn(tokens, parents, probs, u_accept, u_bonus, offsets)
-
-
 def _triton():
     try:
         from . import tree_triton
@@ -132,11 +113,6 @@ def tree_attention_triton(parents, offsets, *, width=None):
 def greedy_verify_batch_triton(tokens, parents, target, offsets):
     """Triton version of ``greedy_verify_batch``."""
     return _triton().greedy_verify_batch(tokens, parents, target, offsets)
-
-
-def sampling_verify_batch_triton(tokens, parents, probs, u_accept, u_bonus, offsets):
-    """Triton version of ``sampling_verify_batch``."""
-    return _triton().sampling_verify_batch(tokens, parents, probs, u_accept, u_bonus, offsets)
 
 
 # --------------------------------------------------------------------------- torch references
@@ -227,52 +203,3 @@ def greedy_verify_batch_torch(tokens: torch.Tensor, parents: torch.Tensor, targe
         lengths += take
         node = torch.where(take, j, node)
     return paths, lengths, target[pad.start + node]
-
-
-def sampling_verify_batch_torch(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
-                                u_accept: torch.Tensor, u_bonus: torch.Tensor, offsets: torch.Tensor
-                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch reference of ``sampling_verify_batch`` (vectorised over requests: it also serves
-    as a fast sampler on CPU)."""
-    if probs.dim() != 2 or probs.shape[0] != parents.numel():
-        raise ValueError(f"probs must be [N, V] with N = {parents.numel()}, got {tuple(probs.shape)}")
-    for name, u in (("tokens", tokens), ("u_accept", u_accept), ("u_bonus", u_bonus)):
-        if u.shape != parents.shape:
-            raise ValueError(f"{name} must be [N] = [{parents.numel()}], got {tuple(u.shape)}")
-    pad = _Padded(parents, offsets)
-    dev = tokens.device
-    probs = probs.float()
-    V = probs.shape[1]
-    tok = pad.gather(tokens.long(), -1)                                  # [B, W]
-    ua = pad.gather(u_accept.float(), 2.0)                               # [B, W]
-    # dup[b, j]: an earlier sibling has the same token; once it is rejected that token has p' = 0
-    earlier = pad.col[None, :] < pad.col[:, None]                        # [W, W]: k < j
-    dup = ((pad.parents[:, :, None] == pad.parents[:, None, :]) & (tok[:, :, None] == tok[:, None, :])
-           & earlier & pad.valid[:, None, :]).any(-1)                    # [B, W]
-    node = torch.zeros(pad.B, dtype=torch.int64, device=dev)
-    mass = torch.ones(pad.B, dtype=torch.float32, device=dev)            # p-mass not yet rejected
-    paths = torch.full((pad.B, pad.W), -1, dtype=torch.int64, device=dev)
-    paths[:, 0] = 0
-    lengths = torch.ones(pad.B, dtype=torch.int64, device=dev)
-    b = torch.arange(pad.B, device=dev)
-    for j in range(1, pad.W):
-        trying = pad.parents[:, j] == node                               # [B]
-        q = probs[pad.start + node, tok[:, j].clamp(min=0)]              # p(c) at the current node
-        q = torch.where(dup[:, j], 0.0, q)
-        take = trying & (ua[:, j] * mass < q)                            # accept with probability q / mass
-        paths[b[take], lengths[take]] = j
-        lengths += take
-        mass = torch.where(take, 1.0, torch.where(trying, (mass - q).clamp(min=0.0), mass))
-        node = torch.where(take, j, node)
-    # bonus: every child of the final node was rejected; draw from the residual
-    row = pad.start + node                                               # [B]
-    residual = probs[row].clone()                                        # [B, V]
-    child = pad.valid & (pad.parents == node[:, None])                   # [B, W]
-    bb, jj = child.nonzero(as_tuple=True)
-    residual[bb, tok[bb, jj]] = 0.0
-    threshold = u_bonus.float()[row] * mass                              # [B]
-    first = (residual.cumsum(-1) <= threshold[:, None]).sum(-1)          # [B]
-    vocab = torch.arange(V, device=dev)
-    last = torch.where(residual > 0, vocab, -1).max(-1).values           # [B]
-    fallback = torch.where(last >= 0, last, probs[row].argmax(-1))
-    return paths, lengths, torch.where(first < V, first, fallback)

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .tree import check_layout
 
-__all__ = ["greedy_verify_batch", "sampling_verify_batch", "tree_attention"]
+__all__ = ["greedy_verify_batch", "tree_attention"]
 
 
 @triton.jit
@@ -75,81 +75,6 @@ def _greedy_kernel(
     tl.store(bonus_ptr + b, want)
 
 
-@triton.jit
-def _sampling_kernel(
-    tokens_ptr,    # [N]
-    parents_ptr,   # [N]
-    probs_ptr,     # [N, V] float32 processed target distribution per row
-    u_accept_ptr,  # [N] float32
-    u_bonus_ptr,   # [N] float32
-    offsets_ptr,   # [B + 1]
-    paths_ptr,     # [B, W] int64, filled with -1
-    lengths_ptr,   # [B]
-    bonus_ptr,     # [B]
-    W,
-    V,
-    stride_p,
-    TB: tl.constexpr,        # power of two >= W
-    BLOCK_V: tl.constexpr,
-):
-    b = tl.program_id(0)
-    start = tl.load(offsets_ptr + b)
-    T = tl.load(offsets_ptr + b + 1) - start
-    idx = tl.arange(0, TB)
-    in_tree = idx < T
-    toks = tl.load(tokens_ptr + start + idx, mask=in_tree, other=-1)      # [TB]
-    pars = tl.load(parents_ptr + start + idx, mask=in_tree, other=-2)     # [TB]
-    path = paths_ptr + b.to(tl.int64) * W
-    tl.store(path, 0)
-    node = (start - start).to(tl.int64)
-    n = node + 1
-    mass = tl.load(u_accept_ptr + start) * 0.0 + 1.0   # p-mass not yet rejected at `node`
-    for j in range(1, T):
-        par = tl.load(parents_ptr + start + j)
-        if par == node:
-            tok = tl.load(tokens_ptr + start + j)
-            # an earlier sibling with the same token was rejected: p'(tok) = 0
-            dup = tl.sum(((pars == node) & (toks == tok) & (idx < j)).to(tl.int32), axis=0) > 0
-            q = tl.load(probs_ptr + (start + node).to(tl.int64) * stride_p + tok)
-            q = tl.where(dup, 0.0, q)
-            u = tl.load(u_accept_ptr + start + j)
-            if u * mass < q:                               # accept with probability q / mass
-                tl.store(path + n, j)
-                n += 1
-                node = par * 0 + j
-                mass = mass * 0.0 + 1.0
-            else:
-                mass = tl.maximum(mass - q, 0.0)
-    tl.store(lengths_ptr + b, n)
-    # bonus: every child of `node` was rejected; inverse CDF of the residual (children zeroed)
-    base = probs_ptr + (start + node).to(tl.int64) * stride_p
-    threshold = tl.load(u_bonus_ptr + start + node) * mass
-    is_child = (pars == node) & in_tree                                    # [TB]
-    carry = mass * 0.0
-    first = n * 0           # tokens whose cumulative residual <= threshold
-    last = n * 0 - 1        # last token with residual mass
-    best = mass * 0.0 - 1.0
-    best_i = n * 0          # argmax of the row (fallback when no residual is left)
-    for v0 in range(0, V, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        inv = offs < V
-        p = tl.load(base + offs, mask=inv, other=0.0)                      # [BLOCK_V]
-        hit = tl.sum(((offs[:, None] == toks[None, :]) & is_child[None, :]).to(tl.int32), axis=1) > 0
-        r = tl.where(hit, 0.0, p)
-        cdf = tl.cumsum(r, axis=0) + carry
-        first += tl.sum(((cdf <= threshold) & inv).to(tl.int64), axis=0)
-        last = tl.maximum(last, tl.max(tl.where(r > 0, offs, -1), axis=0).to(tl.int64))
-        pm = tl.where(inv, p, -1.0)
-        block_best = tl.max(pm, axis=0)
-        block_i = tl.min(tl.where(pm == block_best, offs, V), axis=0).to(tl.int64)
-        better = block_best > best
-        best_i = tl.where(better, block_i, best_i)
-        best = tl.where(better, block_best, best)
-        carry = tl.max(tl.where(inv, cdf, carry), axis=0)
-    fallback = tl.where(last >= 0, last, best_i)
-    tl.store(bonus_ptr + b, tl.where(first < V, first, fallback))
-
-
 # True when the kernels were decorated under TRITON_INTERPRET=1 (they then take CPU tensors)
 INTERPRETED = type(_greedy_kernel).__name__ == "InterpretedFunction"
 
@@ -202,35 +127,4 @@ def greedy_verify_batch(tokens: torch.Tensor, parents: torch.Tensor, target: tor
     if B:
         _greedy_kernel[(B,)](tokens, parents, target, offsets, paths, lengths, bonus, W,
                              enable_fp_fusion=False)
-    return paths, lengths, bonus
-
-
-def sampling_verify_batch(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
-                          u_accept: torch.Tensor, u_bonus: torch.Tensor, offsets: torch.Tensor,
-                          *, block_v: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_device(tokens, parents, probs, u_accept, u_bonus, offsets)
-    check_layout(parents, offsets)
-    N = parents.numel()
-    if tokens.shape != (N,) or u_accept.shape != (N,) or u_bonus.shape != (N,):
-        raise ValueError(f"tokens, u_accept and u_bonus must be [N] = [{N}], got {tuple(tokens.shape)}, "
-                         f"{tuple(u_accept.shape)}, {tuple(u_bonus.shape)}")
-    if probs.dim() != 2 or probs.shape[0] != N or probs.stride(1) != 1:
-        raise ValueError(f"probs must be [N, V] with N = {N} and contiguous rows, got shape "
-                         f"{tuple(probs.shape)}, strides {probs.stride()}")
-    if probs.dtype != torch.float32:
-        raise ValueError(f"probs must be float32, got {probs.dtype}")
-    tokens, parents, offsets = _int(tokens), _int(parents), _int(offsets)
-    u_accept, u_bonus = u_accept.float().contiguous(), u_bonus.float().contiguous()
-    B = offsets.numel() - 1
-    W = int(offsets.diff().max()) if B else 0
-    dev = tokens.device
-    V = probs.shape[1]
-    paths = torch.full((B, W), -1, dtype=torch.int64, device=dev)
-    lengths = torch.empty(B, dtype=torch.int64, device=dev)
-    bonus = torch.empty(B, dtype=torch.int64, device=dev)
-    if B:
-        _sampling_kernel[(B,)](tokens, parents, probs, u_accept, u_bonus, offsets, paths, lengths, bonus,
-                               W, V, probs.stride(0), TB=max(16, triton.next_power_of_2(W)),
-                               BLOCK_V=min(block_v, max(16, triton.next_power_of_2(V))),
-                               enable_fp_fusion=False)  # plain mul and add, as the torch reference does
     return paths, lengths, bonus

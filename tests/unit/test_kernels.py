@@ -27,7 +27,7 @@ triton = pytest.importorskip("triton", reason="the Triton kernels need triton (e
 
 from agentspec import kernels as K  # noqa: E402
 from agentspec.kernels import tree_triton  # noqa: E402
-from agentspec.verify import greedy_verify, process_logits, sampling_walk  # noqa: E402
+from agentspec.verify import greedy_verify  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 if not CUDA and not tree_triton.INTERPRETED:
@@ -102,68 +102,10 @@ def test_greedy_dispatcher_defaults():
     assert paths.tolist() == [[0, 1, 2], [0, -1, -1]] and lengths.tolist() == [3, 1] and bonus.tolist() == [9, 4]
 
 
-def _sampling_case(g, *, trees, max_nodes, vocab, dyadic):
-    batch = _random_batch(g, trees=trees, max_nodes=max_nodes, vocab=vocab)
-    tok, par, off = K.pack_trees(batch, device=DEV)
-    N = tok.numel()
-    if dyadic:   # probabilities in 1/64ths, uniforms in 1/256ths: all arithmetic exact
-        cuts = torch.randint(0, 65, (N, vocab - 1), generator=g).sort(-1).values
-        probs = (torch.cat([cuts, torch.full((N, 1), 64)], 1)
-                 - torch.cat([torch.zeros(N, 1, dtype=torch.int64), cuts], 1)).float() / 64
-        u = torch.randint(0, 256, (2, N), generator=g).float() / 256
-    else:
-        probs = process_logits(torch.randn(N, vocab, generator=g) * 2, temperature=0.9, top_k=vocab // 2 + 1)
-        u = torch.rand(2, N, generator=g)
-    return batch, tok, par, off, probs.to(DEV), u[0].to(DEV), u[1].to(DEV)
-
-
-@pytest.mark.parametrize("dyadic", [True, False], ids=["exact-arithmetic", "softmax"])
-def test_sampling_kernel_matches_reference(dyadic):
-    g = torch.Generator().manual_seed(1)
-    for _ in range(6):
-        batch, tok, par, off, probs, ua, ub = _sampling_case(g, trees=4, max_nodes=9, vocab=6, dyadic=dyadic)
-        ref = K.sampling_verify_batch_torch(tok, par, probs, ua, ub, off)
-        _assert_same(K.sampling_verify_batch_triton(tok, par, probs, ua, ub, off), ref)
-        paths, lengths, bonus = ref
-        start = 0
-        for b, (tokens, parents) in enumerate(batch):
-            end = start + len(tokens)
-            want = sampling_walk(tokens, parents, probs[start:end].cpu(), ua[start:end].cpu(), ub[start:end].cpu())
-            assert (paths[b, :lengths[b]].tolist(), int(bonus[b])) == want
-            start = end
-
-
-def test_sampling_kernel_vocab_blocks_and_duplicates():
-    """A vocabulary over several blocks, duplicate sibling tokens, and the dispatcher."""
-    g = torch.Generator().manual_seed(2)
-    trees = [([0, 3, 3, 40, 3, 7], [-1, 0, 0, 0, 1, 1]), ([1, 60, 60], [-1, 0, 0]), ([2], [-1])]
-    tok, par, off = K.pack_trees(trees, device=DEV)
-    N, V = tok.numel(), 70
-    logits = torch.randn(N, V, generator=g)
-    logits[:, [3, 40, 60, 7]] += 3.0
-    probs = process_logits(logits, temperature=1.0).to(DEV)
-    for _ in range(10):
-        u = torch.rand(2, N, generator=g).to(DEV)
-        ref = K.sampling_verify_batch_torch(tok, par, probs, u[0], u[1], off)
-        _assert_same(tree_triton.sampling_verify_batch(tok, par, probs, u[0], u[1], off, block_v=16), ref)
-        _assert_same(K.sampling_verify_batch(tok, par, probs, u[0], u[1], off), ref)
-
-
-def test_sampling_kernel_fallback_when_no_residual_is_left():
-    tok, par, off = K.pack_trees([([9, 1], [-1, 0])], device=DEV)
-    probs = torch.tensor([[0.0, 0.3, 0.0], [1.0, 0.0, 0.0]], device=DEV)
-    ua, ub = torch.tensor([0.0, 0.9], device=DEV), torch.tensor([0.5, 0.5], device=DEV)
-    _assert_same(K.sampling_verify_batch_triton(tok, par, probs, ua, ub, off),
-                 K.sampling_verify_batch_torch(tok, par, probs, ua, ub, off))
-
-
 def test_kernels_validate_inputs():
     tok, par, off = K.pack_trees([([1, 2], [-1, 0])], device=DEV)
     with pytest.raises(ValueError, match=r"parents\[0\] = 0 \(row 0 of its tree\) must be -1"):
         K.greedy_verify_batch_triton(tok, torch.zeros_like(par), tok, off)
-    with pytest.raises(ValueError, match="probs must be float32"):
-        K.sampling_verify_batch_triton(tok, par, torch.zeros(2, 4, dtype=torch.float64, device=DEV),
-                                       tok.float(), tok.float(), off)
     with pytest.raises(ValueError, match="width 1 is smaller than the largest tree"):
         K.tree_attention_triton(par, off, width=1)
 
@@ -185,12 +127,10 @@ def test_kernels_compile_for_cuda():
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         from agentspec.kernels import tree_triton as K
-        i64, f32 = "*i64", "*fp32"
+        i64 = "*i64"
         sigs = {
             K._tree_attention_kernel: ([i64, i64, "*u8", i64, "i32"], {}),
             K._greedy_kernel: ([i64] * 7 + ["i32"], {}),
-            K._sampling_kernel: ([i64, i64, f32, f32, f32, i64, i64, i64, i64, "i32", "i32", "i32",
-                                  "constexpr", "constexpr"], {"TB": 16, "BLOCK_V": 256}),
         }
         for fn, (types, consts) in sigs.items():
             sig = dict(zip(fn.arg_names, types))
@@ -219,12 +159,3 @@ def test_kernels_on_cuda_at_real_sizes():
     # row i often wants the next row's token (a child on chains): long accepted paths
     target[:-1] = torch.where(torch.rand(N - 1, device="cuda") < 0.7, tok[1:], target[:-1])
     _assert_same(K.greedy_verify_batch(tok, par, target, off), K.greedy_verify_batch_torch(tok, par, target, off))
-    logits = torch.randn(N, V, device="cuda")
-    logits[torch.arange(N, device="cuda"), torch.roll(tok, -1)] += 8.0   # drafts often likely
-    probs = process_logits(logits, temperature=0.8, top_p=0.95)
-    u = torch.rand(2, N, device="cuda")
-    got = K.sampling_verify_batch(tok, par, probs, u[0], u[1], off)
-    ref = K.sampling_verify_batch_torch(tok, par, probs, u[0], u[1], off)
-    _assert_same(got[:2], ref[:2])                      # paths and lengths: same arithmetic
-    # bonus: cumulative sums in another order may move a draw across a boundary, rarely
-    assert (got[2] == ref[2]).float().mean() > 0.95

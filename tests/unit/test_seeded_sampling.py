@@ -1,16 +1,33 @@
 """Seeded sampling (Gumbel-max keyed by (seed, position)): the token follows the target
 distribution over seeds, is a function of (seed, position, logits) alone, and as a verifier
-accepts a node's children with probability p(c1) + p(c2) + ..."""
+accepts a node's children with probability p(c1) + p(c2) + ...; and ``process_logits``, the
+distribution it samples from."""
 
 from __future__ import annotations
 
 import torch
 
 from agentspec.verify import greedy_verify, gumbel_noise, process_logits, seeded_target
-from test_tree_sampling import _chi2_pvalue
 
 N = 3000
 ALPHA = 1e-3  # a correct sampler fails one run in a thousand
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value of ``counts`` against ``probs`` (outcomes with zero
+    probability must never occur; bins expecting < 5 are pooled)."""
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    n = counts.sum()
+    assert counts[probs == 0].sum() == 0, "an outcome with zero target probability was emitted"
+    exp = probs * n
+    big = exp >= 5
+    obs_b = torch.cat([counts[big], counts[~big & (probs > 0)].sum().reshape(1)])
+    exp_b = torch.cat([exp[big], exp[~big & (probs > 0)].sum().reshape(1)])
+    keep = exp_b > 0
+    obs_b, exp_b = obs_b[keep], exp_b[keep]
+    stat = ((obs_b - exp_b) ** 2 / exp_b).sum()
+    df = obs_b.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
 def _logits(v: int = 12, seed: int = 0) -> torch.Tensor:
@@ -74,3 +91,18 @@ def test_verifier_accepts_siblings_with_their_summed_probability():
     rest = p.clone()
     rest[[c1, c2]] = 0
     assert _chi2_pvalue(bonus, rest / rest.sum()) > ALPHA
+
+
+def test_process_logits_matches_the_engine_filters():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    p = torch.softmax(logits, -1)
+    assert torch.allclose(process_logits(logits, temperature=1.0), p)
+    k2 = process_logits(logits, temperature=1.0, top_k=2)
+    assert torch.allclose(k2, torch.cat([p[:2] / p[:2].sum(), torch.zeros(2)]))
+    top = process_logits(logits, temperature=1.0, top_p=0.8)    # smallest prefix reaching 0.8: 2 tokens
+    assert torch.allclose(top, k2)
+    assert process_logits(logits, temperature=0.0).tolist() == [1.0, 0.0, 0.0, 0.0]
+    ties = process_logits(torch.tensor([1.0, 3.0, 3.0, 0.0]), temperature=1.0, top_k=1)
+    assert ties[1] == ties[2] == 0.5                            # ties with the k-th are kept
+    batch = process_logits(torch.stack([logits, logits.flip(0)]), temperature=0.5, top_k=3, top_p=0.9)
+    assert torch.allclose(batch[1], process_logits(logits.flip(0), temperature=0.5, top_k=3, top_p=0.9))
