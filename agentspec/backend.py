@@ -122,6 +122,11 @@ class Backend(Protocol):
         """What runs (hardware, kernels), the scheduler's step-cost source, request counts."""
         ...
 
+    def memory(self) -> dict[str, int]:
+        """Bytes held in this process by what grows with use: ``index_bytes`` (the draft index),
+        ``prefix_cache_bytes``; only the ones this backend has (``/health``)."""
+        ...
+
     def run(self, on_ready: Callable[[], None] | None = None) -> None:
         """Run the scheduler on the calling thread until ``close()`` (from another thread).
         ``on_ready()`` is called once it takes requests (on this thread, before blocking)."""

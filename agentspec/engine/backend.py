@@ -257,6 +257,13 @@ class EmbeddedBackend:
         return {"status": "closed" if self._closed else "ok", "running": self._batch.num_running,
                 "waiting": self._batch.num_waiting}
 
+    def memory(self) -> dict[str, int]:
+        out = {"index_bytes": self._index.nbytes}
+        pc = getattr(self.engine, "prefix_cache", None)
+        if pc is not None:
+            out["prefix_cache_bytes"] = pc.bytes
+        return out
+
     def stats(self) -> dict[str, Any]:
         e = self.engine
         out: dict[str, Any] = {

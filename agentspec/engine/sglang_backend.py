@@ -607,6 +607,9 @@ class SGLangBackend:
         running = n if self.max_running is None else min(n, self.max_running)
         return {"status": "closed" if self._closed else "ok", "running": running, "waiting": n - running}
 
+    def memory(self) -> dict[str, int]:
+        return {}   # the draft index and the KV caches live in SGLang's scheduler processes
+
     def stats(self) -> dict[str, Any]:
         h = self.health()
         return {

@@ -1,11 +1,8 @@
-"""``agentspec serve``: the OpenAI-compatible server on the embedded engine or SGLang.
+"""``agentspec serve``: the OpenAI-compatible server on the embedded engine or SGLang, HTTP only.
 
-``build_state`` loads the engine and wraps it in a backend (``agentspec.backend.Backend``:
-``agentspec.engine.backend.EmbeddedBackend``, or ``agentspec.engine.sglang_backend.SGLangBackend``
-with ``backend="sglang"``: the server talks to nothing else), indexes each
-tenant's workspace into the backend's shared suffix index (tenants are isolated inside it) and
-opens the acceptance logs and metrics; ``create_app`` turns that into a Starlette app; ``serve``
-runs it under uvicorn.
+``build_state`` (``agentspec.api.state``) loads the backend, the tenants' workspaces, the logs
+and metrics; ``create_app`` turns that into a Starlette app over ``agentspec.api.handling``;
+``serve`` runs it under uvicorn.
 """
 
 from __future__ import annotations
@@ -16,138 +13,11 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from ..config import ServerConfig, load_server_config
-from ..errors import ConfigError
-from .app import ServerState, Tenant, create_app
+from ..api.state import ServerState, Tenant, build_state, model_id_for
+from .app import create_app
 
-__all__ = ["ServerState", "bind_socket", "build_state", "create_app", "serve"]
-
-
-def model_id_for(model: str | None) -> str:
-    from ..engine.backend import model_name_for
-
-    return model_name_for(model)
-
-
-def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | Path | None = None,
-                engine: Any = None, engine_options: dict | None = None, watch: bool = True,
-                quiet: bool = False, backend: str = "embedded", sglang_options: dict | None = None) -> ServerState:
-    """Everything the server needs. ``repo``: the default workspace (tenants without their own).
-
-    ``backend="embedded"`` (default): ``engine`` is an already loaded ``EmbeddedEngine``
-    (default: load one with ``engine_options``), wrapped here in an ``EmbeddedBackend``; each
-    tenant's workspace is indexed into its shared suffix index in this process.
-
-    ``backend="sglang"``: an in-process ``sglang.Engine`` behind ``SGLangBackend``, started
-    with ``sglang_options`` (its keyword arguments: ``model`` (a Hugging Face folder, required),
-    ``speculative``, ``draft_tokens``, ``eagle3``, ``tp_size``, ``dp_size``, ``device``,
-    ``dtype``, ``engine_kwargs``, ...; ``engine``: an engine already started, for tests). The
-    tenants' workspaces are indexed and watched inside SGLang's scheduler processes (the
-    ``SchedulerConfig`` the backend puts in ``$AGENTSPEC_SGLANG``), so tenants here have no
-    ``Workspace``, only their resolved ``root`` (``/v1/apply`` reads files from it). Routes may
-    not name drafters the engine's one algorithm does not provide
-    (``agentspec.engine.sglang_backend.check_route_drafters``)."""
-    if backend not in ("embedded", "sglang"):
-        raise ConfigError(f"backend must be 'embedded' or 'sglang', got {backend!r}")
-    if not isinstance(config, ServerConfig):
-        config = load_server_config(config)
-    if repo is not None and not Path(repo).is_dir():
-        raise ConfigError(f"--repo is not a directory: {str(repo)!r}")
-    for t in config.tenants:
-        if t.workspace is not None and not Path(t.workspace).is_dir():
-            raise ConfigError(f"tenant {t.name!r}: workspace is not a directory: {t.workspace!r}")
-    if backend == "sglang":
-        if engine_options:
-            raise ConfigError("engine_options are the embedded engine's; pass sglang_options with backend='sglang'")
-        return _build_sglang_state(config, repo=repo, engine=engine, options=sglang_options, watch=watch, quiet=quiet)
-    if sglang_options:
-        raise ConfigError("sglang_options need backend='sglang'")
-    from ..engine import Engine
-    from ..engine.backend import EmbeddedBackend
-    from ..routing import Router
-    from ..telemetry import Metrics, TenantLogSink
-    from ..workspace import Workspace
-
-    opts = dict(engine_options or {})
-    if opts.get("deterministic"):
-        raise ConfigError("the server batches requests, which the deterministic mode does not support")
-    cfg = config.server
-    if engine is None:   # (an engine passed in keeps the prefix cache its caller gave it)
-        engine = Engine.embedded(quiet=quiet, prefix_cache_bytes=cfg.prefix_cache_bytes,
-                                 prefix_cache_shared=cfg.prefix_cache_shared, **opts)
-    router = Router(config.routes)
-    # every speculating route's drafters, built now: a draft head ("eagle3") that is missing or
-    # does not fit the model stops the start with a ConfigError naming the route and the problem,
-    # instead of failing its first request; routes that do not name a head load none
-    route_drafters = {f"route {r.name!r}": r.drafters for r in router.configured() if r.spec is not None}
-    backend = EmbeddedBackend(engine, model_name=cfg.model_name or model_id_for(opts.get("model")),
-                              max_queue=cfg.max_queue, max_batch=cfg.max_batch, budget_policy=cfg.budget_policy,
-                              drafters=route_drafters)
-    tenants: dict[str, Tenant] = {}
-    specs = config.tenants or []
-    names = [(t.name, t.workspace) for t in specs] or [("default", None)]
-    for name, ws_path in names:
-        root = ws_path if ws_path is not None else repo
-        ws = None
-        if root is not None:
-            if not quiet:
-                print(f"[agentspec] indexing workspace {Path(root).resolve()} for tenant {name!r}",
-                      file=sys.stderr, flush=True)
-            ws = Workspace(root, tenant=name, index=backend.index, tokenizer=backend.tokenizer, watch=watch,
-                           progress=not quiet and sys.stderr.isatty())
-            if not quiet:
-                s = ws.summary()
-                print(f"[agentspec]   {s['files']} files, {s['chunks']} chunks, {s['tokens']} tokens "
-                      f"in {s['seconds']:.1f}s", file=sys.stderr, flush=True)
-        tenants[name] = Tenant(name=name, workspace=ws, root=ws.root if ws is not None else None)
-    keys = {k: t.name for t in specs for k in t.api_keys}
-    sink = TenantLogSink(config.server.log_dir, max_bytes=config.server.log_max_bytes,
-                         backups=config.server.log_backups)
-    metrics = Metrics(max_tenants=config.server.metrics_max_tenants)
-    return ServerState(backend=backend, config=config, tenants=tenants, router=router, sink=sink,
-                       metrics=metrics, model_id=backend.model_name, require_key=bool(specs), keys=keys)
-
-
-def _build_sglang_state(config: ServerConfig, *, repo: str | Path | None, engine: Any, options: dict | None,
-                        watch: bool, quiet: bool) -> ServerState:
-    from ..engine.sglang_backend import SGLangBackend
-    from ..routing import Router
-    from ..telemetry import Metrics, TenantLogSink
-
-    opts = dict(options or {})
-    model = opts.pop("model", None)
-    if model is None:
-        raise ConfigError("the SGLang backend needs a model: a Hugging Face folder (--model PATH)")
-    cfg = config.server
-    router = Router(config.routes)
-    route_drafters = {f"route {r.name!r}": r.drafters for r in router.configured() if r.spec is not None}
-    specs = config.tenants or []
-    names = [(t.name, t.workspace) for t in specs] or [("default", None)]
-    roots: dict[str, Path | None] = {}
-    for name, ws_path in names:
-        root = ws_path if ws_path is not None else repo
-        roots[name] = Path(root).resolve() if root is not None else None
-    opts.setdefault("max_queue", cfg.max_queue)
-    backend = SGLangBackend(model, tenants={n: (str(r) if r is not None else None) for n, r in roots.items()},
-                            watch=watch, model_name=cfg.model_name, drafters=route_drafters, engine=engine,
-                            quiet=quiet, **opts)
-    if not quiet:
-        for name, root in roots.items():
-            if root is not None:
-                print(f"[agentspec] tenant {name!r}: workspace {root} (indexed by SGLang's scheduler processes)",
-                      file=sys.stderr, flush=True)
-    tenants = {name: Tenant(name=name, workspace=None, root=root) for name, root in roots.items()}
-    keys = {k: t.name for t in specs for k in t.api_keys}
-    try:
-        sink = TenantLogSink(cfg.log_dir, max_bytes=cfg.log_max_bytes, backups=cfg.log_backups)
-        metrics = Metrics(max_tenants=cfg.metrics_max_tenants)
-    except BaseException:
-        backend.close()   # the engine's processes do not outlive a failed start
-        raise
-    return ServerState(backend=backend, config=config, tenants=tenants, router=router, sink=sink,
-                       metrics=metrics, model_id=backend.model_name, require_key=bool(specs), keys=keys)
+__all__ = ["ServerState", "Tenant", "bind_socket", "build_state", "create_app", "model_id_for", "serve"]
 
 
 def is_loopback(host: str) -> bool:
@@ -336,10 +206,7 @@ def serve(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_
             timer.join()
         for s, h in previous.items():
             signal.signal(s, h)
-        for t in state.tenants.values():
-            if t.workspace is not None:
-                t.workspace.close()
-        state.sink.close()   # every acceptance record queued so far is written and fsynced
+        state.close()   # the backend is closed already; the workspaces, then the acceptance logs
         sock.close()
     if not stopping.is_set():  # the HTTP server ended on its own: a failed start or a crash
         what = "failed to start" if not server.started else "stopped unexpectedly"

@@ -19,7 +19,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .protocol import ApplyRequest, ChatCompletionRequest, CompletionRequest, SessionCreateRequest
+from ..api.protocol import ApplyRequest, ChatCompletionRequest, CompletionRequest, SessionCreateRequest
 
 __all__ = ["build_openapi", "openapi_bytes", "openapi_endpoint"]
 

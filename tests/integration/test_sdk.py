@@ -201,3 +201,32 @@ def test_minisweagent_adapter_real_call(server):
 
 def test_top_level_names():
     assert agentspec.Client is Client and agentspec.AsyncClient is AsyncClient
+
+
+def test_inproc_agent_loop_writes_records_and_reuses_the_prefix_cache_as_served(clients, server, tmp_path):
+    """In-process mode runs the server's request layer: one acceptance record per request in the
+    tenant's log (sessions named in them), and a session's second turn takes the same prefix-cache
+    hit as the same conversation through HTTP."""
+    import json
+    import secrets
+
+    from agentspec.config import ServerConfig
+
+    engine = clients["inproc"]._transport._state.backend.engine
+    config = msgspec.convert({"server": {"log_dir": str(tmp_path / "logs")}}, ServerConfig)
+    system = f"You answer briefly. Conversation {secrets.token_hex(4)}."   # no earlier prompt shares its prefix
+    cached = {}
+    with Client(engine=engine, config=config) as local:
+        local.chat(PROMPT, max_tokens=4, temperature=0)
+        for mode, c in (("inproc", local), ("server", clients["server"])):
+            with c.session(system=system, temperature=0, max_tokens=8) as s:
+                first = s.chat("What is 2 + 2? " * 40)
+                second = s.chat("And 3 + 3?", stream=True).final()
+            cached[mode] = (first.usage.cached_tokens, second.usage.cached_tokens, s.id)
+        local.apply(code=CODE, update="def sub(a, b):\n    return b - a\n", max_tokens=16)
+    assert cached["inproc"][:2] == cached["server"][:2]
+    assert cached["inproc"][1] > 0, "the session's second turn reused nothing"
+    records = [json.loads(line) for line in (tmp_path / "logs" / "default.jsonl").read_text().splitlines()]
+    assert [r["endpoint"] for r in records] == ["chat.completions"] * 3 + ["apply"]
+    assert [r["session"] for r in records[1:3]] == [cached["inproc"][2]] * 2
+    assert all(r["tenant"] == "default" and r["finish_reason"] in ("stop", "length") for r in records)

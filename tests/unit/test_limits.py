@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agentspec.config import load_server_config
-from agentspec.server.limits import LimitExceeded, TenantLimits
+from agentspec.api.limits import LimitExceeded, TenantLimits
 
 
 class Clock:

@@ -9,7 +9,7 @@ import pytest
 from openapi_spec_validator import OpenAPIV31SpecValidator
 
 from agentspec.server.openapi import build_openapi, openapi_bytes
-from agentspec.server.protocol import (
+from agentspec.api.protocol import (
     APIError,
     ApplyRequest,
     ChatCompletionRequest,

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from agentspec.server.sessions import (
+from agentspec.api.sessions import (
     MAX_SESSION_ID,
     SessionForbiddenError,
     SessionNotFoundError,

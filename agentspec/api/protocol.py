@@ -87,7 +87,7 @@ class _Sampling(_Strict):
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None           # session id (cache affinity across an agent loop)
-    session: SessionId | None = None              # extension: an existing session's id (server/sessions.py)
+    session: SessionId | None = None              # extension: an existing session's id (api/sessions.py)
     spec_stats: bool = False                      # extension: speculation stats in the response
     speculation: bool | None = None               # extension: false turns speculation off for this request
 
@@ -143,7 +143,7 @@ class ApplyRequest(_Strict, kw_only=True):
     seed: int | None = None
     speculation: bool | None = None
     prompt_cache_key: str | None = None
-    session: SessionId | None = None              # extension: an existing session's id (server/sessions.py)
+    session: SessionId | None = None              # extension: an existing session's id (api/sessions.py)
 
 
 class SessionCreateRequest(_Strict, kw_only=True):

@@ -1,23 +1,23 @@
-"""The adapter from a backend's callbacks to the event loop; the event loop never blocks.
+"""A ``Job``: one request submitted to a ``Backend``, from its callbacks to whoever waits on it.
 
-A ``Job`` is one request submitted to the ``agentspec.backend.Backend`` (which batches, queues
-and refuses: a full queue is a 503). Its committed tokens come back to the event loop through an
-asyncio queue. A job is cancelled (client gone, timeout) through ``should_stop``, which the
-backend polls between steps, so it stops at the next step boundary, frees its KV cache and still
-reports partial stats.
+The backend (which batches, queues and refuses: a full queue is a 503) calls ``_tokens`` with
+each decode step's committed token ids and ``_done`` once at the end, on its scheduler thread.
+The job hands each event to ``emit(kind, value)``: the HTTP server puts it on its event loop's
+queue (``loop.call_soon_threadsafe``), the in-process SDK on a thread-safe queue. A job is
+cancelled (client gone, timeout) through ``should_stop``, which the backend polls between steps,
+so it stops at the next step boundary, frees its KV cache and still reports partial stats.
 
-The queue is not bounded and the backend never waits on it: a client that reads slowly (or not
-at all) must not hold up the scheduler, which steps every running request together. It stays
-small anyway: one entry per decode step of this request (a list of the step's token ids), so at
-most ``max_tokens`` entries (capped by the context window), a few hundred bytes each; the text
-and SSE bytes are only made when the client reads, and uvicorn stops the response's writes
+The events are not bounded and the backend never waits on them: a client that reads slowly (or
+not at all) must not hold up the scheduler, which steps every running request together. They
+stay small anyway: one entry per decode step of this request (a list of the step's token ids),
+so at most ``max_tokens`` entries (capped by the context window), a few hundred bytes each; the
+text and SSE bytes are only made when the client reads, and uvicorn stops the response's writes
 (flow control, 64 KiB) while the client's socket is full. A stalled reader costs its token ids
 and one socket's buffers, never another request's time.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -29,12 +29,11 @@ __all__ = ["Job"]
 class Job:
     """One generation: ``request`` is the ``GenerationRequest`` submitted to the backend."""
 
-    def __init__(self, request: Any, *, deadline: float, loop: asyncio.AbstractEventLoop,
+    def __init__(self, request: Any, *, deadline: float, emit: Callable[[str, Any], None],
                  on_finish: Callable[["Job", str, Any], None] | None = None) -> None:
         self.request = request
         self.deadline = deadline              # time.monotonic() after which the job stops
-        self.loop = loop
-        self.events: asyncio.Queue = asyncio.Queue()
+        self.emit = emit                      # (kind, value): "tokens" / "done" / "error" / "cancelled"
         self.cancelled = threading.Event()
         self.timed_out = False
         self.shutdown = False                 # cancelled because the server is shutting down (a 503)
@@ -55,8 +54,8 @@ class Job:
 
     def _emit(self, kind: str, value: Any) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # the event loop is closed (server shutting down)
+            self.emit(kind, value)
+        except RuntimeError:  # the server's event loop is closed (shutting down): nobody listens
             pass
 
     def _tokens(self, new: list[int]) -> None:

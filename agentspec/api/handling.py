@@ -1,0 +1,569 @@
+"""OpenAI-shaped request handling with no HTTP: what the server and the in-process SDK share.
+
+``prepare`` turns a JSON body for one of the generation endpoints into a ``Prepared`` call:
+decoded with the request structs (``protocol``: the same validation, the same 400s), the model
+checked, the session resolved for the tenant, the prompt encoded (chat template, fast apply),
+resolved against the routes and the context window, with the response shapes (a whole body, the
+stream's chunks) bound to it. ``submit`` queues it on the ``Backend`` as a ``Job`` (tenant limits,
+draining, errors mapped to 4xx/5xx) and, when it finishes, writes its tenant's acceptance record
+and the metrics. ``outcome`` and ``StreamShaper`` turn the job's events into the answer.
+
+The HTTP server (``agentspec.server.app``) adds authentication, body limits, SSE framing and
+disconnect checks; the SDK's in-process transport (``agentspec.sdk._local``) queues events on a
+thread-safe queue instead of an event loop. Both run everything else here, so an in-process
+agent loop leaves the same per-tenant records and uses sessions as a served one does.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..apply import ApplyPathError, build_apply, chat_fast_apply, prediction_usage, resolve_workspace_path
+from ..backend import GenerationRequest
+from ..errors import BackendClosedError, ContextLengthError, InvalidRequestError, QueueFullError
+from ..routing import Route
+from ..text import TextStream
+from .jobs import Job
+from .limits import LimitExceeded
+from .protocol import (
+    APIError,
+    ApplyRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SessionCreateRequest,
+    decode_body,
+)
+from .sessions import SessionForbiddenError, SessionNotFoundError
+
+if TYPE_CHECKING:
+    from ..engine.base import GenerationStats
+    from .state import ServerState, Tenant
+
+__all__ = ["GENERATION_PATHS", "Call", "Prepared", "StreamShaper", "create_session", "health", "model_card",
+           "outcome", "prepare", "session_detail", "shutting_down", "submit"]
+
+
+# ---- parsing and resolving -------------------------------------------------------------------------------
+
+def check_model(state: ServerState, model: str | None) -> str:
+    if model is None or model == state.model_id:
+        return state.model_id
+    raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_id!r}",
+                   type="not_found_error", param="model", code="model_not_found")
+
+
+def _text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
+def _session_error(e: Exception, param: str) -> APIError:
+    if isinstance(e, SessionNotFoundError):
+        return APIError(404, str(e), type="not_found_error", param=param, code="session_not_found")
+    if isinstance(e, SessionForbiddenError):
+        return APIError(403, str(e), type="permission_error", param=param, code="session_forbidden")
+    return APIError(400, str(e), param=param, code="invalid_value")
+
+
+def _session(state: ServerState, tenant: Tenant, req) -> str | None:
+    """The request's session id, checked against (or bound to) ``tenant``: an explicit ``session``
+    must exist; ``prompt_cache_key`` is bound at first use. ``user`` (OpenAI's end-user id: two
+    tenants may well both have a "user-1") names the session only when neither is given, and is
+    never bound: it groups the tenant's own records and cannot be refused for another tenant's."""
+    for param in ("session", "prompt_cache_key"):
+        sid = getattr(req, param, None)
+        if not sid:
+            continue
+        try:
+            if param == "session":
+                return state.sessions.get(tenant.name, sid).id
+            return state.sessions.bind(tenant.name, sid).id
+        except (SessionNotFoundError, SessionForbiddenError, ValueError) as e:
+            raise _session_error(e, param) from None
+    user = getattr(req, "user", None)
+    return user or None
+
+
+@dataclass
+class Call:
+    """One generation request after parsing, shared by the three endpoints."""
+
+    endpoint: str
+    tenant: Tenant
+    ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    route: Route
+    spec_reason: str                    # set when the request or its route turned speculation off
+    prediction: list[int] | None
+    session: str | None
+    stream: bool
+    include_usage: bool
+    want_stats: bool
+    request_id: str
+    model: str
+    t0: float                           # monotonic time the request arrived
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _resolve(state: ServerState, *, endpoint: str, tenant: Tenant, model: str, ids: list[int], temperature: float,
+             top_p: float | None, top_k: int | None, seed: int | None, stop, max_tokens: int | None,
+             speculation: bool | None, prediction: str | list[int] | None, session: str | None, stream: bool,
+             include_usage: bool, want_stats: bool, t0: float, prefix: str) -> Call:
+    backend = state.backend
+    route = state.router.resolve(endpoint=endpoint, tenant=tenant.name, model=model, temperature=temperature)
+    if speculation is False and route.spec is not None:
+        route = Route(name=route.name, spec=None, reason="request: speculation = false", drafters=route.drafters)
+    room = backend.max_context - len(ids)
+    if room < 1:
+        raise APIError(400, f"prompt of {len(ids)} tokens does not fit the context window of "
+                            f"{backend.max_context} tokens", param="messages" if endpoint == "chat.completions"
+                       else "prompt", code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(state.config.server.default_max_tokens, room)
+    pred_ids = backend.encode_text(prediction) if isinstance(prediction, str) and prediction else (
+        prediction or None)
+    if isinstance(stop, str):
+        stop = [stop]
+    return Call(endpoint=endpoint, tenant=tenant, ids=ids, max_tokens=max_tokens, temperature=temperature,
+                top_p=1.0 if top_p is None else top_p, top_k=max(top_k or 0, 0), seed=seed, stop=list(stop or []),
+                route=route, spec_reason=route.reason, prediction=pred_ids, session=session, stream=stream,
+                include_usage=include_usage, want_stats=want_stats,
+                request_id=f"{prefix}-{secrets.token_hex(12)}", model=model, t0=t0)
+
+
+# ---- response shapes ----------------------------------------------------------------------------------
+
+def spec_info(call: Call, stats) -> dict:
+    return {
+        "enabled": stats.spec_enabled,
+        "reason": call.spec_reason or stats.spec_reason,
+        "route": call.route.name,
+        "steps": stats.steps,
+        "draft_tokens": stats.draft_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
+        "acceptance_rate": round(stats.accepted_tokens / stats.draft_tokens, 4) if stats.draft_tokens else 0.0,
+        "draft_sources": dict(stats.draft_sources),
+        "prefill_ms": round(stats.prefill_seconds * 1e3, 2),
+        "decode_ms": round(stats.decode_seconds * 1e3, 2),
+        "tokens_per_second": round(stats.tokens_per_second, 2),
+    }
+
+
+def usage(call: Call, completion_ids: Sequence[int], stats: GenerationStats | None = None) -> dict:
+    u: dict[str, Any] = {"prompt_tokens": len(call.ids), "completion_tokens": len(completion_ids),
+                         "total_tokens": len(call.ids) + len(completion_ids),
+                         # prompt tokens whose KV the prefix cache served (OpenAI's field)
+                         "prompt_tokens_details": {"cached_tokens": getattr(stats, "cached_tokens", 0)}}
+    if call.prediction is not None:
+        acc, rej = prediction_usage(call.prediction, completion_ids)
+        u["completion_tokens_details"] = {"accepted_prediction_tokens": acc, "rejected_prediction_tokens": rej}
+    return u
+
+
+def _finish_reason(reason: str) -> str:
+    return reason if reason in ("stop", "length") else "length"
+
+
+def _final_chunks(call: Call, gen, head: dict, choice: dict) -> list[dict]:
+    """The last chunk(s) of a streamed completion: ``choice`` with the finish reason (and the
+    spec stats when asked), then, with ``stream_options.include_usage``, the usage chunk."""
+    last = {**head, "choices": [choice]}
+    if call.want_stats:
+        last["spec"] = spec_info(call, gen.stats)
+    if not call.include_usage:
+        return [last]
+    last["usage"] = None
+    return [last, {**head, "choices": [], "usage": usage(call, gen.token_ids, gen.stats)}]
+
+
+@dataclass
+class Prepared:
+    """A resolved call and its response shapes: ``respond(gen)`` the whole body; for a stream,
+    ``opening`` (chunks before any text), ``chunk(delta)`` per text delta, ``final(gen, tail)``
+    the closing chunks; ``progress`` (apply): committed tokens and steps so far, on every chunk."""
+
+    call: Call
+    respond: Callable[[Any], dict]
+    chunk: Callable[[str], dict]
+    final: Callable[[Any, str], list[dict]]
+    opening: list[dict] = field(default_factory=list)
+    progress: dict | None = None
+
+
+def _chat(state: ServerState, tenant: Tenant, req: ChatCompletionRequest, model: str, session: str | None,
+          t0: float) -> Prepared:
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
+                for m in req.messages]
+    prediction = _text(req.prediction.content) if req.prediction is not None else None
+    # Morph/Relace-style fast apply in a chat message: the original code is the draft source
+    messages, apply_code = chat_fast_apply(messages)
+    if apply_code is not None and prediction is None:
+        prediction = apply_code
+    try:
+        ids = state.backend.encode_chat(messages)
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param="messages", code="invalid_value") from None
+    call = _resolve(state, endpoint="chat.completions", tenant=tenant, model=model, ids=ids,
+                    temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p,
+                    top_k=req.top_k, seed=req.seed, stop=req.stop,
+                    max_tokens=req.max_completion_tokens or req.max_tokens, speculation=req.speculation,
+                    prediction=prediction, session=session, stream=req.stream,
+                    include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                    want_stats=req.spec_stats, t0=t0, prefix="chatcmpl")
+    base = {"id": call.request_id, "created": call.created, "model": model}
+
+    def respond(gen) -> dict:
+        body = {**base, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
+                             "logprobs": None, "finish_reason": _finish_reason(gen.finish_reason)}],
+                "usage": usage(call, gen.token_ids, gen.stats)}
+        if call.want_stats:
+            body["spec"] = spec_info(call, gen.stats)
+        return body
+
+    def chunk(delta: str, *, role: bool = False) -> dict:
+        c = {**base, "object": "chat.completion.chunk",
+             "choices": [{"index": 0, "delta": ({"role": "assistant", "content": delta} if role
+                                                 else {"content": delta}), "logprobs": None, "finish_reason": None}]}
+        if call.include_usage:
+            c["usage"] = None
+        return c
+
+    def final(gen, tail: str) -> list[dict]:
+        return _final_chunks(call, gen, {**base, "object": "chat.completion.chunk"},
+                             {"index": 0, "delta": {"content": tail} if tail else {}, "logprobs": None,
+                              "finish_reason": _finish_reason(gen.finish_reason)})
+
+    return Prepared(call, respond, chunk, final, opening=[chunk("", role=True)])
+
+
+def _completion(state: ServerState, tenant: Tenant, req: CompletionRequest, model: str, session: str | None,
+                t0: float) -> Prepared:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) != 1:
+            raise APIError(400, f"one prompt per request is supported, got a batch of {len(prompt)}", param="prompt",
+                           code="unsupported_parameter")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+        ids = state.backend.encode_text(prompt)  # a completion prompt is raw text: no chat template
+    elif not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise APIError(400, "prompt must be a string, a list of token ids, or a batch of one of either",
+                       param="prompt", code="invalid_value")
+    else:
+        ids = list(prompt)  # token ids: the backend checks them at submit (param "prompt")
+    call = _resolve(state, endpoint="completions", tenant=tenant, model=model, ids=ids,
+                    temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p,
+                    top_k=req.top_k, seed=req.seed, stop=req.stop, max_tokens=req.max_tokens,
+                    speculation=req.speculation,
+                    prediction=_text(req.prediction.content) if req.prediction is not None else None,
+                    session=session, stream=req.stream,
+                    include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                    want_stats=req.spec_stats, t0=t0, prefix="cmpl")
+    base = {"id": call.request_id, "object": "text_completion", "created": call.created, "model": model}
+
+    def respond(gen) -> dict:
+        body = {**base, "choices": [{"index": 0, "text": gen.text, "logprobs": None,
+                                     "finish_reason": _finish_reason(gen.finish_reason)}],
+                "usage": usage(call, gen.token_ids, gen.stats)}
+        if call.want_stats:
+            body["spec"] = spec_info(call, gen.stats)
+        return body
+
+    def chunk(delta: str) -> dict:
+        c = {**base, "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": None}]}
+        if call.include_usage:
+            c["usage"] = None
+        return c
+
+    def final(gen, tail: str) -> list[dict]:
+        return _final_chunks(call, gen, base, {"index": 0, "text": tail, "logprobs": None,
+                                               "finish_reason": _finish_reason(gen.finish_reason)})
+
+    return Prepared(call, respond, chunk, final)
+
+
+def _read_workspace_file(tenant: Tenant, path: str, limit: int) -> str:
+    try:
+        # what the workspace ignores (.gitignore, its ignore list, .git/) is refused like outside it
+        ignored = tenant.workspace.ignored if tenant.workspace is not None else None
+        return resolve_workspace_path(tenant.root, path, max_bytes=limit, tenant=tenant.name, ignored=ignored)[1]
+    except ApplyPathError as e:
+        raise APIError(e.status, str(e), type=e.type, param=e.param, code=e.code) from None
+
+
+def _apply(state: ServerState, tenant: Tenant, req: ApplyRequest, model: str, session: str | None,
+           t0: float) -> Prepared:
+    if (req.code is None) == (req.path is None):
+        raise APIError(400, "give exactly one of `code` or `path`", param="code", code="invalid_value")
+    if not req.update and not req.instruction:
+        raise APIError(400, "give `update` (an edit snippet) and/or `instruction`", param="update",
+                       code="invalid_value")
+    code = req.code if req.code is not None else _read_workspace_file(tenant, req.path,
+                                                                        state.config.server.max_body_bytes)
+    name = Path(req.path).name if req.path is not None else "the file"
+    try:
+        plan = build_apply(code, req.update, req.instruction, name, tokenizer=state.backend.tokenizer)
+        ids = state.backend.encode_chat(plan.messages)
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param=e.param if e.param != "messages" else "code",
+                       code="invalid_value") from None
+    max_tokens = req.max_tokens
+    if max_tokens is None:  # room for the whole file and the update, within the context window
+        max_tokens = plan.max_tokens(state.backend.max_context - len(ids))
+    call = _resolve(state, endpoint="apply", tenant=tenant, model=model, ids=ids, temperature=req.temperature,
+                    top_p=None, top_k=None, seed=req.seed, stop=None, max_tokens=max_tokens,
+                    speculation=req.speculation, prediction=plan.prediction_ids, session=session, stream=req.stream,
+                    include_usage=True, want_stats=True, t0=t0, prefix="apply")
+    base = {"id": call.request_id, "object": "apply", "created": call.created, "model": model}
+    if req.path is not None:
+        base["path"] = req.path
+
+    def respond(gen) -> dict:
+        return {**base, "merged_code": plan.finish(gen.text), "finish_reason": _finish_reason(gen.finish_reason),
+                "usage": usage(call, gen.token_ids, gen.stats), "spec": spec_info(call, gen.stats)}
+
+    progress = {"completion_tokens": 0, "steps": 0}   # on every chunk: an editor's progress bar and MAT so far
+
+    def chunk(delta: str) -> dict:
+        return {**base, "object": "apply.chunk", "delta": delta, **progress}
+
+    def final(gen, tail: str) -> list[dict]:
+        return [{**respond(gen), "object": "apply.chunk", "delta": tail}]
+
+    return Prepared(call, respond, chunk, final, progress=progress)
+
+
+# path -> (request struct, preparer)
+GENERATION_PATHS: dict[str, tuple[Any, Callable[..., Prepared]]] = {
+    "/v1/chat/completions": (ChatCompletionRequest, _chat),
+    "/v1/completions": (CompletionRequest, _completion),
+    "/v1/apply": (ApplyRequest, _apply),
+}
+
+
+def prepare(state: ServerState, path: str, tenant: Tenant, body: bytes, *, t0: float | None = None,
+            stream: bool | None = None) -> Prepared:
+    """``body`` (JSON bytes) for the generation endpoint ``path``, decoded, checked and resolved
+    for ``tenant``; ``t0``: when the request arrived (monotonic; default now). ``stream``: force
+    the body's ``stream`` (the SDK's transports choose it). A session of another tenant is a 403
+    here, before anything runs."""
+    t0 = time.monotonic() if t0 is None else t0
+    if path not in GENERATION_PATHS:
+        raise APIError(404, f"no route POST {path}", type="not_found_error", code="not_found")
+    body_type, preparer = GENERATION_PATHS[path]
+    req = decode_body(body, body_type)
+    req.check_unsupported()
+    if stream is not None and req.stream != stream:
+        import msgspec
+
+        req = msgspec.structs.replace(req, stream=stream)
+    model = check_model(state, req.model)
+    return preparer(state, tenant, req, model, _session(state, tenant, req), t0)
+
+
+# ---- running a call -------------------------------------------------------------------------------
+
+_PARAMS = {"prediction_ids": "prediction"}   # GenerationRequest fields -> the API's names
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "server shutting down; retry on another instance", type="server_error",
+                    code="shutting_down")
+
+
+def engine_error(e: Any) -> APIError:
+    if isinstance(e, InvalidRequestError):
+        return APIError(400, str(e), param=e.param, code="invalid_value")
+    print(f"[agentspec] generation failed: {e!r}", file=sys.stderr, flush=True)
+    return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error", code="internal_error")
+
+
+def submit(state: ServerState, call: Call, emit: Callable[[str, Any], None], *,
+           deadline: float | None = None) -> Job:
+    """Queue ``call`` on the backend as a ``Job`` whose events go to ``emit(kind, value)`` (on
+    the scheduler thread). Bad values raise 400s now, a full queue a 503, a tenant over its
+    limits a 429. ``deadline`` (monotonic): default the arrival plus ``request_timeout_s``. When
+    the job finishes, whatever its end, its tenant's acceptance log gets one record."""
+    tenant = call.tenant.name
+    request = GenerationRequest(
+        prompt_ids=call.ids, max_tokens=call.max_tokens, temperature=call.temperature, top_p=call.top_p,
+        top_k=call.top_k, seed=call.seed, stop=call.stop, spec=call.route.spec, drafters=call.route.drafters,
+        tenant=tenant, route=call.route.name, session=call.session, request_id=call.request_id,
+        prediction_ids=call.prediction)
+    if state.draining:
+        raise shutting_down()
+    try:
+        limited = state.limits.acquire(tenant)
+    except LimitExceeded as e:
+        raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(e.retry_after)}) from None
+
+    def on_finish(job: Job, kind: str, value: Any):
+        with state.jobs_lock:
+            state.jobs.discard(job)
+        if limited:
+            state.limits.release(tenant)
+        _record(state, call, job, kind, value)
+
+    if deadline is None:
+        deadline = call.t0 + state.config.server.request_timeout_s
+    job = Job(request, deadline=deadline, emit=emit, on_finish=on_finish)
+    state.metrics.request_started(tenant)
+    job.started_at = time.monotonic()
+    with state.jobs_lock:
+        state.jobs.add(job)
+    try:
+        state.backend.submit(request, on_tokens=job._tokens, on_done=job._done, should_stop=job.should_stop)
+    except BaseException as e:
+        with state.jobs_lock:
+            state.jobs.discard(job)
+        job.started_at = None
+        if limited:
+            state.limits.release(tenant)
+        state.metrics.request_finished(tenant)
+        if isinstance(e, ContextLengthError):
+            raise APIError(400, str(e), param=_PARAMS.get(e.param, e.param), code="context_length_exceeded") from None
+        if isinstance(e, InvalidRequestError):
+            raise APIError(400, str(e), param=_PARAMS.get(e.param, e.param), code="invalid_value") from None
+        if isinstance(e, QueueFullError):
+            raise APIError(503, f"server overloaded: {e}", type="server_error", code="overloaded") from None
+        if isinstance(e, BackendClosedError):
+            raise shutting_down() from None
+        raise
+    return job
+
+
+def _record(state: ServerState, call: Call, job: Job, kind: str, value: Any) -> None:
+    """One acceptance-log record and the metrics for a finished (or failed) request."""
+    from ..engine.base import GenerationStats
+    from ..telemetry import record_from_stats
+
+    now = time.monotonic()
+    if kind == "done":
+        gen = value
+        stats = gen.stats
+        finish = gen.finish_reason
+        if finish == "cancelled" and job.timed_out:
+            finish = "timeout"
+    else:
+        stats = GenerationStats(prompt_tokens=len(call.ids))
+        finish = {"cancelled": "timeout" if job.timed_out else "cancelled"}.get(kind, "error")
+    if call.spec_reason:
+        stats.spec_reason = call.spec_reason
+    e2e = (now - call.t0) * 1e3
+    ttft = (job.first_token_at - call.t0) * 1e3 if job.first_token_at is not None else e2e
+    extra: dict[str, Any] = {}
+    if kind == "error":
+        extra = {"status_code": 500 if not isinstance(value, InvalidRequestError) else 400,
+                 "error": f"{type(value).__name__}: {value}"}
+    elif finish in ("cancelled", "timeout"):
+        extra = {"status_code": 504 if finish == "timeout" else 499}
+    if job.shutdown and finish in ("cancelled", "error"):   # cut off by the shutdown grace period
+        finish, extra = "cancelled", {"status_code": 503, "error": "server shutting down"}
+    rec = record_from_stats(
+        stats, request_id=call.request_id, tenant=call.tenant.name, route=call.route.name, endpoint=call.endpoint,
+        session=call.session, model=state.model_id, ttft_ms=round(ttft, 3), e2e_ms=round(e2e, 3),
+        finish_reason=finish, **extra)
+    try:
+        state.sink.write(rec)
+    finally:
+        state.metrics.observe(rec)
+        if job.started_at is not None:
+            state.metrics.request_finished(call.tenant.name)
+
+
+def outcome(job: Job, kind: str, value: Any):
+    """The ``Generation`` of a job that ended with event ``(kind, value)``, or the APIError its
+    client gets (504 timed out, 499 cancelled, 503 shutting down, 400/500 from the engine)."""
+    if job.shutdown and (kind != "done" or value.finish_reason == "cancelled"):
+        raise shutting_down()
+    if kind == "done":
+        if value.finish_reason == "cancelled" and job.timed_out:
+            raise APIError(504, "request timed out", type="server_error", code="timeout")
+        return value
+    if kind == "cancelled":
+        if job.timed_out:
+            raise APIError(504, "request timed out while queued", type="server_error", code="timeout")
+        raise APIError(499, "request cancelled", type="server_error", code="cancelled")
+    raise engine_error(value)
+
+
+class StreamShaper:
+    """A streamed call's events as the chunks its client reads: ``events(kind, value)`` returns
+    ``(chunks, error, done)`` for one job event; ``error`` is the APIError to send (as the
+    stream's last data) when the job ended badly after the stream started."""
+
+    def __init__(self, prepared: Prepared, tokenizer: Any) -> None:
+        self.prepared = prepared
+        self.text = TextStream(tokenizer, prepared.call.stop)
+
+    def events(self, job: Job, kind: str, value: Any) -> tuple[list[dict], APIError | None, bool]:
+        p = self.prepared
+        if kind == "tokens":
+            if p.progress is not None:
+                p.progress["completion_tokens"] += len(value)
+                p.progress["steps"] += 1
+            delta = self.text.push(value)
+            return ([p.chunk(delta)] if delta else []), None, False
+        if kind == "done" and not (value.finish_reason == "cancelled" and (job.timed_out or job.shutdown)):
+            return list(p.final(value, self.text.finish(value.text))), None, True
+        # an error, a cancellation, or a timeout after the stream started
+        err = (shutting_down() if job.shutdown
+               else APIError(504, "request timed out", type="server_error", code="timeout") if job.timed_out
+               else APIError(499, "request cancelled", type="server_error", code="cancelled")
+               if kind in ("cancelled", "done") else engine_error(value))
+        return [], err, True
+
+
+# ---- the other endpoints ------------------------------------------------------------------------------
+
+def model_card(state: ServerState) -> dict:
+    return {"id": state.model_id, "object": "model", "created": int(state.started), "owned_by": "agentspec",
+            "max_model_len": state.backend.max_context}
+
+
+def create_session(state: ServerState, tenant: Tenant, body: bytes) -> dict:
+    """``POST /v1/sessions``: a session for ``tenant`` (body optional: ``{"id": ...}``)."""
+    req = decode_body(body, SessionCreateRequest) if body.strip() else SessionCreateRequest()
+    try:
+        return state.sessions.create(tenant.name, req.id).body()
+    except (SessionForbiddenError, ValueError) as e:
+        raise _session_error(e, "id") from None
+
+
+def session_detail(state: ServerState, tenant: Tenant, session_id: str) -> dict:
+    """``GET /v1/sessions/{id}``: the tenant's own session; 404 unknown, 403 another tenant's."""
+    try:
+        return state.sessions.get(tenant.name, session_id).body()
+    except (SessionNotFoundError, SessionForbiddenError) as e:
+        raise _session_error(e, "id") from None
+
+
+def health(state: ServerState) -> dict:
+    """``GET /health``: the backend's health, memory that grows with use (for operators and the
+    soak test: no prompts, no names) and whether the acceptance logs are being written."""
+    h = state.backend.health()
+    sizes = state.backend.memory()
+    # the acceptance logs: "failing" while a tenant's last write failed (disk full, permissions);
+    # requests are still served, so the status stays "ok"
+    logs = {"logs": getattr(state.sink, "status", "ok"), "log_write_errors": getattr(state.sink, "failed", 0)}
+    return {**h, "status": h.get("status", "ok"), "model": state.model_id,
+            "uptime_s": round(time.time() - state.started, 1), **sizes, **logs}

@@ -1,0 +1,231 @@
+"""The server's state, built once: the backend, the tenants (workspaces, API keys), routes,
+sessions, limits, the acceptance logs and metrics. The HTTP server and the in-process SDK build
+it with the same ``build_state`` and hand it to ``agentspec.api.handling``.
+
+``build_state`` loads the engine and wraps it in a backend (``agentspec.backend.Backend``:
+``agentspec.engine.backend.EmbeddedBackend``, or ``agentspec.engine.sglang_backend.SGLangBackend``
+with ``backend="sglang"``: nothing else talks to the engine), indexes each tenant's workspace
+into the backend's shared suffix index (tenants are isolated inside it) and opens the
+acceptance logs and metrics.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..backend import Backend
+from ..config import ServerConfig, load_server_config
+from ..errors import ConfigError
+from ..routing import Router
+from .limits import TenantLimits
+from .sessions import SessionRegistry
+
+__all__ = ["ServerState", "Tenant", "build_state", "model_id_for"]
+
+
+@dataclass
+class Tenant:
+    name: str
+    workspace: Any = None          # agentspec.Workspace or None
+    root: Path | None = None
+
+
+@dataclass
+class ServerState:
+    """Everything the handlers share. Built by ``agentspec.server.build_state``."""
+
+    backend: Backend               # the engine, behind agentspec.backend.Backend (nothing else is used)
+    config: ServerConfig
+    tenants: dict[str, Tenant]
+    router: Router
+    sink: Any                      # telemetry.TenantLogSink
+    metrics: Any                   # telemetry.Metrics
+    model_id: str
+    require_key: bool
+    keys: dict[str, str] = field(default_factory=dict)   # api key -> tenant
+    sessions: SessionRegistry = field(default_factory=SessionRegistry)   # session id -> owning tenant
+    started: float = field(default_factory=time.time)
+    limits: TenantLimits | None = None   # per-tenant max_concurrent / requests_per_minute (from config)
+    draining: bool = False         # shutting down: new generation requests get 503 (``serve``'s SIGTERM)
+    jobs: set = field(default_factory=set, repr=False)   # jobs submitted and not finished
+    jobs_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def cancel_jobs(self) -> int:
+        """Cancel every unfinished job because the server is shutting down (each stops at its
+        next decode step; its client gets a 503 ``shutting_down`` error); how many."""
+        with self.jobs_lock:
+            jobs = list(self.jobs)
+        for job in jobs:
+            job.shutdown = True
+            job.cancel()
+        return len(jobs)
+
+    @property
+    def default_tenant(self) -> Tenant:
+        """The one tenant of a server without API keys (no tenants configured)."""
+        return next(iter(self.tenants.values()))
+
+    def close(self) -> None:
+        """Stop the backend, stop watching the workspaces, write out the acceptance logs."""
+        try:
+            self.backend.close()
+        finally:
+            for t in self.tenants.values():
+                if t.workspace is not None:
+                    t.workspace.close()
+            self.sink.close()   # every acceptance record queued so far is written and fsynced
+
+    def __post_init__(self) -> None:
+        if self.limits is None:
+            self.limits = TenantLimits({t.name: (t.max_concurrent, t.requests_per_minute)
+                                        for t in (self.config.tenants or [])})
+
+
+
+def model_id_for(model: str | None) -> str:
+    from ..engine.backend import model_name_for
+
+    return model_name_for(model)
+
+
+def _engine_model_id(engine: Any) -> str:
+    """The id served for an embedded engine's model: the bundled one by its name, another by its
+    file or folder name."""
+    from ..engine.weights import bundled_model_path
+
+    path = getattr(engine, "model_path", None)
+    try:
+        bundled = path is not None and Path(path).resolve() == bundled_model_path().resolve()
+    except Exception:  # noqa: BLE001 - the bundled model is not installed
+        bundled = False
+    return model_id_for(None if bundled else path)
+
+
+def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | Path | None = None,
+                engine: Any = None, engine_options: dict | None = None, watch: bool = True,
+                quiet: bool = False, backend: str = "embedded", sglang_options: dict | None = None,
+                default_tenant: str = "default", max_batch: int | None = None) -> ServerState:
+    """Everything the server needs. ``repo``: the default workspace (tenants without their own).
+    ``default_tenant``: the name of the one tenant when the config names none. ``max_batch``:
+    instead of the config's (the in-process SDK's own default).
+
+    ``backend="embedded"`` (default): ``engine`` is an already loaded ``EmbeddedEngine``
+    (default: load one with ``engine_options``), wrapped here in an ``EmbeddedBackend``; each
+    tenant's workspace is indexed into its shared suffix index in this process.
+
+    ``backend="sglang"``: an in-process ``sglang.Engine`` behind ``SGLangBackend``, started
+    with ``sglang_options`` (its keyword arguments: ``model`` (a Hugging Face folder, required),
+    ``speculative``, ``draft_tokens``, ``eagle3``, ``tp_size``, ``dp_size``, ``device``,
+    ``dtype``, ``engine_kwargs``, ...; ``engine``: an engine already started, for tests). The
+    tenants' workspaces are indexed and watched inside SGLang's scheduler processes (the
+    ``SchedulerConfig`` the backend puts in ``$AGENTSPEC_SGLANG``), so tenants here have no
+    ``Workspace``, only their resolved ``root`` (``/v1/apply`` reads files from it). Routes may
+    not name drafters the engine's one algorithm does not provide
+    (``agentspec.engine.sglang_backend.check_route_drafters``)."""
+    if backend not in ("embedded", "sglang"):
+        raise ConfigError(f"backend must be 'embedded' or 'sglang', got {backend!r}")
+    if not isinstance(config, ServerConfig):
+        config = load_server_config(config)
+    if repo is not None and not Path(repo).is_dir():
+        raise ConfigError(f"--repo is not a directory: {str(repo)!r}")
+    for t in config.tenants:
+        if t.workspace is not None and not Path(t.workspace).is_dir():
+            raise ConfigError(f"tenant {t.name!r}: workspace is not a directory: {t.workspace!r}")
+    if backend == "sglang":
+        if engine_options:
+            raise ConfigError("engine_options are the embedded engine's; pass sglang_options with backend='sglang'")
+        return _build_sglang_state(config, repo=repo, engine=engine, options=sglang_options, watch=watch, quiet=quiet,
+                                   default_tenant=default_tenant)
+    if sglang_options:
+        raise ConfigError("sglang_options need backend='sglang'")
+    from ..engine import Engine
+    from ..engine.backend import EmbeddedBackend
+    from ..telemetry import Metrics, TenantLogSink
+    from ..workspace import Workspace
+
+    opts = dict(engine_options or {})
+    if opts.get("deterministic"):
+        raise ConfigError("the server batches requests, which the deterministic mode does not support")
+    cfg = config.server
+    if engine is None:   # (an engine passed in keeps the prefix cache its caller gave it)
+        opts.setdefault("prefix_cache_bytes", cfg.prefix_cache_bytes)
+        opts.setdefault("prefix_cache_shared", cfg.prefix_cache_shared)
+        engine = Engine.embedded(quiet=quiet, **opts)
+    router = Router(config.routes)
+    # every speculating route's drafters, built now: a draft head ("eagle3") that is missing or
+    # does not fit the model stops the start with a ConfigError naming the route and the problem,
+    # instead of failing its first request; routes that do not name a head load none
+    route_drafters = {f"route {r.name!r}": r.drafters for r in router.configured() if r.spec is not None}
+    backend = EmbeddedBackend(engine, model_name=cfg.model_name or _engine_model_id(engine),
+                              max_queue=cfg.max_queue, max_batch=max_batch or cfg.max_batch,
+                              budget_policy=cfg.budget_policy,
+                              drafters=route_drafters)
+    tenants: dict[str, Tenant] = {}
+    specs = config.tenants or []
+    names = [(t.name, t.workspace) for t in specs] or [(default_tenant, None)]
+    for name, ws_path in names:
+        root = ws_path if ws_path is not None else repo
+        ws = None
+        if root is not None:
+            if not quiet:
+                print(f"[agentspec] indexing workspace {Path(root).resolve()} for tenant {name!r}",
+                      file=sys.stderr, flush=True)
+            ws = Workspace(root, tenant=name, index=backend.index, tokenizer=backend.tokenizer, watch=watch,
+                           progress=not quiet and sys.stderr.isatty())
+            if not quiet:
+                s = ws.summary()
+                print(f"[agentspec]   {s['files']} files, {s['chunks']} chunks, {s['tokens']} tokens "
+                      f"in {s['seconds']:.1f}s", file=sys.stderr, flush=True)
+        tenants[name] = Tenant(name=name, workspace=ws, root=ws.root if ws is not None else None)
+    keys = {k: t.name for t in specs for k in t.api_keys}
+    sink = TenantLogSink(config.server.log_dir, max_bytes=config.server.log_max_bytes,
+                         backups=config.server.log_backups)
+    metrics = Metrics(max_tenants=config.server.metrics_max_tenants)
+    return ServerState(backend=backend, config=config, tenants=tenants, router=router, sink=sink,
+                       metrics=metrics, model_id=backend.model_name, require_key=bool(specs), keys=keys)
+
+
+def _build_sglang_state(config: ServerConfig, *, repo: str | Path | None, engine: Any, options: dict | None,
+                        watch: bool, quiet: bool, default_tenant: str) -> ServerState:
+    from ..engine.sglang_backend import SGLangBackend
+    from ..telemetry import Metrics, TenantLogSink
+
+    opts = dict(options or {})
+    model = opts.pop("model", None)
+    if model is None:
+        raise ConfigError("the SGLang backend needs a model: a Hugging Face folder (--model PATH)")
+    cfg = config.server
+    router = Router(config.routes)
+    route_drafters = {f"route {r.name!r}": r.drafters for r in router.configured() if r.spec is not None}
+    specs = config.tenants or []
+    names = [(t.name, t.workspace) for t in specs] or [(default_tenant, None)]
+    roots: dict[str, Path | None] = {}
+    for name, ws_path in names:
+        root = ws_path if ws_path is not None else repo
+        roots[name] = Path(root).resolve() if root is not None else None
+    opts.setdefault("max_queue", cfg.max_queue)
+    backend = SGLangBackend(model, tenants={n: (str(r) if r is not None else None) for n, r in roots.items()},
+                            watch=watch, model_name=cfg.model_name, drafters=route_drafters, engine=engine,
+                            quiet=quiet, **opts)
+    if not quiet:
+        for name, root in roots.items():
+            if root is not None:
+                print(f"[agentspec] tenant {name!r}: workspace {root} (indexed by SGLang's scheduler processes)",
+                      file=sys.stderr, flush=True)
+    tenants = {name: Tenant(name=name, workspace=None, root=root) for name, root in roots.items()}
+    keys = {k: t.name for t in specs for k in t.api_keys}
+    try:
+        sink = TenantLogSink(cfg.log_dir, max_bytes=cfg.log_max_bytes, backups=cfg.log_backups)
+        metrics = Metrics(max_tenants=cfg.metrics_max_tenants)
+    except BaseException:
+        backend.close()   # the engine's processes do not outlive a failed start
+        raise
+    return ServerState(backend=backend, config=config, tenants=tenants, router=router, sink=sink,
+                       metrics=metrics, model_id=backend.model_name, require_key=bool(specs), keys=keys)
+
+
