@@ -14,6 +14,7 @@ errors and result structs only.
 
 from __future__ import annotations
 
+import operator
 import queue
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -24,8 +25,10 @@ from .config import SpecConfig
 from .engine.base import Generation
 from .errors import ContextLengthError, InvalidRequestError, QueueFullError
 
-__all__ = ["Backend", "ContextLengthError", "check_float", "check_int", "check_messages", "GenerationRequest", "InvalidRequestError", "OnDone", "OnTokens",
-           "QueueFullError", "TokenizerLike", "collect", "stream_via_submit"]
+__all__ = ["Backend", "ContextLengthError", "GenerationRequest", "InvalidRequestError", "OnDone", "OnTokens",
+           "QueueFullError", "Sampling", "TokenizerLike", "check_drafter_names", "check_float", "check_int",
+           "check_messages", "check_sampling", "check_token_ids", "collect", "request_drafters",
+           "stream_via_submit"]
 
 OnTokens = Callable[[list[int]], None]
 """Called with the tokens each scheduler step committed (from the backend's scheduler thread)."""
@@ -218,3 +221,80 @@ def check_float(name: str, value: Any, *, lo: float, hi: float) -> float:
     if not (lo <= v <= hi):  # also rejects NaN
         raise InvalidRequestError(f"{name} must be in [{lo}, {hi}], got {value!r}", param=name)
     return v
+
+
+# ---- request checks: one implementation for every backend and the engine's own API ----------------
+
+def check_token_ids(ids: Any, *, vocab_size: int, name: str = "prompt", param: str = "prompt",
+                    empty_ok: bool = False) -> list[int]:
+    """``ids`` as a list of ints in ``[0, vocab_size)``; InvalidRequestError (``param``) naming
+    the first bad one and its index in ``name``."""
+    if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Sequence):
+        raise InvalidRequestError(f"{name} must be a list of token ids, got {type(ids).__name__}", param=param)
+    if not ids and not empty_ok:
+        raise InvalidRequestError(f"{param} must not be empty", param=param)
+    out = []
+    for i, t in enumerate(ids):
+        try:
+            v = None if isinstance(t, (bool, float)) else operator.index(t)
+        except TypeError:
+            v = None
+        if v is None:
+            raise InvalidRequestError(f"token id at index {i} of {name} must be an integer, got {t!r}", param=param)
+        if not 0 <= v < vocab_size:
+            raise InvalidRequestError(f"token id {v} at index {i} of {name} is out of the vocabulary "
+                                      f"[0, {vocab_size})", param=param)
+        out.append(v)
+    return out
+
+
+class Sampling(msgspec.Struct, frozen=True):
+    """A request's checked decoding options."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stops: list[str]
+
+
+def check_sampling(*, max_tokens: Any, temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0, seed: Any = None,
+                   stop: Any = None, spec: Any = None) -> Sampling:
+    """The decoding options of one request checked (InvalidRequestError naming the bad value) and
+    normalised; ``spec`` must be a ``SpecConfig`` or None."""
+    from .text import check_stop
+
+    check_int("max_tokens", max_tokens, lo=1)
+    temperature = check_float("temperature", temperature, lo=0.0, hi=100.0)
+    top_p = check_float("top_p", top_p, lo=0.0, hi=1.0)
+    if top_p == 0.0:
+        raise InvalidRequestError("top_p must be in (0, 1], got 0", param="top_p")
+    check_int("top_k", top_k, lo=0)
+    if seed is not None:
+        check_int("seed", seed, lo=-(2**63), hi=2**64 - 1)
+    if spec is not None and not isinstance(spec, SpecConfig):
+        raise InvalidRequestError(f"spec must be a SpecConfig or None, got {type(spec).__name__}", param="spec")
+    stops = check_stop(stop)
+    return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stops=stops)
+
+
+def check_drafter_names(names: Sequence[str] | str) -> tuple[str, ...]:
+    """A drafter list (``agentspec.drafting.registry``) as a tuple; unknown names are the
+    request's fault: InvalidRequestError (param "drafters") listing the known ones."""
+    from .drafting.registry import parse_drafters
+
+    key = (names,) if isinstance(names, str) else tuple(names)
+    try:
+        parse_drafters(key)
+    except (ValueError, KeyError) as e:
+        raise InvalidRequestError(str(e).strip("'\""), param="drafters") from None
+    return key
+
+
+def request_drafters(request: GenerationRequest) -> tuple[str, ...]:
+    """The drafter list ``request`` drafts with, checked: its own ``spec.drafters`` when set, over
+    its route's ``drafters``."""
+    spec = request.spec
+    return check_drafter_names(spec.drafters if spec is not None and spec.drafters is not None
+                               else request.drafters)

@@ -113,7 +113,7 @@ def child(kind: str, args) -> dict:
 
 
 def latency(ix, all_recs, args) -> dict:
-    from agentspec.drafting.base import Draft  # noqa: F401  (warm the import outside the timing)
+    from agentspec.drafting.draft import Draft  # noqa: F401  (warm the import outside the timing)
 
     perf = time.perf_counter_ns
     prop, step = [], []

@@ -73,7 +73,7 @@ def accepted_length(draft_tokens, parents, target) -> int:
 def replay_drafter(drafter, records, budget: int, stop_at: int, tenant: str = "replay",
                    row_cost: float = 0.0) -> list[dict]:
     from agentspec.config import SpecConfig
-    from agentspec.drafting.base import EMPTY_DRAFT, AcceptanceTracker
+    from agentspec.drafting.draft import EMPTY_DRAFT, AcceptanceTracker
     from agentspec.policy import MAX_STEP_ROWS, DraftPolicy
 
     # the engine's own policy for a request with this budget (clamp, min_prob, cost cut, trust)

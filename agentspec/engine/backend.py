@@ -16,14 +16,22 @@ on CPU, torch's OpenMP kernels are ~1.5x faster there, see ``BatchEngine``).
 from __future__ import annotations
 
 import itertools
-import operator
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..backend import GenerationRequest, OnDone, OnTokens, check_messages, stream_via_submit
+from ..backend import (
+    GenerationRequest,
+    OnDone,
+    OnTokens,
+    check_drafter_names,
+    check_messages,
+    check_token_ids,
+    request_drafters,
+    stream_via_submit,
+)
 from ..errors import AgentSpecError, BackendClosedError, ConfigError, InvalidRequestError, QueueFullError
 
 __all__ = ["EmbeddedBackend", "model_name_for", "prediction_doc_id"]
@@ -66,6 +74,8 @@ class EmbeddedBackend:
                               "support: load the engine without deterministic=True")
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ConfigError(f"max_queue must be an integer >= 1, got {max_queue!r}")
+        if index is None:   # the engine's: its drafters (``EmbeddedEngine.drafter_for``) draft from it
+            index = getattr(getattr(engine, "drafter", None), "index", None)
         if index is None:
             from suffix_index import SuffixIndex
 
@@ -123,27 +133,10 @@ class EmbeddedBackend:
         return self.engine.tokenizer.encode(text)
 
     def drafter_for(self, names: Sequence[str] | str) -> Any:
-        """The drafter a drafter list names (``agentspec.drafting.registry``), built once per list
-        on the shared index. Unknown names raise InvalidRequestError (param "drafters")."""
-        from ..drafting.registry import build_drafter
-
-        key = self._check_drafters(names)
-        d = self._drafters.get(key)
-        if d is None:
-            d = build_drafter(key, index=self._index, engine=self.engine)   # a failure here is the server's (a 500)
-            d = self._drafters.setdefault(key, d)
-        return d
-
-    @staticmethod
-    def _check_drafters(names: Sequence[str] | str) -> tuple[str, ...]:
-        from ..drafting.registry import parse_drafters
-
-        key = (names,) if isinstance(names, str) else tuple(names)
-        try:
-            parse_drafters(key)   # the request's fault: unknown names (a 400)
-        except (ValueError, KeyError) as e:
-            raise InvalidRequestError(str(e).strip("'\""), param="drafters") from None
-        return key
+        """The drafter a drafter list names, built once per list on the shared index (the
+        engine's ``drafter_for``, one cache). Unknown names raise InvalidRequestError (param
+        "drafters")."""
+        return self.engine.drafter_for(check_drafter_names(names), index=self._index)
 
     def _prebuild(self, label: str, names: Sequence[str]) -> None:
         """Build ``names`` now (``drafters=`` at construction); ConfigError naming ``label``."""
@@ -166,14 +159,13 @@ class EmbeddedBackend:
         if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Sequence):
             raise InvalidRequestError(f"prompt_ids must be a list of token ids, got {type(ids).__name__}",
                                       param="prompt")
-        spec = request.spec
         # the request's own spec.drafters, when set, over its route's list; a request that does
         # not speculate builds nothing (its route's draft head is not loaded for it)
-        names = spec.drafters if spec is not None and spec.drafters is not None else request.drafters
-        drafter = self.drafter_for(names) if spec is not None else None
-        if drafter is None:
-            self._check_drafters(names)
-        prediction = self._check_prediction(request.prediction_ids)
+        names = request_drafters(request)
+        drafter = self.drafter_for(names) if request.spec is not None else None
+        prediction = None if request.prediction_ids is None else check_token_ids(
+            request.prediction_ids, vocab_size=self.vocab_size, name="prediction_ids", param="prediction_ids",
+            empty_ok=True) or None
         rid = request.request_id or f"embedded-{next(_ids)}-{secrets.token_hex(6)}"
         doc = prediction_doc_id(rid) if prediction else None
         cancelled = threading.Event()
@@ -223,25 +215,6 @@ class EmbeddedBackend:
             return False
         flag.set()
         return True
-
-    def _check_prediction(self, prediction: Sequence[int] | None) -> list[int] | None:
-        if prediction is None:
-            return None
-        if isinstance(prediction, (str, bytes, bytearray)) or not isinstance(prediction, Sequence):
-            raise InvalidRequestError(f"prediction_ids must be a list of token ids, got {type(prediction).__name__}",
-                                      param="prediction_ids")
-        out = []
-        vocab = self.engine.vocab_size
-        for i, t in enumerate(prediction):
-            try:
-                v = operator.index(t)
-            except TypeError:
-                v = None
-            if v is None or isinstance(t, bool) or not 0 <= v < vocab:
-                raise InvalidRequestError(f"prediction_ids[{i}] = {t!r} is not a token id in [0, {vocab})",
-                                          param="prediction_ids")
-            out.append(v)
-        return out or None
 
     def _release(self, rid: str, doc: str | None) -> None:
         self._active.pop(rid, None)

@@ -7,7 +7,6 @@ longest path the target agrees with plus the bonus token; the KV cache keeps the
 
 from __future__ import annotations
 
-import operator
 import os
 import sys
 import threading
@@ -23,13 +22,11 @@ from ..errors import ConfigError, ContextLengthError, InvalidRequestError
 from ..kernels import cpu_attention, cpu_linear
 from ..kernels import cpu_isa as _cpu_isa
 from ..kernels.tree import tree_mask
-from ..text import check_stop, stop_index  # noqa: F401 - stop_index re-exported for older imports
-from ..verify import sample  # noqa: F401 - re-exported for older imports
+from ..backend import check_sampling, check_token_ids
 from .base import DEFAULT_SPEC, Engine, Generation
-from ..backend import check_float as _check_float, check_int as _check_int
 from .model import KVCache, Transformer, round_up
 from .prefix_cache import CHUNK_TOKENS, PrefixCache
-from .step import Decoder, run_single, spec_decision  # noqa: F401 - spec_decision re-exported
+from .step import Decoder, run_single
 from .threads import ThreadGovernor
 from .tokenizer import Tokenizer
 from .weights import load_checkpoint
@@ -183,7 +180,8 @@ class EmbeddedEngine(Engine):
         self.drafter: Drafter = drafter if drafter is not None else default_drafter(workspace=workspace)
         self._cache: KVCache | None = None
         self._lock = threading.Lock()
-        self._named_drafters: dict[tuple[str, ...], Drafter] = {}   # SpecConfig.drafters -> built once
+        # (SpecConfig.drafters, id(index)) -> built once (the index lives as long as its drafter)
+        self._named_drafters: dict[tuple[tuple[str, ...], int], Drafter] = {}
         self._named_lock = threading.Lock()
         self._row_cost_note = ""  # " (cached)" when the profile came from disk
         self.row_cost = float(row_cost) if row_cost is not None else self._cached_row_cost()
@@ -375,20 +373,7 @@ class EmbeddedEngine(Engine):
                     raise InvalidRequestError(f"messages[{i}] needs string 'role' and 'content', got {m!r}",
                                               param="prompt")
             return self.tokenizer.encode(self.tokenizer.apply_chat_template(items))
-        ids: list[int] = []
-        for i, t in enumerate(items):
-            if isinstance(t, bool) or isinstance(t, float):
-                raise InvalidRequestError(f"token id at index {i} must be an integer, got {t!r}", param="prompt")
-            try:
-                v = operator.index(t)
-            except TypeError:
-                raise InvalidRequestError(f"token id at index {i} must be an integer, got {t!r}",
-                                          param="prompt") from None
-            if not 0 <= v < self.vocab_size:
-                raise InvalidRequestError(
-                    f"token id {v} at index {i} is out of the vocabulary [0, {self.vocab_size})", param="prompt")
-            ids.append(v)
-        return ids
+        return check_token_ids(items, vocab_size=self.vocab_size)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -457,26 +442,29 @@ class EmbeddedEngine(Engine):
             return self.drafter_for(spec.drafters)
         return self.drafter
 
-    def drafter_for(self, names: Sequence[str] | str) -> Drafter:
+    def drafter_for(self, names: Sequence[str] | str, *, index: Any = None) -> Drafter:
         """The drafter a list of drafter names builds (``agentspec.drafting.registry``:
-        ``build_drafter``), built once per list for this engine and reused: drafters keep
-        per-request state by request id, and a draft head is loaded (and checked against this
-        model) once. Drafters that use a suffix index draft from the engine's own drafter's index
-        when it has one (a workspace's, or the default suffix drafter's), so a tenant's history
-        and workspace serve these requests as they serve the default ones. Unknown names raise
-        ``ConfigError``; a head that is missing or does not fit the model ``ModelLoadError``."""
+        ``build_drafter``), built once per list (and index) for this engine and reused: drafters
+        keep per-request state by request id, and a draft head is loaded (and checked against
+        this model) once. Drafters that use a suffix index draft from ``index``, by default the
+        engine's own drafter's (a workspace's, or the default suffix drafter's), so a tenant's
+        history and workspace serve these requests as they serve the default ones (a server's
+        backend passes its shared index). Unknown names raise ``ConfigError``; a head that is
+        missing or does not fit the model ``ModelLoadError``."""
         from ..drafting.registry import build_drafter
 
+        if index is None:
+            index = getattr(self.drafter, "index", None)
         key = (names,) if isinstance(names, str) else tuple(names)
-        d = self._named_drafters.get(key)
+        d = self._named_drafters.get((key, id(index)))
         if d is not None:
             return d
         key = check_drafters(key)   # ConfigError naming a bad name and listing the known ones
         with self._named_lock:   # one build per list, even when two threads submit it at once
-            d = self._named_drafters.get(key)
+            d = self._named_drafters.get((key, id(index)))
             if d is None:
-                d = build_drafter(key, index=getattr(self.drafter, "index", None), engine=self)
-                self._named_drafters[key] = d
+                d = build_drafter(key, index=index, engine=self)
+                self._named_drafters[(key, id(index))] = d
         return d
 
     def validate_request(self, prompt, *, max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
@@ -484,17 +472,9 @@ class EmbeddedEngine(Engine):
         """Check one request's arguments (InvalidRequestError naming the bad value); returns the
         prompt's token ids and normalised values."""
         ids = self.encode(prompt)
-        _check_int("max_tokens", max_tokens, lo=1)
-        temperature = _check_float("temperature", temperature, lo=0.0, hi=100.0)
-        top_p = _check_float("top_p", top_p, lo=0.0, hi=1.0)
-        if top_p == 0.0:
-            raise InvalidRequestError("top_p must be in (0, 1], got 0", param="top_p")
-        _check_int("top_k", top_k, lo=0)
-        if seed is not None:
-            _check_int("seed", seed, lo=-(2**63), hi=2**64 - 1)
-        stops = check_stop(stop)
-        if spec is not None and not isinstance(spec, SpecConfig):
-            raise InvalidRequestError(f"spec must be a SpecConfig or None, got {type(spec).__name__}", param="spec")
+        v = check_sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                           stop=stop, spec=spec)
+        temperature, top_p, stops = v.temperature, v.top_p, v.stops
         if len(ids) + max_tokens > self.max_context:
             raise ContextLengthError(
                 f"prompt of {len(ids)} tokens plus max_tokens={max_tokens} exceeds the context window of "

@@ -43,7 +43,6 @@ import asyncio
 import collections
 import itertools
 import json
-import operator
 import os
 import secrets
 import sys
@@ -53,7 +52,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..backend import GenerationRequest, OnDone, OnTokens, check_float as _check_float, check_int as _check_int, check_messages, stream_via_submit
+from ..backend import (
+    GenerationRequest,
+    OnDone,
+    OnTokens,
+    check_messages,
+    check_sampling,
+    check_token_ids,
+    request_drafters,
+    stream_via_submit,
+)
 from ..errors import (
     BackendClosedError,
     ConfigError,
@@ -62,7 +70,7 @@ from ..errors import (
     ModelLoadError,
     QueueFullError,
 )
-from ..text import check_stop, stop_index
+from ..text import stop_index
 from .base import Generation, GenerationStats
 
 __all__ = ["ALGORITHMS", "SGLangBackend", "check_route_drafters", "sglang_available"]
@@ -316,26 +324,15 @@ class SGLangBackend:
         if not isinstance(request, GenerationRequest):
             raise InvalidRequestError(f"request must be a GenerationRequest, got {type(request).__name__}",
                                       param="request")
-        ids = self._check_ids(request.prompt_ids, "prompt_ids", "prompt", empty_ok=False)
-        _check_int("max_tokens", request.max_tokens, lo=1)
-        temperature = _check_float("temperature", request.temperature, lo=0.0, hi=100.0)
-        top_p = _check_float("top_p", request.top_p, lo=0.0, hi=1.0)
-        if top_p == 0.0:
-            raise InvalidRequestError("top_p must be in (0, 1], got 0", param="top_p")
-        top_k = _check_int("top_k", request.top_k, lo=0)
-        if request.seed is not None:
-            _check_int("seed", request.seed, lo=-(2**63), hi=2**64 - 1)
-        stops = check_stop(list(request.stop) if isinstance(request.stop, (list, tuple)) else request.stop)
-        spec = request.spec
-        from ..config import SpecConfig
-
-        if spec is not None and not isinstance(spec, SpecConfig):
-            raise InvalidRequestError(f"spec must be a SpecConfig or None, got {type(spec).__name__}", param="spec")
-        names = spec.drafters if spec is not None and spec.drafters is not None else request.drafters
-        _check_drafter_names(names)
+        ids = check_token_ids(request.prompt_ids, vocab_size=self._vocab_size, name="prompt_ids")
+        v = check_sampling(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+                           top_k=request.top_k, seed=request.seed, stop=request.stop, spec=request.spec)
+        temperature, top_p, top_k, stops, spec = v.temperature, v.top_p, v.top_k, v.stops, request.spec
+        request_drafters(request)   # names SGLang cannot run were refused at start-up (check_route_drafters)
         prediction = None
         if request.prediction_ids is not None:
-            prediction = self._check_ids(request.prediction_ids, "prediction_ids", "prediction_ids", empty_ok=True)
+            prediction = check_token_ids(request.prediction_ids, vocab_size=self._vocab_size, name="prediction_ids",
+                                         param="prediction_ids", empty_ok=True)
         if len(ids) > self._max_prompt:
             raise ContextLengthError(f"prompt of {len(ids)} tokens exceeds the {self._max_prompt} tokens this "
                                      f"server takes (context window {self._max_context})", param="prompt")
@@ -393,27 +390,6 @@ class SGLangBackend:
         except RuntimeError:
             pass
         return True
-
-    def _check_ids(self, ids: Any, name: str, param: str, *, empty_ok: bool) -> list[int]:
-        if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Sequence):
-            raise InvalidRequestError(f"{name} must be a list of token ids, got {type(ids).__name__}", param=param)
-        if not ids and not empty_ok:
-            raise InvalidRequestError("prompt must not be empty", param=param)
-        out = []
-        vocab = self._vocab_size
-        for i, t in enumerate(ids):
-            try:
-                v = None if isinstance(t, (bool, float)) else operator.index(t)
-            except TypeError:
-                v = None
-            if v is None:
-                raise InvalidRequestError(f"token id at index {i} of {name} must be an integer, got {t!r}",
-                                          param=param)
-            if not 0 <= v < vocab:
-                raise InvalidRequestError(f"token id {v} at index {i} of {name} is out of the vocabulary "
-                                          f"[0, {vocab})", param=param)
-            out.append(v)
-        return out
 
     # ---- the event loop -------------------------------------------------------------------------------
 
@@ -731,16 +707,6 @@ def _check_plugin() -> None:
             "the 'sglang.srt.plugins' entry point of agentspec-serve (install the package: pip install -e .)"
         raise ConfigError(f"--speculative agentspec needs the AGENTSPEC SGLang plugin, but {what} is missing; "
                           "use --speculative ngram or none meanwhile")
-
-
-def _check_drafter_names(names: Sequence[str] | str) -> None:
-    from ..drafting.registry import parse_drafters
-
-    key = (names,) if isinstance(names, str) else tuple(names)
-    try:
-        parse_drafters(key)
-    except (ValueError, KeyError) as e:
-        raise InvalidRequestError(str(e).strip("'\""), param="drafters") from None
 
 
 def _int(v: Any) -> int:

@@ -204,6 +204,7 @@ def test_build_state_refuses_a_route_whose_head_is_missing(eagle_engine, tmp_pat
 
     monkeypatch.chdir(tmp_path)
     missing = tmp_path / "no-head"
+    monkeypatch.setattr(eagle_engine, "_named_drafters", {})   # the good head's drafter is cached per list
     monkeypatch.setattr(eagle_engine, "eagle3", str(missing))
     cfg = tmp_path / "c.toml"
     cfg.write_text(ROUTE_CONFIG)

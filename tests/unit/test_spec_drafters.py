@@ -113,9 +113,16 @@ def test_route_unknown_drafter_names_it(tmp_path):
 
 def _stand_in_engine(head_dir: Path | None) -> types.SimpleNamespace:
     """What ``EmbeddedBackend`` and the eagle3 factory read of an engine before any forward."""
-    return types.SimpleNamespace(deterministic=False, vocab_size=TINY.vocab_size, args=TINY, dtype=torch.float32,
-                                 device=torch.device("cpu"), model_path="/nowhere/tiny.gguf",
-                                 eagle3=None if head_dir is None else str(head_dir))
+    import threading
+
+    from agentspec.engine.embedded import EmbeddedEngine
+
+    ns = types.SimpleNamespace(deterministic=False, vocab_size=TINY.vocab_size, args=TINY, dtype=torch.float32,
+                               device=torch.device("cpu"), model_path="/nowhere/tiny.gguf",
+                               eagle3=None if head_dir is None else str(head_dir), drafter=None,
+                               _named_drafters={}, _named_lock=threading.Lock())
+    ns.drafter_for = lambda names, index=None: EmbeddedEngine.drafter_for(ns, names, index=index)   # the real one
+    return ns
 
 
 def _write_head(path: Path, **config_overrides) -> Path:
