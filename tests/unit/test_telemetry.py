@@ -346,8 +346,9 @@ def test_a_failed_group_is_counted_and_the_writer_goes_on(tmp_path, capsys):
 
 
 _KILLED_WRITER = """
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("agentspec_telemetry", sys.argv[1])
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("agentspec_telemetry", sys.argv[1],
+                                              submodule_search_locations=[os.path.dirname(sys.argv[1])])
 mod = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = mod
 spec.loader.exec_module(mod)
@@ -363,9 +364,10 @@ while True:
 
 
 def test_writer_killed_with_sigkill_leaves_a_parseable_log(tmp_path):
-    # the module is loaded by path so the child does not import torch (agentspec/__init__)
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(REPO / "agentspec" / "telemetry.py"),
-                             str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    # the package is loaded by path so the child does not import torch (agentspec/__init__)
+    package = REPO / "agentspec" / "telemetry" / "__init__.py"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(package), str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "ready\n"
         time.sleep(0.05)
