@@ -52,7 +52,7 @@ def average(items):
 
 # long contexts for agent turns: real source files of this repository (each well over 256 tokens)
 CONTEXTS = [(ROOT / "agentspec" / name).read_text()[:3000] for name in
-            ("engine/prefix_cache.py", "api/limits.py", "workspace.py", "telemetry.py", "config.py", "apply.py")
+            ("backends/embedded/prefix_cache.py", "api/limits.py", "workspace/workspace.py", "telemetry/sink.py", "config.py", "apply.py")
             if (ROOT / "agentspec" / name).exists()]
 
 

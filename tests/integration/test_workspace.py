@@ -145,18 +145,20 @@ def test_scan_respects_gitignore_and_skips_with_reasons(tmp_path, tokenizer):
             assert not canary & set(drafts_of(ws.index, tokenizer, prefix))
 
 
-def test_file_deleted_between_listing_and_reading(tmp_path, tokenizer):
+def test_file_deleted_between_listing_and_reading(tmp_path, tokenizer, monkeypatch):
+    from agentspec.workspace import scan, workspace
+
     (tmp_path / "keep.py").write_text("x = 1\n")
     (tmp_path / "gone.py").write_text("y = 2\n")
 
-    class Racy(Workspace):
-        def _walk(self):
-            for rel, path in super()._walk():
-                yield rel, path
-                if rel == "gone.py":
-                    path.unlink()      # deleted after it was listed, before it is read
+    def racy_walk(root, rules, skip):
+        for rel, path in scan.walk(root, rules, skip):
+            yield rel, path
+            if rel == "gone.py":
+                path.unlink()      # deleted after it was listed, before it is read
 
-    with Racy(tmp_path, tokenizer=tokenizer, watch=False) as ws:
+    monkeypatch.setattr(workspace, "walk", racy_walk)   # the walk the Workspace's scan lists with
+    with Workspace(tmp_path, tokenizer=tokenizer, watch=False) as ws:
         assert ws.files() == ["keep.py"]
         assert ws.skipped_paths["gone.py"] == "vanished before it was read"
 
@@ -233,7 +235,8 @@ def test_new_folders_are_watched_and_ignored_trees_are_not(tmp_path, tokenizer):
     make_repo(tmp_path)
     (tmp_path / ".venv" / "lib").mkdir(parents=True)
     with Workspace(tmp_path, tokenizer=tokenizer) as ws:
-        assert ".venv" not in ws._watches and ".venv/lib" not in ws._watches and "src" in ws._watches
+        watches = ws._watcher.watches   # watched folder (relative) -> its watch
+        assert ".venv" not in watches and ".venv/lib" not in watches and "src" in watches
         # churn in an ignored tree (a fresh venv compiling .pyc files) reaches nothing: a file
         # saved after it in the (watched) root is indexed, and nothing of the churn is
         for i in range(200):
@@ -241,20 +244,19 @@ def test_new_folders_are_watched_and_ignored_trees_are_not(tmp_path, tokenizer):
         (tmp_path / "after_churn.txt").write_text("saved after the churn\n")
         assert until(lambda: "after_churn.txt" in ws.files()), ws.files()
         assert not any(f.startswith(".venv") for f in ws.files())
-        assert ".venv" not in ws._watches and ".venv/lib" not in ws._watches
+        assert ".venv" not in watches and ".venv/lib" not in watches
         # a new folder tree gets watches, and edits inside it after that are seen
         deep = tmp_path / "pkg" / "sub"
         deep.mkdir(parents=True)
         (deep / "a.py").write_text("def first_version_qq():\n    return 'one-one'\n")
-        assert until(lambda: "pkg/sub/a.py" in ws.files() and "pkg/sub" in ws._watches), (ws.files(), ws._watches)
+        assert until(lambda: "pkg/sub/a.py" in ws.files() and "pkg/sub" in watches), (ws.files(), watches)
         (deep / "a.py").write_text("def second_version_qq():\n    return 'two-two'\n")
         assert until(lambda: continues(ws.index, tokenizer, "def second_version_qq():\n    return", " 'two-two'"))
         # a deleted folder loses its watches
         import shutil
 
         shutil.rmtree(tmp_path / "pkg")
-        assert until(lambda: "pkg/sub" not in ws._watches and "pkg/sub/a.py" not in ws.files()), \
-            (ws.files(), ws._watches)
+        assert until(lambda: "pkg/sub" not in watches and "pkg/sub/a.py" not in ws.files()), (ws.files(), watches)
         assert not continues(ws.index, tokenizer, "def second_version_qq():\n    return", " 'two-two'")
 
 

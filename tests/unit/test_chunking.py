@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentspec.chunking import LANGUAGES, chunk_text
+from agentspec.workspace.chunking import LANGUAGES, chunk_text
 
 PY = '''"""Module docstring."""
 import os

@@ -1,0 +1,131 @@
+"""Which files a workspace ignores, and the relative paths the rules are asked about.
+
+A path is ignored when a ``.gitignore`` file above it (each relative to its own folder) or the
+global ignore list (``DEFAULT_IGNORE`` unless given) matches it or a folder above it. Paths are
+relative to the workspace root, with forward slashes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEFAULT_IGNORE", "ignore_checker", "is_ignored"]
+
+DEFAULT_IGNORE = (".git/", ".hg/", ".svn/", "node_modules/", "__pycache__/", ".venv/", "venv/", ".tox/",
+                  ".mypy_cache/", ".pytest_cache/", ".ruff_cache/", "*.pyc", "*.so", "*.o", "*.a",
+                  "*.dylib", "*.dll", "*.exe", "*.class", "*.jar", "*.whl", "*.zip", "*.tar", "*.gz",
+                  "*.png", "*.jpg", "*.jpeg", "*.gif", "*.pdf", "*.ico", "*.gguf", "*.safetensors",
+                  "*.bin", "*.pt", "*.npz", "*.npy", ".DS_Store")
+
+
+class IgnoreRules:
+    """``.gitignore`` files (each relative to its folder) plus a global ignore list. Each
+    ``.gitignore`` is read once, when a path first needs it, and cached until ``forget``."""
+
+    def __init__(self, root: Path, patterns: Sequence[str]):
+        import pathspec
+
+        self.root = root
+        self.base = pathspec.GitIgnoreSpec.from_lines(list(patterns))
+        self._specs: dict[str, Any] = {}   # folder (relative, "" = root) -> spec or None
+        self._lock = threading.Lock()
+
+    def _spec(self, rel_dir: str):
+        with self._lock:
+            if rel_dir in self._specs:
+                return self._specs[rel_dir]
+        import pathspec
+
+        spec = None
+        try:
+            text = (self.root / rel_dir / ".gitignore").read_text(encoding="utf-8", errors="replace")
+            spec = pathspec.GitIgnoreSpec.from_lines(text.splitlines())
+        except OSError:
+            pass
+        with self._lock:
+            self._specs[rel_dir] = spec
+        return spec
+
+    def forget(self, rel_dir: str) -> None:
+        """Read ``rel_dir``'s ``.gitignore`` again when next needed (it changed)."""
+        with self._lock:
+            self._specs.pop(rel_dir, None)
+
+    def clear(self) -> None:
+        """Forget every folder's rules (the tree was replaced)."""
+        with self._lock:
+            self._specs.clear()
+
+    def ignored(self, rel: str, is_dir: bool) -> bool:
+        """``rel``: a path relative to the root, with forward slashes."""
+        probe = rel + "/" if is_dir else rel
+        if self.base.match_file(probe):
+            return True
+        parts = rel.split("/")
+        for i in range(len(parts)):
+            parent = "/".join(parts[:i])
+            spec = self._spec(parent)
+            if spec is not None:
+                sub = "/".join(parts[i:]) + ("/" if is_dir else "")
+                if spec.match_file(sub):
+                    return True
+        # a path inside an ignored folder is ignored
+        for i in range(1, len(parts)):
+            if self.base.match_file("/".join(parts[:i]) + "/"):
+                return True
+        return False
+
+    def ignored_file(self, rel: str) -> bool:
+        """The file ``rel`` (relative, forward slashes) or a folder above it is ignored: what the
+        walk never reaches."""
+        return self.ignored(rel, False) or any(self.ignored(d, True) for d in parents(rel))
+
+
+def ignore_checker(root: str | os.PathLike,
+                   ignore: Sequence[str] = DEFAULT_IGNORE) -> Callable[[str | os.PathLike], bool]:
+    """``Workspace.ignored`` for a root without a ``Workspace`` (an SGLang backend's tenants): a
+    function telling whether a workspace at ``root`` with the ignore list ``ignore`` ignores the
+    file it is given (absolute or relative to ``root``; ValueError outside ``root``). Each
+    ``.gitignore`` file is read once, when a path first needs it."""
+    base = Path(root).resolve()
+    rules = IgnoreRules(base, ignore)
+    return lambda path: rules.ignored_file(rel_under(base, path))
+
+
+def is_ignored(root: str | os.PathLike, path: str | os.PathLike, ignore: Sequence[str] = DEFAULT_IGNORE) -> bool:
+    """``ignore_checker(root, ignore)(path)``: one question, the ``.gitignore`` files read now."""
+    return ignore_checker(root, ignore)(path)
+
+
+def relative(root: Path, path: Path) -> str:
+    """``path`` relative to ``root`` with forward slashes ("" for the root itself); a path
+    outside ``root`` comes back whole (callers skip those: they start with "/" or "../")."""
+    try:
+        rel = path.relative_to(root).as_posix()
+        return "" if rel == "." else rel
+    except ValueError:
+        return path.as_posix()
+
+
+def rel_under(root: Path, path: str | os.PathLike) -> str:
+    """``path`` (absolute or relative to ``root``), normalized without resolving symlinks, as a
+    path relative to ``root`` with forward slashes; ValueError outside ``root`` (or ``root``)."""
+    p = Path(path)
+    p = Path(os.path.normpath(p if p.is_absolute() else root / p))
+    try:
+        rel = p.relative_to(root).as_posix()
+    except ValueError:
+        raise ValueError(f"{str(path)!r} is not under the workspace root {str(root)!r}") from None
+    if rel in ("", "."):
+        raise ValueError(f"{str(path)!r} is the workspace root {str(root)!r}, not a file under it")
+    return rel
+
+
+def parents(rel: str) -> list[str]:
+    """The folders above a relative path, outermost first: ``a/b/c.py`` -> ``["a", "a/b"]``."""
+    parts = rel.split("/")[:-1]
+    return ["/".join(parts[:i + 1]) for i in range(len(parts))]
