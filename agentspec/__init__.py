@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .config import SpecConfig
     from .sdk import AsyncClient, Client
     from .drafting import Draft, Drafter, PromptLookupDrafter, SuffixDrafter, default_drafter
-    from .engine import Engine, Generation, GenerationStats
+    from .backends import Engine, Generation, GenerationStats
     from .workspace import Workspace
 
 __version__ = "0.1.0"
@@ -53,10 +53,10 @@ _LAZY = {
     "PromptLookupDrafter": ".drafting",
     "SuffixDrafter": ".drafting",
     "default_drafter": ".drafting",
-    "EmbeddedEngine": ".engine",
-    "Engine": ".engine",
-    "Generation": ".engine",
-    "GenerationStats": ".engine",
+    "EmbeddedEngine": ".backends",
+    "Engine": ".backends",
+    "Generation": ".backends",
+    "GenerationStats": ".backends",
     "Workspace": ".workspace",
     "Client": ".sdk",            # the SDK (httpx; torch only once it runs the engine in-process)
     "AsyncClient": ".sdk",

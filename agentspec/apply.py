@@ -7,7 +7,7 @@ this module, and so can an SDK or a language server::
     ids = backend.encode_chat(plan.messages)
     request = GenerationRequest(prompt_ids=ids, max_tokens=plan.max_tokens(backend.max_context - len(ids)),
                                 prediction_ids=plan.prediction_ids)   # the original drafts the answer
-    gen = collect(backend.stream(request))   # agentspec.backend: GenerationRequest, collect
+    gen = collect(backend.stream(request))   # agentspec.backends.protocol: GenerationRequest, collect
     merged = plan.finish(gen.text)           # the file only: no code fence, no chatter
 
 The original code is the draft source (``prediction_ids``): most of the answer is the file

@@ -259,7 +259,7 @@ def _serve_backend_options(args) -> dict | None:
                           "SGLang would not use it")
     if speculative == "none" and args.draft_tokens is not None:
         raise ConfigError("--draft-tokens needs speculation (--speculative agentspec, ngram or eagle3)")
-    from .engine.sglang_backend import sglang_available
+    from agentspec.integrations.sglang.backend import sglang_available
 
     if not sglang_available():
         raise ConfigError("--backend sglang needs SGLang, which is not installed here: "
@@ -358,7 +358,7 @@ def cmd_stats(args) -> int:
 
 
 def cmd_index(args) -> int:
-    from .engine.weights import load_checkpoint
+    from .backends.embedded.weights import load_checkpoint
     from .workspace import DEFAULT_IGNORE, Workspace
 
     root = Path(args.directory)

@@ -206,7 +206,7 @@ def main() -> int:
     if (not methods and args.vllm_methods != "none") or any(m not in ("plain", "suffix") for m in methods):
         raise SystemExit(f"--vllm-methods takes plain and/or suffix (or none), not {args.vllm_methods!r}")
 
-    from agentspec.engine.weights import load_checkpoint
+    from agentspec.backends.embedded.weights import load_checkpoint
 
     tok = load_checkpoint(quiet=True).tokenizer
     convs = conversations(args.data, tok, turns=args.turns, max_prompt=args.max_prompt, n=args.conversations)

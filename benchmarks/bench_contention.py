@@ -4,7 +4,7 @@
 A laptop running the server next to an editor, a build and an agent has cores taken away at any
 moment. This runs our engine on recorded rewrite prompts in a child process, once on a quiet
 machine and once while a busy-loop process spins (one core's worth of work), per thread policy:
-- ``governor``: the engine's default (agentspec/engine/threads.py: libgomp's spin-waiting, the
+- ``governor``: the engine's default (agentspec/backends/embedded/threads.py: libgomp's spin-waiting, the
   team sized to the cores other work leaves free, re-sampled every 0.25 s);
 - ``fixed``: a team as wide as the machine, libgomp's default waiting (the engine before issue 13);
 - ``passive``: a fixed team with ``OMP_WAIT_POLICY=PASSIVE`` (threads sleep while they wait).

@@ -53,7 +53,7 @@ def main() -> int:
 
     import torch
 
-    from agentspec.engine.model import KVCache, ModelArgs
+    from agentspec.backends.embedded.model import KVCache, ModelArgs
     from agentspec.kernels import cpu_attention
     from agentspec.kernels.tree import tree_mask
 

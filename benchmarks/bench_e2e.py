@@ -93,7 +93,7 @@ def run_hf(prompts, max_tokens: int, dtype: str, lookup: int | None) -> dict:
     import torch
     import transformers
 
-    from agentspec.engine.weights import bundled_model_path
+    from agentspec.backends.embedded.weights import bundled_model_path
 
     path = bundled_model_path()
     load_kw: dict = {}
@@ -175,7 +175,7 @@ def main() -> int:
 
     import agentspec
     from agentspec import SpecConfig
-    from agentspec.engine.weights import bundled_model_path
+    from agentspec.backends.embedded.weights import bundled_model_path
 
     opts = {"quiet": True} | ({"dtype": args.dtype} if args.dtype else {})
     engine = agentspec.Engine.embedded(**opts)

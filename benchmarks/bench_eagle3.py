@@ -54,7 +54,7 @@ def make_drafter(engine, method: str):
 
 
 def run(engine, prompts, method: str, c: int, max_tokens: int) -> dict:
-    from agentspec.engine.batch import BatchEngine
+    from agentspec.backends.embedded.batch import BatchEngine
 
     drafter = make_drafter(engine, method)
     spec = None if drafter is None else engine_default_spec()
@@ -109,7 +109,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
-    from agentspec.engine.embedded import EmbeddedEngine
+    from agentspec.backends.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(model=args.model, device=args.device, eagle3=args.eagle3)
     sets = {}

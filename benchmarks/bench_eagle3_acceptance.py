@@ -71,7 +71,7 @@ def replay(drafter, recs, feats_of, budget: int, layers, tag: str) -> dict:
     from agentspec.kernels.tree import tree_depths, with_root
 
     from agentspec.drafting.protocols import wants_hidden_states
-    from agentspec.verify import greedy_verify
+    from agentspec.decode.verify import greedy_verify
 
     wants = bool(wants_hidden_states(drafter))
     acc_hist = [0] * (DEPTHS + 2)
@@ -136,7 +136,7 @@ def main() -> int:
     from agentspec.drafting.combine import FallbackDrafter
     from agentspec.drafting.eagle3_drafter import for_engine
     from agentspec.drafting.registry import FALLBACK_MIN_EXPECTED
-    from agentspec.engine.embedded import EmbeddedEngine
+    from agentspec.backends.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(eagle3=args.eagle3, quiet=True)
     args.cache.mkdir(parents=True, exist_ok=True)

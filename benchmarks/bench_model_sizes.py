@@ -150,7 +150,7 @@ def llamacpp_steps(python: str, model: Path, contexts: list[int], rows: list[int
 def step_costs(args, model, contexts: list[int], rows: list[int], repeat: int) -> dict:
     import torch
 
-    from agentspec.engine.model import KVCache
+    from agentspec.backends.embedded.model import KVCache
     from agentspec.kernels.tree import tree_mask
 
     out = {}

@@ -35,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import agentspec
-    from agentspec.engine.prefix_cache import PrefixCache
+    from agentspec.backends.embedded.prefix_cache import PrefixCache
 
     engine = agentspec.Engine.embedded(quiet=True)
     convs = conversations(args.data_dir / "agent_turns.jsonl", engine, tasks=args.tasks, turns=args.turns,

@@ -143,7 +143,7 @@ def main() -> int:
 
     import openai
 
-    from agentspec.engine.weights import load_checkpoint
+    from agentspec.backends.embedded.weights import load_checkpoint
 
     tok = load_checkpoint(quiet=True).tokenizer
     items = select(args.data, args.prompts, args.max_prompt, args.start, tok)

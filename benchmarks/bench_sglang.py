@@ -138,7 +138,7 @@ def main() -> int:
     if args.prompts_file:
         sets = json.loads(args.prompts_file.read_text())
     else:
-        from agentspec.engine.embedded import EmbeddedEngine
+        from agentspec.backends.embedded.engine import EmbeddedEngine
 
         tok_engine = EmbeddedEngine(quiet=True)   # the same tokenizer and chat template as the HF folder
         sets = {"rewrites": rewrite_prompts(tok_engine, args.data, args.rewrites, args.max_prompt, 200),

@@ -46,7 +46,7 @@ log = logger("bench_throughput")
 
 def run_ours(engine, prompts, c: int, policy: str, max_tokens: int, step_costs) -> dict:
     from agentspec.drafting import SuffixDrafter
-    from agentspec.engine.batch import BatchEngine
+    from agentspec.backends.embedded.batch import BatchEngine
 
     drafter = SuffixDrafter(vocab_size=engine.vocab_size)  # fresh: no memory of earlier runs
     with BatchEngine(engine, max_batch=c, budget=policy, step_costs=step_costs, background=False) as be:
@@ -116,7 +116,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from agentspec import Engine
-    from agentspec.engine.batch import BatchEngine
+    from agentspec.backends.embedded.batch import BatchEngine
 
     cs = [int(x) for x in args.concurrency.split(",")]
     engine = Engine.embedded(quiet=True)

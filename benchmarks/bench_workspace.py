@@ -81,7 +81,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from agentspec import Workspace
-    from agentspec.engine.weights import load_checkpoint
+    from agentspec.backends.embedded.weights import load_checkpoint
 
     tok = load_checkpoint(quiet=True).tokenizer
     with tempfile.TemporaryDirectory() as tmp:

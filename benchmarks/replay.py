@@ -74,7 +74,7 @@ def replay_drafter(drafter, records, budget: int, stop_at: int, tenant: str = "r
                    row_cost: float = 0.0) -> list[dict]:
     from agentspec.config import SpecConfig
     from agentspec.drafting.draft import EMPTY_DRAFT, AcceptanceTracker
-    from agentspec.policy import MAX_STEP_ROWS, DraftPolicy
+    from agentspec.decode.policy import MAX_STEP_ROWS, DraftPolicy
 
     # the engine's own policy for a request with this budget (clamp, min_prob, cost cut, trust)
     policy = DraftPolicy.for_request(SpecConfig(budget=budget, row_cost=row_cost), row_cost=row_cost,

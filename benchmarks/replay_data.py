@@ -34,7 +34,7 @@ def tokenize(data_dir: Path, name: str, *, quiet: bool = False) -> Path:
     out = cache_path(data_dir, name)
     if out.exists():
         return out
-    from agentspec.engine.weights import load_checkpoint
+    from agentspec.backends.embedded.weights import load_checkpoint
     from agentspec.traces import load_records, prompt_messages
 
     tok = load_checkpoint(quiet=True).tokenizer

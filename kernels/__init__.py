@@ -4,7 +4,7 @@ Tree attention mask and positions and greedy tree verification, batched over rag
 torch references (``*_torch``), Triton kernels (``*_triton``, needing the optional ``triton``),
 and dispatchers (Triton for CUDA tensors, torch elsewhere). Layout and outputs:
 ``agentspec.kernels.tree``. (Sampled requests are verified by the keyed Gumbel-max rule,
-``agentspec.verify.seeded_target``, which needs no kernel of its own.)
+``agentspec.decode.verify.seeded_target``, which needs no kernel of its own.)
 """
 
 from .tree import *  # noqa: F401,F403  (the names tree.__all__ lists)

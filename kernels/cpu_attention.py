@@ -5,7 +5,7 @@ visible keys (mask true) of one layer's float32 KV cache. It visits those keys i
 order with reductions whose shape depends only on that visible sequence, so a draft-tree node
 gets the same bits as the same token in plain decoding (its ancestors sit at tree slots there,
 at consecutive slots here); see kernels/csrc/attention.cpp. ``available()`` is False when the
-extension is not built; callers then use ``agentspec.engine.model.small_attention``.
+extension is not built; callers then use ``agentspec.backends.embedded.model.small_attention``.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def sync_packed(cache, slots) -> None:
 
 
 # AGENTSPEC_PREFILL_ATTENTION: "amx" (the default where the CPU has AMX), "sdpa" or "blockwise"
-# (agentspec.engine.model); anything but "amx" keeps prefill off the AMX kernel
+# (agentspec.backends.embedded.model); anything but "amx" keeps prefill off the AMX kernel
 _PREFILL_AMX = os.environ.get("AGENTSPEC_PREFILL_ATTENTION", "amx") == "amx"
 
 

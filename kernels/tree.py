@@ -14,7 +14,7 @@ to the request: -1 for the root, otherwise a row index < the child's (``with_roo
 
 Each batched function has a torch reference (``*_torch``, any device) and a Triton kernel
 (``*_triton``, CUDA, or CPU under ``TRITON_INTERPRET=1``); the plain name dispatches: Triton
-for CUDA tensors, the reference elsewhere. The single-request math is ``agentspec.verify``.
+for CUDA tensors, the reference elsewhere. The single-request math is ``agentspec.decode.verify``.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def tree_attention(parents: torch.Tensor, offsets: torch.Tensor, *, width: int |
 
 def greedy_verify_batch(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor,
                         offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy tree verification of every request (``agentspec.verify.greedy_verify``);
+    """Greedy tree verification of every request (``agentspec.decode.verify.greedy_verify``);
     ``target [N]`` is the target's argmax after each row."""
     fn = greedy_verify_batch_triton if tokens.is_cuda else greedy_verify_batch_torch
     return fn(tokens, parents, target, offsets)

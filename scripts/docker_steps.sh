@@ -50,7 +50,7 @@ assert (h() / 'model.safetensors').is_file(), h()")
 # ---- runtime stage ----
 export PATH="$TMP/opt/bin:$PATH" PYTHONUNBUFFERED=1 AGENTSPEC_CACHE_DIR="$TMP/home/.cache/agentspec"
 mkdir -p "$TMP/workspace" "$TMP/data" "$TMP/etc"
-(cd "$TMP/data" && python -c "from agentspec.engine.weights import load_checkpoint; load_checkpoint()")
+(cd "$TMP/data" && python -c "from agentspec.backends.embedded.weights import load_checkpoint; load_checkpoint()")
 printf 'def add(a, b):\n    return a + b\n' >"$TMP/workspace/util.py"
 KEY="sk-docker-steps-$RANDOM$RANDOM"
 printf '[[tenants]]\nname = "demo"\napi_keys = ["%s"]\n' "$KEY" >"$TMP/etc/server.toml"

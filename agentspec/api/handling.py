@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..apply import ApplyPathError, build_apply, chat_fast_apply, prediction_usage, resolve_workspace_path
-from ..backend import GenerationRequest
+from ..backends.protocol import GenerationRequest
 from ..errors import BackendClosedError, ContextLengthError, InvalidRequestError, QueueFullError
-from ..routing import Route
+from .routing import Route
 from ..text import TextStream
 from .jobs import Job
 from .limits import LimitExceeded
@@ -42,7 +42,7 @@ from .protocol import (
 from .sessions import SessionForbiddenError, SessionNotFoundError
 
 if TYPE_CHECKING:
-    from ..engine.base import GenerationStats
+    from ..decode.results import GenerationStats
     from .state import ServerState, Tenant
 
 __all__ = ["GENERATION_PATHS", "Call", "Prepared", "StreamShaper", "create_session", "health", "model_card",
@@ -453,7 +453,7 @@ def submit(state: ServerState, call: Call, emit: Callable[[str, Any], None], *,
 
 def _record(state: ServerState, call: Call, job: Job, kind: str, value: Any) -> None:
     """One acceptance-log record and the metrics for a finished (or failed) request."""
-    from ..engine.base import GenerationStats
+    from ..decode.results import GenerationStats
     from ..telemetry import record_from_stats
 
     now = time.monotonic()

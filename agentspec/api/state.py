@@ -2,8 +2,8 @@
 sessions, limits, the acceptance logs and metrics. The HTTP server and the in-process SDK build
 it with the same ``build_state`` and hand it to ``agentspec.api.handling``.
 
-``build_state`` loads the engine and wraps it in a backend (``agentspec.backend.Backend``:
-``agentspec.engine.backend.EmbeddedBackend``, or ``agentspec.engine.sglang_backend.SGLangBackend``
+``build_state`` loads the engine and wraps it in a backend (``agentspec.backends.protocol.Backend``:
+``agentspec.backends.embedded.backend.EmbeddedBackend``, or ``agentspec.integrations.sglang.backend.SGLangBackend``
 with ``backend="sglang"``: nothing else talks to the engine), indexes each tenant's workspace
 into the backend's shared suffix index (tenants are isolated inside it) and opens the
 acceptance logs and metrics.
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..backend import Backend
+from ..backends.protocol import Backend
 from ..config import ServerConfig, load_server_config
 from ..errors import ConfigError
-from ..routing import Router
+from .routing import Router
 from .limits import TenantLimits
 from .sessions import SessionRegistry
 
@@ -39,7 +39,7 @@ class Tenant:
 class ServerState:
     """Everything the handlers share. Built by ``agentspec.server.build_state``."""
 
-    backend: Backend               # the engine, behind agentspec.backend.Backend (nothing else is used)
+    backend: Backend               # the engine, behind agentspec.backends.protocol.Backend (nothing else is used)
     config: ServerConfig
     tenants: dict[str, Tenant]
     router: Router
@@ -88,7 +88,7 @@ class ServerState:
 
 
 def model_id_for(model: str | None) -> str:
-    from ..engine.backend import model_name_for
+    from ..backends.embedded.backend import model_name_for
 
     return model_name_for(model)
 
@@ -96,7 +96,7 @@ def model_id_for(model: str | None) -> str:
 def _engine_model_id(engine: Any) -> str:
     """The id served for an embedded engine's model: the bundled one by its name, another by its
     file or folder name."""
-    from ..engine.weights import bundled_model_path
+    from ..backends.embedded.weights import bundled_model_path
 
     path = getattr(engine, "model_path", None)
     try:
@@ -126,7 +126,7 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
     ``SchedulerConfig`` the backend puts in ``$AGENTSPEC_SGLANG``), so tenants here have no
     ``Workspace``, only their resolved ``root`` (``/v1/apply`` reads files from it). Routes may
     not name drafters the engine's one algorithm does not provide
-    (``agentspec.engine.sglang_backend.check_route_drafters``)."""
+    (``agentspec.integrations.sglang.backend.check_route_drafters``)."""
     if backend not in ("embedded", "sglang"):
         raise ConfigError(f"backend must be 'embedded' or 'sglang', got {backend!r}")
     if not isinstance(config, ServerConfig):
@@ -143,8 +143,8 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
                                    default_tenant=default_tenant)
     if sglang_options:
         raise ConfigError("sglang_options need backend='sglang'")
-    from ..engine import Engine
-    from ..engine.backend import EmbeddedBackend
+    from ..backends import Engine
+    from ..backends.embedded.backend import EmbeddedBackend
     from ..telemetry import Metrics, TenantLogSink
     from ..workspace import Workspace
 
@@ -192,7 +192,7 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
 
 def _build_sglang_state(config: ServerConfig, *, repo: str | Path | None, engine: Any, options: dict | None,
                         watch: bool, quiet: bool, default_tenant: str) -> ServerState:
-    from ..engine.sglang_backend import SGLangBackend
+    from agentspec.integrations.sglang.backend import SGLangBackend
     from ..telemetry import Metrics, TenantLogSink
 
     opts = dict(options or {})

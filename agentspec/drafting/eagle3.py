@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +31,11 @@ from torch import nn
 
 from suffix_index.atomic import fsync_dir, fsync_tree
 
-from ..engine.model import ModelArgs, apply_rope, rope_cos_sin
 from ..errors import ConfigError, ModelLoadError
+from ..kernels.rope import apply_rope, rope_cos_sin
+
+if TYPE_CHECKING:
+    from ..backends.embedded.model import ModelArgs
 
 __all__ = [
     "ARCHITECTURE",

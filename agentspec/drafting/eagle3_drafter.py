@@ -209,7 +209,7 @@ class _Runner:
         """Rows ``[T]``: causal over ``kv`` + themselves; their keys/values are appended to ``kv``.
         Returns (draft-vocab logits of the last row (``logits="last"``) / every row (``"all"``),
         ``h2 [T, H]``)."""
-        from ..engine.model import apply_rope
+        from ..kernels.rope import apply_rope
 
         head, L = self.head, self.lin
         dt = self.dtype
@@ -523,7 +523,7 @@ def head_path_for(engine, path=None):
     for p in (path, getattr(engine, "eagle3", None), os.environ.get("AGENTSPEC_EAGLE3")):
         if p:
             return Path(p).expanduser()
-    from ..engine.weights import bundled_model_path
+    from ..backends.embedded.weights import bundled_model_path
 
     try:
         bundled = Path(engine.model_path).resolve() == bundled_model_path().resolve()

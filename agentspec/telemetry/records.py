@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 if TYPE_CHECKING:
-    from ..engine.base import GenerationStats
+    from ..decode.results import GenerationStats
 
 TENANT_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")  # tenant names double as file names
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def cmd_train_eagle3(args) -> int:
-    from ..engine.embedded import EmbeddedEngine
+    from ..backends.embedded.engine import EmbeddedEngine
     from .distill import distill, load_prompt_items, read_distilled
     from .eagle3 import TrainConfig, extract_features, train_head
 

@@ -126,7 +126,7 @@ def distill(engine, items: Iterable[PromptItem], out: str | os.PathLike, *, max_
             progress: bool = True) -> Path:
     """Generate the target's responses to ``items`` into ``out`` (resumable; see module doc)."""
     from ..drafting import default_drafter
-    from ..engine.batch import BatchEngine
+    from ..backends.embedded.batch import BatchEngine
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

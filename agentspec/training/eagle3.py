@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from suffix_index.atomic import open_atomic
 
 from ..drafting.eagle3 import Eagle3Config, Eagle3Head, build_vocab_map, save_eagle3
-from ..engine.model import apply_rope
+from ..kernels.rope import apply_rope
 
 __all__ = ["Sample", "TrainConfig", "extract_features", "train_head", "ttt_loss"]
 

@@ -8,7 +8,7 @@
 - ``config``: what the front process tells the scheduler processes (``SchedulerConfig`` in
   ``$AGENTSPEC_SGLANG``) and the per-request ``custom_params`` keys. SGLang-free.
 
-The server in front (``agentspec serve --backend sglang``) is ``agentspec.engine.sglang_backend``.
+The server in front (``agentspec serve --backend sglang``) is ``agentspec.integrations.sglang.backend``.
 Importing this package imports neither SGLang nor torch.
 """
 

@@ -24,7 +24,7 @@ def convert(out: Path, gguf: Path | None = None) -> Path:
     from transformers.utils import logging as hf_logging
 
     if gguf is None:
-        from agentspec.engine.weights import bundled_model_path
+        from agentspec.backends.embedded.weights import bundled_model_path
 
         gguf = Path(bundled_model_path())
     out = Path(out)

@@ -180,7 +180,7 @@ class AgentSpecWorker(NGRAMWorker):
         self.index = SuffixIndex(vocab_size=vocab, keep_outputs=self.config.history)
         if not self.config.tenants:
             return
-        from agentspec.engine.tokenizer import Tokenizer
+        from agentspec.backends.embedded.tokenizer import Tokenizer
         from agentspec.workspace import Workspace
         from pathlib import Path
 

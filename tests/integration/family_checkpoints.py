@@ -77,7 +77,7 @@ FAMILIES = {
 
 def bundled_tokenizer_json() -> str:
     """The bundled model's tokenizer as a ``tokenizer.json`` text."""
-    from agentspec.engine.weights import load_checkpoint
+    from agentspec.backends.embedded.weights import load_checkpoint
 
     return load_checkpoint(quiet=True).tokenizer.backend.to_str()
 
@@ -93,7 +93,7 @@ def write_tokenizer(folder: Path, template: str, added: list[str], eos: str, fam
     ``vocab_size``: pad the vocabulary to this many with unused special tokens (a real model's shape)."""
     from tokenizers import AddedToken, Tokenizer
 
-    from agentspec.engine.tokenizer import _pre_tokenizer
+    from agentspec.backends.embedded.tokenizer import _pre_tokenizer
 
     tok = Tokenizer.from_str(bundled_tokenizer_json())
     tok.pre_tokenizer = _pre_tokenizer(PRE[family])
@@ -230,7 +230,7 @@ def _write_gguf(cfg: dict, hf_folder: Path, state: dict[str, np.ndarray], path: 
     if "<|eot_id|>" in vocab:
         w.add_eot_token_id(vocab["<|eot_id|>"])
     if family == "llama" and rope.get("rope_type") == "llama3":  # as llama.cpp's converter writes it
-        from agentspec.engine import rope as rope_mod
+        from agentspec.kernels import rope as rope_mod
 
         base = rope_mod.inv_freq(rope["rope_theta"], head_dim)
         scaled = rope_mod.inv_freq(rope["rope_theta"], head_dim, rope)

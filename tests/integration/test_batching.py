@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from agentspec.engine.batch import BatchEngine, lower_convex_hull, select_slots
+from agentspec.backends.embedded.batch import BatchEngine, lower_convex_hull, select_slots
 
 pytestmark = pytest.mark.slow
 

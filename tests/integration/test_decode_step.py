@@ -1,4 +1,4 @@
-"""The one decode step (agentspec.engine.step) through every engine path, with the real model:
+"""The one decode step (agentspec.decode.step) through every engine path, with the real model:
 seeded sampling that repeats whatever drafts, budgets past one forward's rows, and the target's
 hidden states for draft heads."""
 
@@ -9,8 +9,8 @@ import torch
 from agentspec import SpecConfig
 from agentspec.drafting import LookaheadDrafter, PromptLookupDrafter, SuffixDrafter
 from agentspec.drafting.protocols import HiddenStateDrafter
-from agentspec.engine.batch import BatchEngine
-from agentspec.engine.step import MAX_STEP_ROWS
+from agentspec.backends.embedded.batch import BatchEngine
+from agentspec.decode.step import MAX_STEP_ROWS
 
 REPEAT = ("Repeat this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, "
           "kappa, lambda, mu.")

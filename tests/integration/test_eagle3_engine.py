@@ -26,7 +26,7 @@ from agentspec.drafting.eagle3_drafter import (
     GateCosts,
     _Runner,
 )
-from agentspec.engine.batch import BatchEngine
+from agentspec.backends.embedded.batch import BatchEngine
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",

@@ -23,8 +23,8 @@ from agentspec.drafting.eagle3 import (
     build_vocab_map,
     save_eagle3,
 )
-from agentspec.engine.batch import BatchEngine
-from agentspec.engine.embedded import EmbeddedEngine
+from agentspec.backends.embedded.batch import BatchEngine
+from agentspec.backends.embedded.engine import EmbeddedEngine
 from agentspec.errors import ConfigError, ModelLoadError
 
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ def write_head(args, path: Path, *, seed: int = 0, **config_overrides) -> Path:
 
 @pytest.fixture(scope="module")
 def head_dir(tmp_path_factory) -> Path:
-    from agentspec.engine.weights import load_checkpoint
+    from agentspec.backends.embedded.weights import load_checkpoint
 
     return write_head(load_checkpoint(quiet=True).args, tmp_path_factory.mktemp("eagle3") / "head")
 

@@ -145,7 +145,7 @@ def test_stream_yields_what_generate_returns(engine, rewrite_prompts):
 
 def test_weight_cache_makes_starts_fast(monkeypatch):
     """A start after the first reads the converted cache: the GGUF is not dequantized again."""
-    from agentspec.engine import weights
+    from agentspec.backends.embedded import weights
 
     first = weights.load_checkpoint(quiet=True)  # converted by now (the session engine did it)
 

@@ -116,9 +116,9 @@ def test_greedy_identity_with_tree_drafts(engine, plain_greedy, rewrite_prompts,
 
 def test_kv_compaction_equals_sequential_feeding(engine, rewrite_prompts):
     """The cache after a verified tree equals the cache from feeding the accepted tokens one by one."""
-    from agentspec.engine.model import KVCache
+    from agentspec.backends.embedded.model import KVCache
     from agentspec.kernels import tree_depths, tree_mask, with_root
-    from agentspec.verify import greedy_verify
+    from agentspec.decode.verify import greedy_verify
 
     ids = rewrite_prompts[0][:300]
     g = engine.generate(ids, max_tokens=4, spec=None).token_ids
@@ -256,7 +256,7 @@ def test_one_weight_copy_same_bits(engine, plain_greedy, rewrite_prompts, chat_p
     """AGENTSPEC_WEIGHT_COPIES=1 (what a model too large to hold twice gets): the torch weights
     are freed once packed and prompt chunks unpack them per forward. Prompt logits are the same
     bits as with both copies, and greedy output, plain and speculative, the same tokens."""
-    from agentspec.engine.model import KVCache
+    from agentspec.backends.embedded.model import KVCache
 
     if engine.model.head_packed is None:
         pytest.skip("the native linears do not run here (nothing is packed)")

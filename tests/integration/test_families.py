@@ -23,8 +23,8 @@ import torch
 import agentspec
 from agentspec import SpecConfig
 from agentspec.drafting import Draft
-from agentspec.engine.model import KVCache, Transformer
-from agentspec.engine.weights import load_checkpoint
+from agentspec.backends.embedded.model import KVCache, Transformer
+from agentspec.backends.embedded.weights import load_checkpoint
 from agentspec.errors import ModelLoadError
 
 from family_checkpoints import write_family, write_gguf, write_quantized_pair  # tests/integration (on sys.path)
@@ -223,7 +223,7 @@ def test_gguf_f32_holds_the_folder_tensors(family, folders, tmp_path, monkeypatc
     assert a.args.family == ("llama" if family == "mistral" else family)   # llama.cpp writes Mistral as 'llama'
     assert {k: getattr(a.args, k) for k in same} == {k: getattr(b.args, k) for k in same}
     assert a.args.norm_eps == pytest.approx(b.args.norm_eps, rel=1e-6)
-    from agentspec.engine.model import rope_tables
+    from agentspec.backends.embedded.model import rope_tables
     for x, y in zip(rope_tables(a.args), rope_tables(b.args)):   # rope_freqs are float32: close, not equal
         torch.testing.assert_close(x[:512], y[:512], atol=1e-4, rtol=0)
     ta, tb = a.state_dict(), b.state_dict()

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import agentspec
-from agentspec.engine.model import KVCache, Transformer
-from agentspec.engine.weights import bundled_model_path, load_checkpoint
+from agentspec.backends.embedded.model import KVCache, Transformer
+from agentspec.backends.embedded.weights import bundled_model_path, load_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -214,7 +214,7 @@ def test_neovim_runs_the_documented_setup(tmp_path):
     env.update({k: str(p) for k, p in xdg.items()})
     # the server keeps agentspec's cache (converted weights, profiles: $XDG_CACHE_HOME/agentspec by
     # default), only Neovim's own directories are the test's
-    from agentspec.engine.weights import cache_root
+    from agentspec.backends.embedded.weights import cache_root
 
     env["AGENTSPEC_CACHE_DIR"] = str(cache_root())
     env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"

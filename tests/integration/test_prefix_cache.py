@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import agentspec
-from agentspec.engine.batch import BatchEngine
-from agentspec.engine.prefix_cache import CHUNK_TOKENS, PrefixCache
+from agentspec.backends.embedded.batch import BatchEngine
+from agentspec.backends.embedded.prefix_cache import CHUNK_TOKENS, PrefixCache
 from agentspec.errors import ConfigError
 from agentspec.traces import conversation_turns, load_records, prompt_messages
 

@@ -9,8 +9,8 @@ import torch
 
 from agentspec import Draft, SpecConfig
 from agentspec.drafting import EMPTY_DRAFT
-from agentspec.engine.batch import BatchEngine
-from agentspec.verify import process_logits
+from agentspec.backends.embedded.batch import BatchEngine
+from agentspec.decode.verify import process_logits
 
 pytestmark = pytest.mark.slow
 

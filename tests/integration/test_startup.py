@@ -1,5 +1,5 @@
 """Start-up: a port in use fails fast (before the model loads), and the step-cost profiles are
-cached on disk per machine, build and model (``agentspec.engine.profile_cache``)."""
+cached on disk per machine, build and model (``agentspec.backends.embedded.profile_cache``)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentspec.engine import profile_cache
-from agentspec.engine.batch import BatchEngine, lower_convex_hull, stand_in_step_costs
-from agentspec.engine.embedded import EmbeddedEngine
+from agentspec.backends.embedded import profile_cache
+from agentspec.backends.embedded.batch import BatchEngine, lower_convex_hull, stand_in_step_costs
+from agentspec.backends.embedded.engine import EmbeddedEngine
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -46,7 +46,7 @@ def real_prompts() -> dict[str, list[list[int]]]:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_throughput import agent_prompts, rewrite_prompts
 
-    from agentspec.engine.embedded import EmbeddedEngine
+    from agentspec.backends.embedded.engine import EmbeddedEngine
 
     tok = EmbeddedEngine(quiet=True)
     return {"rewrites": rewrite_prompts(tok, DATA, 4, 700, 200), "agent": agent_prompts(tok, DATA, 4, 700, 150)}
@@ -113,7 +113,7 @@ def test_speculation_off_request_gets_a_root_only_draft(prompts, reference, ours
 def test_tenants_do_not_feed_each_others_drafts(ours):
     """Tenant A's output is in A's history: A asking again drafts it whole; tenant B asking the
     same has only its own prompt to draft from."""
-    from agentspec.engine.embedded import EmbeddedEngine
+    from agentspec.backends.embedded.engine import EmbeddedEngine
 
     tok = EmbeddedEngine(quiet=True)
     ids = tok.encode([{"role": "user", "content": "Write a Python class for a bank account with deposit, "

@@ -116,7 +116,7 @@ class _FakeEngine:
 
 
 def _backend(script=(), **kw):
-    from agentspec.engine.sglang_backend import SGLangBackend
+    from agentspec.integrations.sglang.backend import SGLangBackend
 
     fail = kw.pop("fail", None)
     kw.setdefault("speculative", "agentspec")
@@ -136,7 +136,7 @@ def _run(backend, request, *, should_stop=None, cancel_after: float | None = Non
 
 @needs_model
 def test_stream_tokens_eos_and_spec_stats():
-    from agentspec.backend import GenerationRequest
+    from agentspec.backends.protocol import GenerationRequest
 
     b = _backend()
     tok = b.tokenizer
@@ -168,7 +168,7 @@ def test_stream_tokens_eos_and_spec_stats():
 
 @needs_model
 def test_stop_string_length_spec_off_and_prediction():
-    from agentspec.backend import GenerationRequest, collect
+    from agentspec.backends.protocol import GenerationRequest, collect
 
     b = _backend()
     text = b.tokenizer.encode("Hello world, this is")
@@ -192,7 +192,7 @@ def test_stop_string_length_spec_off_and_prediction():
 
 @needs_model
 def test_cancel_should_stop_errors_and_close():
-    from agentspec.backend import GenerationRequest
+    from agentspec.backends.protocol import GenerationRequest
     from agentspec.errors import BackendClosedError, InvalidRequestError
 
     slow = [([5], None, {})] * 400 + [([6], {"type": "length", "length": 401}, {})]
@@ -250,7 +250,7 @@ def test_cancel_should_stop_errors_and_close():
     (dict(prompt_ids=[1], max_tokens=3, drafters=("nope",)), "drafters"),
 ])
 def test_bad_requests_raise_at_submit(fields, param):
-    from agentspec.backend import GenerationRequest
+    from agentspec.backends.protocol import GenerationRequest
     from agentspec.errors import InvalidRequestError
 
     b = _backend()
@@ -284,7 +284,7 @@ def test_encode_chat_context_and_stats():
 
 
 def test_route_drafters_against_the_algorithm(tmp_path):
-    from agentspec.engine.sglang_backend import check_route_drafters
+    from agentspec.integrations.sglang.backend import check_route_drafters
     from agentspec.errors import ConfigError
     from agentspec.server import build_state
 

@@ -1,4 +1,4 @@
-"""The backend seam: ``agentspec.backend`` (torch-free types and protocol) and ``EmbeddedBackend``."""
+"""The backend seam: ``agentspec.backends.protocol`` (torch-free types and protocol) and ``EmbeddedBackend``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from agentspec.backend import Backend, GenerationRequest, collect
+from agentspec.backends.protocol import Backend, GenerationRequest, collect
 from agentspec.config import SpecConfig
 from agentspec.errors import ConfigError, ContextLengthError, InvalidRequestError, QueueFullError
 
@@ -18,8 +18,8 @@ PROMPT = [{"role": "user", "content": "Write a Python function that returns the 
 
 
 def test_backend_module_does_not_load_torch():
-    code = ("import sys, agentspec.backend, agentspec.engine.backend, agentspec.server.app; "
-            "print(sorted(m for m in ('torch', 'agentspec.engine.embedded', 'agentspec.engine.batch') "
+    code = ("import sys, agentspec.backends.protocol, agentspec.backends.embedded.backend, agentspec.server.app; "
+            "print(sorted(m for m in ('torch', 'agentspec.backends.embedded.engine', 'agentspec.backends.embedded.batch') "
             "if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -47,7 +47,7 @@ def test_serve_deterministic_is_refused_before_loading_anything(tmp_path):
 
 
 def test_deterministic_engine_is_refused():
-    from agentspec.engine.backend import EmbeddedBackend
+    from agentspec.backends.embedded.backend import EmbeddedBackend
 
     with pytest.raises(ConfigError, match="deterministic"):
         EmbeddedBackend(types.SimpleNamespace(deterministic=True, vocab_size=100))
@@ -58,7 +58,7 @@ def test_deterministic_engine_is_refused():
 
 @pytest.fixture
 def backend(engine):
-    from agentspec.engine.backend import EmbeddedBackend
+    from agentspec.backends.embedded.backend import EmbeddedBackend
 
     b = EmbeddedBackend(engine, max_queue=4, max_batch=4)
     yield b
@@ -159,7 +159,7 @@ def test_cancel_stops_a_running_request(backend, engine):
 
 
 def test_queue_full(engine):
-    from agentspec.engine.backend import EmbeddedBackend
+    from agentspec.backends.embedded.backend import EmbeddedBackend
 
     ids = engine.encode(PROMPT)
     errors = []
@@ -179,7 +179,7 @@ def test_queue_full(engine):
 
 
 def test_prediction_is_a_draft_source_for_one_request(engine):
-    from agentspec.engine.backend import EmbeddedBackend, prediction_doc_id
+    from agentspec.backends.embedded.backend import EmbeddedBackend, prediction_doc_id
 
     b = EmbeddedBackend(engine)
     added, removed = [], []
@@ -228,7 +228,7 @@ def test_bad_requests_raise_at_submit_naming_the_value(backend, engine):
 
 
 def test_run_serves_on_the_calling_thread(engine, plain_greedy):
-    from agentspec.engine.backend import EmbeddedBackend
+    from agentspec.backends.embedded.backend import EmbeddedBackend
 
     b = EmbeddedBackend(engine, background=False)
     ready = threading.Event()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from agentspec import ConfigError, SpecConfig
-from agentspec.verify import sample
+from agentspec.decode.verify import sample
 
 
 def test_spec_config_defaults_and_validation():

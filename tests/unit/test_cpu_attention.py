@@ -159,7 +159,8 @@ def test_engine_uses_the_native_kernel(monkeypatch):
     the engine silently fell back to small_attention. A bfloat16 model over a packed cache runs
     the fused QKVAttention once per layer; with it off (AGENTSPEC_CPU_FUSED=0), or for a float32
     model, the native float32 attention."""
-    from agentspec.engine.model import KVCache, ModelArgs, Segment, Transformer
+    from agentspec.backends.embedded.model import KVCache, ModelArgs, Transformer
+    from agentspec.decode.step import Segment
 
     args = ModelArgs(dim=576, n_layers=2, n_heads=9, n_kv_heads=3, hidden_dim=64, vocab_size=50, max_seq_len=256)
     calls = {"decode": 0, "segments": 0, "fused": 0}
@@ -192,7 +193,7 @@ def test_engine_uses_the_native_kernel(monkeypatch):
 def _random_model(packed_linears: bool = False):
     """A small random bfloat16 model; ``packed_linears``: with the native row-invariant linears
     (``Transformer.pack_linears``) on its decode rows, as the engine runs a bf16 model on CPU."""
-    from agentspec.engine.model import ModelArgs, Transformer
+    from agentspec.backends.embedded.model import ModelArgs, Transformer
 
     args = ModelArgs(dim=576, n_layers=3, n_heads=9, n_kv_heads=3, hidden_dim=256, vocab_size=300,
                      max_seq_len=1024)
@@ -211,7 +212,7 @@ def _random_model(packed_linears: bool = False):
 
 
 def _packed_cache(args, cap):
-    from agentspec.engine.model import KVCache
+    from agentspec.backends.embedded.model import KVCache
 
     return KVCache(args, cap, dtype=torch.float32, device=torch.device("cpu"), packed=True)
 
@@ -342,7 +343,7 @@ def test_isa_cap_and_bad_names(restore_isa):
 def test_fused_segments_equal_each_request_alone(packed_linears):
     """forward_segments with the fused attention: each request's logits and cache as when it
     runs alone through forward."""
-    from agentspec.engine.model import Segment
+    from agentspec.decode.step import Segment
 
     args, model = _random_model(packed_linears)
     lens, rows = [40, 257, 130], [3, 1, 6]
@@ -375,7 +376,7 @@ def _segments_case(seed: int):
     """Segments for QKVAttention: random bfloat16 keys / values in packed caches and the rows'
     q|k|v, with draft-tree masks (after odd and even prefixes), a chain, a row that sees only
     part of the prefix, a mask-less segment and a one-row (plain decoding) segment."""
-    from agentspec.engine.model import ModelArgs
+    from agentspec.backends.embedded.model import ModelArgs
 
     args = ModelArgs(dim=576, n_layers=2, n_heads=H, n_kv_heads=HKV, hidden_dim=256, vocab_size=300,
                      max_seq_len=2048)

@@ -112,7 +112,8 @@ def test_model_decode_rows_use_packed_linears(monkeypatch):
     """Dispatch: after pack_linears a bfloat16 model's decode / verify forwards (and segments)
     run every projection and the head natively, and need no padding row; prefill keeps torch's
     GEMM for the projections. A float32 model is not packed."""
-    from agentspec.engine.model import KVCache, ModelArgs, Segment, Transformer
+    from agentspec.backends.embedded.model import KVCache, ModelArgs, Transformer
+    from agentspec.decode.step import Segment
 
     args = ModelArgs(dim=576, n_layers=2, n_heads=9, n_kv_heads=3, hidden_dim=64, vocab_size=50, max_seq_len=256)
     assert not Transformer(args).eval().pack_linears()  # float32

@@ -19,7 +19,7 @@ from agentspec.drafting import (EMPTY_DRAFT, BatchDrafter, Draft, Drafter, Fallb
                                 MergedDrafter, build_drafter, propose_all, wants_hidden_states)
 from agentspec.drafting.registry import DEFAULT_DRAFTERS, drafter_names, parse_drafters, registered
 from agentspec.errors import ConfigError
-from agentspec.routing import Router
+from agentspec.api.routing import Router
 from suffix_index import SuffixIndex
 
 VOCAB = 50_000

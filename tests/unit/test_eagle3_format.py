@@ -17,7 +17,7 @@ from agentspec.drafting.eagle3 import (
     load_eagle3,
     save_eagle3,
 )
-from agentspec.engine.model import ModelArgs
+from agentspec.backends.embedded.model import ModelArgs
 from agentspec.errors import ConfigError, ModelLoadError
 
 TINY = ModelArgs(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, hidden_dim=48, vocab_size=100,

@@ -24,13 +24,13 @@ def _run(code: str) -> dict:
 
 
 def _heavy(mods: list[str]) -> list[str]:
-    return [m for m in mods if m == "torch" or m.startswith(("torch.", "agentspec.kernels", "agentspec.engine"))]
+    return [m for m in mods if m == "torch" or m.startswith(("torch.", "agentspec.kernels", "agentspec.backends.embedded"))]
 
 
 def test_light_imports_load_no_torch_and_no_kernels():
     r = _run("""
         import json, sys
-        import agentspec, suffix_index, agentspec.drafting, agentspec.config, agentspec.routing
+        import agentspec, suffix_index, agentspec.drafting, agentspec.config, agentspec.api.routing
         from agentspec import Draft, SpecConfig, ConfigError
         from agentspec.drafting import build_drafter, FallbackDrafter, HiddenStateDrafter
         from agentspec.drafting.draft import cut_for_cost
@@ -84,7 +84,7 @@ def test_public_names_resolve_lazily():
                           "missing": [n for n in agentspec.__all__ if not hasattr(agentspec, n)]}))
     """)
     assert r["before"] is False and r["mid"] is False
-    assert r["after"] is True and r["engine"] == "agentspec.engine.embedded"
+    assert r["after"] is True and r["engine"] == "agentspec.backends.embedded.engine"
     assert r["dir"] and r["missing"] == []
 
 

@@ -27,7 +27,7 @@ triton = pytest.importorskip("triton", reason="the Triton kernels need triton (e
 
 from agentspec import kernels as K  # noqa: E402
 from agentspec.kernels import tree_triton  # noqa: E402
-from agentspec.verify import greedy_verify  # noqa: E402
+from agentspec.decode.verify import greedy_verify  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 if not CUDA and not tree_triton.INTERPRETED:

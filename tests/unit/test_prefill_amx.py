@@ -86,7 +86,7 @@ def test_a_rows_bits_do_not_depend_on_its_chunk_or_the_thread_count():
 
 
 def test_writes_the_packed_copies_the_decode_kernels_read():
-    from agentspec.engine.model import KVCache, ModelArgs
+    from agentspec.backends.embedded.model import KVCache, ModelArgs
 
     args = ModelArgs(dim=576, n_layers=1, n_heads=H, n_kv_heads=HKV, hidden_dim=256, vocab_size=300,
                      max_seq_len=1024)
@@ -119,7 +119,7 @@ def test_the_model_prefills_through_it_and_matches_the_sdpa_path(monkeypatch):
     """A random bf16 model over a packed cache: a prompt's canonical chunks take the AMX path; its
     logits agree with the SDPA path's to bf16 accuracy, and a rerun gives the same bits. (Other
     chunk boundaries would change the bits through torch's GEMM, which is why the engine's prompt
-    chunks are canonical: agentspec/engine/prefix_cache.py.)"""
+    chunks are canonical: agentspec/backends/embedded/prefix_cache.py.)"""
     _skip_unless_prompts_take_amx()
     args, model = _random_model()  # tests/unit/test_cpu_attention.py's 3-layer bf16 model
     ids = torch.randint(0, args.vocab_size, (600,), generator=torch.Generator().manual_seed(3))
@@ -175,7 +175,7 @@ def test_a_model_with_more_than_4_query_heads_per_kv_head_falls_back():
     """The kernel keeps one score tile per query head of a kv head (at most 4): other models'
     prompts take SDPA instead of failing."""
     _skip_unless_prompts_take_amx()
-    from agentspec.engine.model import KVCache, ModelArgs, Transformer
+    from agentspec.backends.embedded.model import KVCache, ModelArgs, Transformer
 
     args = ModelArgs(dim=640, n_layers=1, n_heads=10, n_kv_heads=2, hidden_dim=128, vocab_size=100,
                      max_seq_len=512)
@@ -260,7 +260,8 @@ def test_qkv_attention_is_rotary_then_prefill_attention_bit_for_bit():
     """prefill_qkv_attention (rotary, cache writes and attention in one call) equals torch's
     rotary (model.apply_rope in bf16), KVCache.write and prefill_attention: output, float32 cache
     and packed copies."""
-    from agentspec.engine.model import KVCache, ModelArgs, apply_rope, rope_cos_sin
+    from agentspec.backends.embedded.model import KVCache, ModelArgs
+    from agentspec.kernels.rope import apply_rope, rope_cos_sin
 
     args = ModelArgs(dim=576, n_layers=1, n_heads=H, n_kv_heads=HKV, hidden_dim=256, vocab_size=300,
                      max_seq_len=1024)

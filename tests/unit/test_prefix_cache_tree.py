@@ -1,4 +1,4 @@
-"""The prefix cache's radix tree and LRU eviction (agentspec.engine.prefix_cache), against a plain
+"""The prefix cache's radix tree and LRU eviction (agentspec.backends.embedded.prefix_cache), against a plain
 reference; and the premise of its exactness argument: prefill matmuls do not depend on the
 thread count."""
 
@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentspec.engine.model import prefill_attention
-from agentspec.engine.prefix_cache import PrefixCache
+from agentspec.backends.embedded.model import prefill_attention
+from agentspec.backends.embedded.prefix_cache import PrefixCache
 
 C = 4  # chunk tokens in these tests
 
@@ -123,7 +123,7 @@ def test_prefill_runs_on_a_fixed_thread_count():
     CPUs a GEMM's bits depend on the thread count (oneDNN's bfloat16 GEMM with AMX: K=1536 on 1
     vs 2 threads), and the thread governor changes the count between forwards under load: so
     prefill runs on the governor's full team whatever its current count."""
-    from agentspec.engine.threads import ThreadGovernor
+    from agentspec.backends.embedded.threads import ThreadGovernor
 
     threads = torch.get_num_threads()
     gov = ThreadGovernor(2, enabled=False)

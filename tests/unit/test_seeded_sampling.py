@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from agentspec.verify import greedy_verify, gumbel_noise, process_logits, seeded_target
+from agentspec.decode.verify import greedy_verify, gumbel_noise, process_logits, seeded_target
 
 N = 3000
 ALPHA = 1e-3  # a correct sampler fails one run in a thousand

@@ -7,7 +7,7 @@ import pytest
 from agentspec.apply import apply_prompt, merged_code, prediction_usage
 from agentspec.config import ServerConfig, SpecConfig, load_server_config
 from agentspec.errors import ConfigError
-from agentspec.routing import Router
+from agentspec.api.routing import Router
 from agentspec.text import TextStream
 
 README_CONFIG = """
@@ -104,7 +104,7 @@ name = "everything"
 
 
 def test_text_stream_never_sends_what_the_final_text_lacks():
-    from agentspec.engine.weights import load_checkpoint
+    from agentspec.backends.embedded.weights import load_checkpoint
 
     tok = load_checkpoint(quiet=True).tokenizer
     text = "naïve café — ünïcödé 你好 and the END marker here"

@@ -22,9 +22,9 @@ from agentspec.drafting import (
     drop_unlikely,
 )
 from agentspec.drafting.combine import merge_drafts
-from agentspec.engine.base import GenerationStats
-from agentspec.engine.step import Decoder
-from agentspec.policy import DraftPolicy, main_chain
+from agentspec.decode.results import GenerationStats
+from agentspec.decode.step import Decoder
+from agentspec.decode.policy import DraftPolicy, main_chain
 from agentspec.telemetry import (
     AcceptanceRecord,
     TenantLogSink,

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from agentspec.backend import GenerationRequest
+from agentspec.backends.protocol import GenerationRequest
 from agentspec.config import SpecConfig, check_drafters, load_server_config
 from agentspec.drafting.eagle3 import (
     Eagle3Config,
@@ -20,9 +20,9 @@ from agentspec.drafting.eagle3 import (
     build_vocab_map,
     save_eagle3,
 )
-from agentspec.engine.model import ModelArgs
+from agentspec.backends.embedded.model import ModelArgs
 from agentspec.errors import ConfigError
-from agentspec.routing import Router
+from agentspec.api.routing import Router
 
 TINY = ModelArgs(dim=32, n_layers=8, n_heads=4, n_kv_heads=2, hidden_dim=48, vocab_size=100,
                  norm_eps=1e-5, rope_base=100000.0, max_seq_len=256)
@@ -115,7 +115,7 @@ def _stand_in_engine(head_dir: Path | None) -> types.SimpleNamespace:
     """What ``EmbeddedBackend`` and the eagle3 factory read of an engine before any forward."""
     import threading
 
-    from agentspec.engine.embedded import EmbeddedEngine
+    from agentspec.backends.embedded.engine import EmbeddedEngine
 
     ns = types.SimpleNamespace(deterministic=False, vocab_size=TINY.vocab_size, args=TINY, dtype=torch.float32,
                                device=torch.device("cpu"), model_path="/nowhere/tiny.gguf",
@@ -141,7 +141,7 @@ def _write_head(path: Path, **config_overrides) -> Path:
     ({"vocab_size": 1000}, ["vocab_size 1000 != target vocab size 100"]),
 ])
 def test_backend_refuses_a_mismatched_head_at_construction(tmp_path, overrides, needles):
-    from agentspec.engine.backend import EmbeddedBackend
+    from agentspec.backends.embedded.backend import EmbeddedBackend
 
     head = _write_head(tmp_path / "head", **overrides)
     with pytest.raises(ConfigError) as exc:
@@ -154,7 +154,7 @@ def test_backend_refuses_a_mismatched_head_at_construction(tmp_path, overrides, 
 
 
 def test_backend_refuses_a_missing_head_at_construction(tmp_path):
-    from agentspec.engine.backend import EmbeddedBackend
+    from agentspec.backends.embedded.backend import EmbeddedBackend
 
     missing = tmp_path / "no-such-head"
     with pytest.raises(ConfigError) as exc:

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agentspec.engine.base import GenerationStats
+from agentspec.decode.results import GenerationStats
 from agentspec.telemetry import (
     AcceptanceRecord,
     Metrics,
@@ -639,7 +639,7 @@ def test_stats_and_help_do_not_import_torch(tmp_path):
         mods = _python_modules_imported(args, tmp_path)
         assert "agentspec.cli" in mods or "agentspec" in mods, args
         heavy = sorted(m for m in mods if m.split(".")[0] in ("torch", "transformers", "safetensors")
-                       or m.startswith(("agentspec.engine", "agentspec.kernels")))
+                       or m.startswith(("agentspec.backends", "agentspec.kernels")))
         assert heavy == [], (args, heavy[:5])
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from agentspec.engine.threads import ThreadGovernor, _busy_seconds
+from agentspec.backends.embedded.threads import ThreadGovernor, _busy_seconds
 from agentspec.kernels import cpu_isa
 
 

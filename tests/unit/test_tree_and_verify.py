@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from agentspec.drafting import Draft
 from agentspec.kernels import tree_depths, tree_mask, with_root
-from agentspec.verify import greedy_verify
+from agentspec.decode.verify import greedy_verify
 
 
 @st.composite

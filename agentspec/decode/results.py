@@ -1,21 +1,11 @@
-"""The engine role and the structs a generation returns."""
+"""What a generation returns: its tokens and text (``Generation``) and what its steps did
+(``GenerationStats``). Made by the decode step; every backend returns them."""
 
 from __future__ import annotations
 
-import abc
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
 import msgspec
 
-from ..config import SpecConfig
-
-if TYPE_CHECKING:
-    from .embedded import EmbeddedEngine
-
-__all__ = ["DEFAULT_SPEC", "Engine", "Generation", "GenerationStats"]
-
-DEFAULT_SPEC = SpecConfig()
+__all__ = ["Generation", "GenerationStats"]
 
 
 class GenerationStats(msgspec.Struct, kw_only=True):
@@ -54,25 +44,3 @@ class Generation(msgspec.Struct, kw_only=True):
     token_ids: list[int]
     finish_reason: str             # "stop" (EOS or a stop string) or "length" (max_tokens)
     stats: GenerationStats
-
-
-class Engine(abc.ABC):
-    """Generates text for prompts, speculating as ``spec`` says."""
-
-    @staticmethod
-    def embedded(**options: Any) -> "EmbeddedEngine":
-        """The torch engine on CPU or one GPU; the bundled model unless ``model=PATH``."""
-        from .embedded import EmbeddedEngine
-
-        return EmbeddedEngine(**options)
-
-    @abc.abstractmethod
-    def generate(
-        self,
-        prompt: str | Sequence[int] | Sequence[dict],
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        spec: SpecConfig | None = DEFAULT_SPEC,
-        **options: Any,
-    ) -> Generation: ...

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from .config import RouteRule, SpecConfig
-from .drafting.registry import DEFAULT_DRAFTERS
+from ..config import RouteRule, SpecConfig
+from ..drafting.registry import DEFAULT_DRAFTERS
 
 __all__ = ["Route", "Router"]
 

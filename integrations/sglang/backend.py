@@ -1,4 +1,4 @@
-"""``SGLangBackend``: an in-process ``sglang.Engine`` behind the ``agentspec.backend.Backend`` protocol.
+"""``SGLangBackend``: an in-process ``sglang.Engine`` behind the ``agentspec.backends.protocol.Backend`` protocol.
 
 SGLang runs its scheduler (and with it the speculative worker that drafts) in processes it
 spawns; the ``sglang.Engine`` object lives in this process and talks to them through its
@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..backend import (
+from agentspec.backends.protocol import (
     GenerationRequest,
     OnDone,
     OnTokens,
@@ -62,7 +62,7 @@ from ..backend import (
     request_drafters,
     stream_via_submit,
 )
-from ..errors import (
+from agentspec.errors import (
     BackendClosedError,
     ConfigError,
     ContextLengthError,
@@ -70,8 +70,8 @@ from ..errors import (
     ModelLoadError,
     QueueFullError,
 )
-from ..text import stop_index
-from .base import Generation, GenerationStats
+from agentspec.text import stop_index
+from agentspec.decode.results import Generation, GenerationStats
 
 __all__ = ["ALGORITHMS", "SGLangBackend", "check_route_drafters", "sglang_available"]
 
@@ -175,8 +175,8 @@ class SGLangBackend:
                  engine_kwargs: Mapping[str, Any] | None = None, max_queue: int = 256,
                  drafters: Mapping[str, Sequence[str]] | None = None, engine: Any = None,
                  quiet: bool = False) -> None:
-        from .backend import model_name_for
-        from .tokenizer import Tokenizer
+        from agentspec.backends.embedded.backend import model_name_for
+        from agentspec.backends.embedded.tokenizer import Tokenizer
 
         if speculative is not None and speculative not in ALGORITHMS:
             raise ConfigError(f"speculative must be one of {sorted(ALGORITHMS)} or None, got {speculative!r}")

@@ -16,17 +16,18 @@ from typing import Any, TypedDict, Unpack
 
 import torch
 
-from ..config import SpecConfig, check_drafters
-from ..drafting import Drafter, default_drafter
-from ..errors import ConfigError, ContextLengthError, InvalidRequestError
-from ..kernels import cpu_attention, cpu_linear
-from ..kernels import cpu_isa as _cpu_isa
-from ..kernels.tree import tree_mask
-from ..backend import check_sampling, check_token_ids
-from .base import DEFAULT_SPEC, Engine, Generation
+from ...config import SpecConfig, check_drafters
+from ...drafting import Drafter, default_drafter
+from ...errors import ConfigError, ContextLengthError, InvalidRequestError
+from ...kernels import cpu_attention, cpu_linear
+from ...kernels import cpu_isa as _cpu_isa
+from ...kernels.tree import tree_mask
+from ..protocol import check_sampling, check_token_ids
+from ...decode.results import Generation
+from ..engine import DEFAULT_SPEC, Engine
 from .model import KVCache, Transformer, round_up
 from .prefix_cache import CHUNK_TOKENS, PrefixCache
-from .step import Decoder, run_single
+from ...decode.step import Decoder, run_single
 from .threads import ThreadGovernor
 from .tokenizer import Tokenizer
 from .weights import load_checkpoint
@@ -77,7 +78,7 @@ class EmbeddedEngine(Engine):
       quiet: no progress or log lines on stderr.
       eagle3: an EAGLE-3 head directory (SGLang layout) for the ``"eagle3"`` drafter; default
         ``$AGENTSPEC_EAGLE3``, else the head shipped for the bundled model.
-      prefix_cache_bytes: memory for the prefix cache (``agentspec.engine.prefix_cache``): prompt
+      prefix_cache_bytes: memory for the prefix cache (``agentspec.backends.embedded.prefix_cache``): prompt
         KV that later requests sharing a prefix reuse; None (default): min(25% of RAM, 4 GiB);
         0: off. Less than one full-context prompt's KV raises ConfigError.
       prefix_cache_shared: one prefix cache for every tenant (default False: one per tenant, so
@@ -86,6 +87,10 @@ class EmbeddedEngine(Engine):
         ``$AGENTSPEC_EAGLE3_GATE=0``: off, the head drafts whenever it is asked: a machine where
         it is known to pay, or a test that needs it to draft).
     """
+
+    # the canonical prefill chunk (``prefix_cache.CHUNK_TOKENS``): prompts are prefilled in chunks at
+    # multiples of it, so a prefix-cache hit and a prefill compute the same bits (``decode.step``)
+    chunk_tokens = CHUNK_TOKENS
 
     def __init__(
         self,
@@ -451,7 +456,7 @@ class EmbeddedEngine(Engine):
         history and workspace serve these requests as they serve the default ones (a server's
         backend passes its shared index). Unknown names raise ``ConfigError``; a head that is
         missing or does not fit the model ``ModelLoadError``."""
-        from ..drafting.registry import build_drafter
+        from ...drafting.registry import build_drafter
 
         if index is None:
             index = getattr(self.drafter, "index", None)

@@ -1,4 +1,4 @@
-"""``EmbeddedBackend``: the embedded torch engine behind the ``agentspec.backend.Backend`` protocol.
+"""``EmbeddedBackend``: the embedded torch engine behind the ``agentspec.backends.protocol.Backend`` protocol.
 
 It owns what the server used to reach into the engine for: the continuous-batching scheduler
 (``BatchEngine``) and its queue limit, the drafters each route names (built once per drafter
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..backend import (
+from ..protocol import (
     GenerationRequest,
     OnDone,
     OnTokens,
@@ -32,7 +32,7 @@ from ..backend import (
     request_drafters,
     stream_via_submit,
 )
-from ..errors import AgentSpecError, BackendClosedError, ConfigError, InvalidRequestError, QueueFullError
+from ...errors import AgentSpecError, BackendClosedError, ConfigError, InvalidRequestError, QueueFullError
 
 __all__ = ["EmbeddedBackend", "model_name_for", "prediction_doc_id"]
 

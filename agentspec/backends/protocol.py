@@ -1,11 +1,11 @@
 """The seam between the server and an engine: a typed request and the ``Backend`` protocol.
 
-The server (``agentspec.server``) talks to a ``Backend`` and to nothing else: it turns an HTTP
-body into token ids with the backend's tokenizer and chat template, builds a
-``GenerationRequest`` and submits it; committed tokens and the final ``Generation`` come back
+The request layer (``agentspec.api``, under the server and the SDK) talks to a ``Backend`` and to
+nothing else: it turns a request body into token ids with the backend's tokenizer and chat
+template, builds a ``GenerationRequest`` and submits it; committed tokens and the final ``Generation`` come back
 through callbacks. Everything engine-specific (the batch scheduler, drafters, the KV cache,
 prediction documents in the draft index) stays behind the protocol. The embedded torch engine
-is the first implementation (``agentspec.engine.backend.EmbeddedBackend``); an SGLang backend
+is the first implementation (``agentspec.backends.embedded.backend.EmbeddedBackend``); an SGLang backend
 is the second.
 
 This module is torch-free: it imports msgspec, the standard library and agentspec's config,
@@ -21,9 +21,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from .config import SpecConfig
-from .engine.base import Generation
-from .errors import ContextLengthError, InvalidRequestError, QueueFullError
+from ..decode.results import Generation
+from ..config import SpecConfig
+from ..errors import ContextLengthError, InvalidRequestError, QueueFullError
 
 __all__ = ["Backend", "ContextLengthError", "GenerationRequest", "InvalidRequestError", "OnDone", "OnTokens",
            "QueueFullError", "Sampling", "TokenizerLike", "check_drafter_names", "check_float", "check_int",
@@ -78,7 +78,7 @@ class TokenizerLike(Protocol):
 
 @runtime_checkable
 class Backend(Protocol):
-    """What the server needs of an engine. Implementations: ``agentspec.engine.backend.EmbeddedBackend``."""
+    """What the server needs of an engine. Implementations: ``agentspec.backends.embedded.backend.EmbeddedBackend``."""
 
     model_name: str          # the model id the server reports (``/v1/models``)
     max_context: int         # tokens: prompt + completion
@@ -263,7 +263,7 @@ def check_sampling(*, max_tokens: Any, temperature: Any = 0.0, top_p: Any = 1.0,
                    stop: Any = None, spec: Any = None) -> Sampling:
     """The decoding options of one request checked (InvalidRequestError naming the bad value) and
     normalised; ``spec`` must be a ``SpecConfig`` or None."""
-    from .text import check_stop
+    from ..text import check_stop
 
     check_int("max_tokens", max_tokens, lo=1)
     temperature = check_float("temperature", temperature, lo=0.0, hi=100.0)
@@ -282,7 +282,7 @@ def check_sampling(*, max_tokens: Any, temperature: Any = 0.0, top_p: Any = 1.0,
 def check_drafter_names(names: Sequence[str] | str) -> tuple[str, ...]:
     """A drafter list (``agentspec.drafting.registry``) as a tuple; unknown names are the
     request's fault: InvalidRequestError (param "drafters") listing the known ones."""
-    from .drafting.registry import parse_drafters
+    from ..drafting.registry import parse_drafters
 
     key = (names,) if isinstance(names, str) else tuple(names)
     try:

@@ -55,7 +55,7 @@ def cache_dir() -> Path:
 
 def _machine() -> dict:
     try:
-        from ..kernels import cpu_isa
+        from ...kernels import cpu_isa
 
         return cpu_isa.machine_info()  # its "isa" is the active level
     except Exception as e:  # noqa: BLE001 - the key then says so; never fail a start over it
@@ -65,7 +65,7 @@ def _machine() -> dict:
 def _native() -> dict | None:
     """Identity of the compiled kernels (a rebuild changes the numbers); None without them."""
     try:
-        from ..kernels import _cpu  # type: ignore[attr-defined]
+        from ...kernels import _cpu  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001
         return None
     out: dict[str, Any] = {}

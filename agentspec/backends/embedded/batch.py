@@ -26,13 +26,14 @@ from typing import Any
 
 import torch
 
-from ..config import SpecConfig
-from ..drafting import Drafter
-from ..errors import BackendClosedError, InvalidRequestError
-from ..kernels.tree import tree_mask
-from .base import DEFAULT_SPEC, Generation, GenerationStats
-from .model import Segment, round_up
-from .step import SeqState
+from ...config import SpecConfig
+from ...drafting import Drafter
+from ...errors import BackendClosedError, InvalidRequestError
+from ...kernels.tree import tree_mask
+from ...decode.results import Generation, GenerationStats
+from ..engine import DEFAULT_SPEC
+from .model import round_up
+from ...decode.step import Segment, SeqState
 
 __all__ = ["BatchEngine", "BudgetPolicy", "select_slots"]
 

@@ -28,7 +28,7 @@ import torch
 
 from suffix_index.atomic import fsync_dir, fsync_tree
 
-from ..errors import ModelLoadError
+from ...errors import ModelLoadError
 from . import families
 from .model import ModelArgs
 from .tokenizer import Tokenizer

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["ROPE_TYPES", "attention_factor", "inv_freq"]
+__all__ = ["ROPE_TYPES", "apply_rope", "attention_factor", "inv_freq", "rope_cos_sin"]
 
 # rope types the engine implements (``families`` refuses any other)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
@@ -94,3 +94,22 @@ def attention_factor(scaling: Mapping | None) -> float:
     if s.get("mscale") and s.get("mscale_all_dim"):
         return mscale(factor, float(s["mscale"])) / mscale(factor, float(s["mscale_all_dim"]))
     return mscale(factor)
+
+
+def rope_cos_sin(base: float, head_dim: int, positions: torch.Tensor, *, device=None,
+                 inv: torch.Tensor | None = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[len(positions), head_dim]`` in float32 (Hugging Face ``rotate_half`` layout),
+    computed in float64. ``inv``: the inverse frequencies (default: unscaled rope of ``base``);
+    ``scale``: a factor on cos and sin (yarn's attention factor)."""
+    if inv is None:
+        inv = inv_freq(base, head_dim)
+    freqs = torch.outer(positions.detach().to("cpu", torch.float64), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scale).float().to(device), (emb.sin() * scale).float().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [H, T, D]; cos/sin: [T, D]
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin

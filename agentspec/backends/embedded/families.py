@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from ..errors import ModelLoadError
-from . import rope
+from ...errors import ModelLoadError
+from ...kernels import rope
 from .model import ModelArgs
 
 __all__ = ["FAMILIES", "GGUF_ARCHS", "args_from_gguf", "args_from_hf_config"]

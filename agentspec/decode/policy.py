@@ -1,7 +1,7 @@
 """The draft policy: how much of a drafter's tree one decode step verifies.
 
 One object, used by every path that turns a drafter's proposal into the rows a step verifies:
-single-request decoding, continuous batching (``agentspec.engine.step``) and the acceptance
+single-request decoding, continuous batching (``agentspec.decode.step``) and the acceptance
 replay (``benchmarks/replay.py``). Torch-free.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import SpecConfig
-from .drafting.draft import EMPTY_DRAFT, Draft, cut_for_cost, drop_unlikely
+from ..config import SpecConfig
+from ..drafting.draft import EMPTY_DRAFT, Draft, cut_for_cost, drop_unlikely
 
 __all__ = ["MAX_STEP_ROWS", "DraftPolicy", "main_chain"]
 

@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu_attention, cpu_linear
-from . import rope
+from ...kernels import cpu_attention, cpu_linear, rope
+from ...decode.step import MAX_STEP_ROWS, Segment
+from ...kernels.rope import apply_rope, rope_cos_sin
 
-__all__ = ["KVCache", "ModelArgs", "Segment", "Transformer"]
+__all__ = ["KVCache", "ModelArgs", "Transformer"]
 
 
 @dataclass(frozen=True)
@@ -156,18 +157,6 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_cos_sin(base: float, head_dim: int, positions: torch.Tensor, *, device=None,
-                 inv: torch.Tensor | None = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin ``[len(positions), head_dim]`` in float32 (Hugging Face ``rotate_half`` layout),
-    computed in float64. ``inv``: the inverse frequencies (default: unscaled rope of ``base``);
-    ``scale``: a factor on cos and sin (yarn's attention factor)."""
-    if inv is None:
-        inv = rope.inv_freq(base, head_dim)
-    freqs = torch.outer(positions.detach().to("cpu", torch.float64), inv)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return (emb.cos() * scale).float().to(device), (emb.sin() * scale).float().to(device)
-
-
 def rope_tables(args: ModelArgs, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin ``[max_seq_len, head_dim]`` in float32 (Hugging Face ``rotate_half`` layout), with
     the checkpoint's rope scaling (``engine.rope``)."""
@@ -175,13 +164,6 @@ def rope_tables(args: ModelArgs, *, device=None) -> tuple[torch.Tensor, torch.Te
     inv = rope.inv_freq(args.rope_base, args.head_dim, scaling, args.rope_freq_factors)
     return rope_cos_sin(args.rope_base, args.head_dim, torch.arange(args.max_seq_len), device=device, inv=inv,
                         scale=rope.attention_factor(scaling))
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [H, T, D]; cos/sin: [T, D]
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rot * sin
 
 
 class Block(nn.Module):
@@ -418,6 +400,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, star
 
 
 SMALL_T = 128  # up to this many new tokens, attention runs as plain matmuls (decode/verify)
+# the rows one request verifies in one forward (root + draft): past SMALL_T the forward leaves the
+# row-invariant decode kernels, and forward_segments refuses larger segments
+assert MAX_STEP_ROWS <= SMALL_T
 
 
 KEY_CHUNK = 256  # the key axis of decode attention is padded to a multiple of this
@@ -513,17 +498,6 @@ def causal_mask(start: int, T: int, device) -> torch.Tensor:
     m = torch.ones(T, start + T, dtype=torch.bool, device=device)
     m[:, start:] = torch.ones(T, T, dtype=torch.bool, device=device).tril()
     return m
-
-
-@dataclass
-class Segment:
-    """One request's rows in a multi-request forward: ``rows`` tokens written at
-    ``cache[cache.length : cache.length + rows]``, attending as ``mask`` says."""
-
-    cache: KVCache
-    rows: int
-    mask: torch.Tensor   # [rows, cache.length + rows] bool
-    offset: int = 0      # first row in the batch (set by ``forward_segments``)
 
 
 class Transformer(nn.Module):

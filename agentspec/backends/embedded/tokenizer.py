@@ -94,7 +94,7 @@ class Tokenizer:
         eom_token_id: int | None = None,
     ) -> "Tokenizer":
         if model != "gpt2":
-            from ..errors import ModelLoadError
+            from ...errors import ModelLoadError
 
             raise ModelLoadError(
                 f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')"

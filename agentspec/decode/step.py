@@ -24,6 +24,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,22 +33,30 @@ from ..drafting import EMPTY_DRAFT, Draft, Drafter
 from ..drafting.draft import AcceptanceTracker
 from ..drafting.protocols import hidden_wanted, propose_all, wants_hidden_states
 from ..kernels.tree import greedy_verify_batch, tree_depths, tree_mask, with_root
-from ..policy import MAX_STEP_ROWS, DraftPolicy
 from ..text import stop_index
-from ..verify import greedy_verify, seeded_target
-from .base import Generation, GenerationStats
-from .model import SMALL_T, KVCache, Segment
-from .prefix_cache import CHUNK_TOKENS
+from .policy import MAX_STEP_ROWS, DraftPolicy
+from .results import Generation, GenerationStats
+from .verify import greedy_verify, seeded_target
+
+if TYPE_CHECKING:   # the embedded engine's model runs the step's forwards; the step does not import it
+    from ..backends.embedded.model import KVCache
 
 # canonical prefix-cache chunks per prefill forward where prefill rows are split-invariant
 PREFILL_CHUNKS = 4
 
-__all__ = ["MAX_STEP_ROWS", "Decoder", "SeqState", "run_single", "spec_decision"]
+__all__ = ["MAX_STEP_ROWS", "Decoder", "Segment", "SeqState", "run_single", "spec_decision"]
 
-# Rows one request verifies in one forward (root + draft, ``agentspec.policy.MAX_STEP_ROWS``): past
-# ``SMALL_T`` the forward leaves the row-invariant decode kernels, and ``forward_segments`` refuses
-# larger segments.
-assert MAX_STEP_ROWS <= SMALL_T
+
+
+@dataclass
+class Segment:
+    """One request's rows in a multi-request forward (``Transformer.forward_segments``): ``rows``
+    tokens written at ``cache[cache.length : cache.length + rows]``, attending as ``mask`` says."""
+
+    cache: KVCache
+    rows: int
+    mask: torch.Tensor   # [rows, cache.length + rows] bool
+    offset: int = 0      # first row in the batch (set by ``forward_segments``)
 
 _ids = itertools.count()
 
@@ -159,7 +168,7 @@ class Decoder:
         ids, dev = seq.ids, self.device
         layers = self._layers([seq])
         pc = self.engine.prefix_cache
-        C = CHUNK_TOKENS
+        C = self.engine.chunk_tokens
         start = 0
         if pc is not None and not layers:  # (a draft head reads every prompt row's hidden states)
             # a hit stops short of the last token: its row gives the first token
