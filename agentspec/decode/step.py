@@ -306,15 +306,15 @@ class Decoder:
         layout = []
         for s, d in zip(seqs, drafts):
             start = s.cache.length
-            tokens = [s.out[-1], *d.token_ids]
-            parents = with_root(d.parents)
-            depths = tree_depths(parents)
+            tokens = [s.out[-1], *d.token_ids]   # T: the root (last committed token), then the draft tree
+            parents = with_root(d.parents)       # T: each node's parent row (-1: the root)
+            depths = tree_depths(parents)        # T: distance from the root (its position offset)
             T = len(tokens)
             if T > MAX_STEP_ROWS or (s.width and T > s.width):
                 raise ValueError(f"a draft of {T - 1} tokens exceeds the step's rows ({MAX_STEP_ROWS})")
             rows = s.width if s.width else (max(T, 2) if pad_each else T)
             key_len = s.key_len if s.width else start + rows
-            mask = torch.zeros(rows, key_len, dtype=torch.bool, device=dev)
+            mask = torch.zeros(rows, key_len, dtype=torch.bool, device=dev)   # [rows, key_len] bool
             mask[:, :start] = True
             mask[:T, start:start + T] = tree_mask(parents, device=dev)
             for i in range(T, rows):  # padding rows see only themselves (and the prefix unless fixed-shape)
@@ -326,6 +326,7 @@ class Decoder:
             segs.append(Segment(cache=s.cache, rows=rows, mask=mask))
             layout.append((tokens, parents, depths, T))
         layers = self._layers(seqs)
+        # [R] int64 each: R = sum of the requests' rows, request after request (segs[i].offset)
         tok_t, pos_t = torch.tensor(toks, device=dev), torch.tensor(poss, device=dev)
         if single:
             s = seqs[0]
@@ -334,11 +335,12 @@ class Decoder:
             segs[0].offset = 0
         else:
             out = model.forward_segments(tok_t, pos_t, segs, hidden_layers=layers)
+        # logits [R, vocab] float32; hidden: {layer: [R, dim]} for the layers a draft head reads
         logits, hidden = out if layers else (out, None)
         verified = self._verify_greedy_batch(seqs, segs, layout, logits) if batched_verify else {}
         news = []
         for s, d, sg, (tokens, parents, depths, T) in zip(seqs, drafts, segs, layout):
-            lg = logits[sg.offset:sg.offset + T]
+            lg = logits[sg.offset:sg.offset + T]   # [T, vocab]: this request's real rows
             start = s.cache.length
             if id(s) in verified:
                 path, bonus = verified[id(s)]
@@ -347,7 +349,7 @@ class Decoder:
                                        self._target(s, lg[i], start + depths[i] + 1))
                 path, bonus = greedy_verify(tokens, parents, targets)
             else:
-                path, bonus = greedy_verify(tokens, parents, lg.argmax(dim=-1).tolist())
+                path, bonus = greedy_verify(tokens, parents, lg.argmax(dim=-1).tolist())   # argmax: [T]
             s.cache.commit(path)
             if s.hidden_layers and hidden is not None:
                 self._observe(s, [tokens[i] for i in path], hidden,

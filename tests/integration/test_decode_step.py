@@ -4,6 +4,8 @@ hidden states for draft heads."""
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 from agentspec import SpecConfig
@@ -228,3 +230,73 @@ def test_generate_names_an_unknown_option(engine):
 
     with pytest.raises(TypeError, match="generate\\(\\) got unexpected keyword argument.*'max_token'"):
         engine.generate("Hi", max_token=4)
+
+
+def test_engine_counts_merged_drafts_by_source(engine, plain_greedy):
+    """A real generation with a merged drafter: an oracle (the plain output's next tokens) and a
+    drafter that is always wrong. Output unchanged; every accepted token is the oracle's."""
+    from agentspec import Draft, SpecConfig
+    from agentspec.drafting import MergedDrafter
+
+    ids = engine.encode("List the numbers from one to twenty, separated by commas.")
+    want = plain_greedy(ids, 40).token_ids
+
+    class Oracle:
+        def __init__(self, source: str, wrong: bool) -> None:
+            self.source, self.wrong, self.done = source, wrong, 0
+
+        def start(self, req_id, prompt, *, tenant="default"):
+            self.done = 0
+
+        def extend(self, req_id, tokens):   # committed output tokens (the prefill's first one too)
+            self.done += len(tokens)
+
+        def propose(self, req_id, budget):
+            nxt = want[self.done:self.done + min(budget, 3)]
+            if self.wrong:
+                nxt = [t ^ 1 for t in nxt[:1]]
+            return Draft.chain(nxt, 0.4 if self.wrong else 0.9, source=self.source)
+
+        def stop(self, req_id):
+            pass
+
+    d = MergedDrafter(Oracle("oracle", False), Oracle("wrong", True))
+    g = engine.generate(ids, max_tokens=40, drafter=d, spec=SpecConfig(row_cost=0.0))
+    s = g.stats
+    assert g.token_ids == want
+    assert set(s.draft_sources) == {"merged"} and set(s.source_drafted) == {"oracle", "wrong"}
+    assert s.source_accepted == {"oracle": s.accepted_tokens, "wrong": 0} and s.accepted_tokens > 20
+    assert sum(s.source_drafted.values()) == s.draft_tokens
+    # the wrong node is the least likely: cut when the budget is short (the last steps)
+    assert s.source_steps["oracle"] == s.draft_sources["merged"] >= s.source_steps["wrong"] > 0
+
+
+def test_the_bundled_model_reports_and_runs_it(engine, rewrite_prompts, monkeypatch):
+    """The engine says which prefill attention ran (start-up line, benchmark JSON), and on a real
+    rewrite prompt the AMX path's next token and logits agree with the SDPA path's."""
+    import torch
+
+    from agentspec.kernels import cpu_attention
+
+    a = engine.args
+    if not cpu_attention.prefill_amx_runs(torch.bfloat16, a.n_heads, a.n_kv_heads):
+        pytest.skip("the bf16 kernels are capped below avx512bf16 (or the CPU has no AMX): prompts do not take the AMX path")
+    assert engine.kernel_info()["prefill_attention"] == "amx"
+    ids = torch.tensor(max(rewrite_prompts, key=len)[:700])
+
+    def last_logits():
+        cache = engine.new_cache(768)
+        with torch.inference_mode():
+            for s in range(0, len(ids), 256):
+                e = min(s + 256, len(ids))
+                out = engine.model(ids[s:e], torch.arange(s, e), cache, logits_rows=slice(-1, None), prefill=True)
+                cache.commit(list(range(e - s)))
+        return out[0]
+
+    amx = last_logits()
+    monkeypatch.setattr(cpu_attention, "_PREFILL_AMX", False)
+    sdpa = last_logits()
+    # bf16 rounding differs between the two kernels and compounds over 30 layers: a few percent
+    # of the logits' range (a wrong kernel is off by the whole range)
+    assert (amx - sdpa).abs().max().item() < 0.05 * sdpa.abs().max().item()
+    assert amx.argmax() == sdpa.argmax()

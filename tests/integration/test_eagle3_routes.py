@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from serve_helper import Server, free_port
+from helpers.serve import Server, free_port
 
 from agentspec import SpecConfig
 from agentspec.drafting import SuffixDrafter

@@ -217,3 +217,19 @@ def test_bad_engine_options():
         agentspec.Engine.embedded(kv_dtype="int8", quiet=True)
     with pytest.raises(InvalidRequestError, match="deterministic_width must be >= 2, got 1"):
         agentspec.Engine.embedded(deterministic_width=1, quiet=True)
+
+
+def test_text_stream_never_sends_what_the_final_text_lacks():
+    from agentspec.text import TextStream
+    from agentspec.backends.embedded.weights import load_checkpoint
+
+    tok = load_checkpoint(quiet=True).tokenizer
+    text = "naïve café — ünïcödé 你好 and the END marker here"
+    ids = tok.encode(text)
+    for stops in ([], ["END"], ["你好"], ["é —"]):
+        s = TextStream(tok, stops)
+        sent = "".join(s.push([t]) for t in ids)
+        cut = min((i for i in (text.find(x) for x in stops) if i >= 0), default=len(text))
+        final = text[:cut]
+        assert final.startswith(sent) and "\ufffd" not in sent
+        assert sent + s.finish(final) == final

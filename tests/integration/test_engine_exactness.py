@@ -11,7 +11,7 @@ import agentspec
 from agentspec import Draft, SpecConfig
 from agentspec.drafting import PromptLookupDrafter
 
-from tree_drafts import with_decoys  # tests/integration (on sys.path)
+from helpers.trees import with_decoys
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@
 For each family (Llama 3.1 with llama3 rope scaling and tied embeddings, Mistral with a sliding
 window, Qwen2 with q/k/v biases, Qwen3 with q/k norms, an explicit head_dim and a GQA ratio the
 native kernels do not take) transformers writes a small random-weight checkpoint with the
-bundled tokenizer (tests/integration/family_checkpoints.py); the gguf package writes the same
+bundled tokenizer (tests/helpers/families.py); the gguf package writes the same
 weights as GGUF. Checked: logits and greedy tokens equal transformers' (float32); speculation on
 equals off (bfloat16 on the native kernels and float32), verification rows bit for bit at every
 ISA level; GGUF (F32, Q8_0, K-quants) loads the same tensors as the folder; chat templates render
@@ -27,8 +27,8 @@ from agentspec.backends.embedded.model import KVCache, Transformer
 from agentspec.backends.embedded.weights import load_checkpoint
 from agentspec.errors import ModelLoadError
 
-from family_checkpoints import write_family, write_gguf, write_quantized_pair  # tests/integration (on sys.path)
-from tree_drafts import with_decoys
+from helpers.families import write_family, write_gguf, write_quantized_pair
+from helpers.trees import with_decoys
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -397,7 +397,7 @@ def test_serve_model_folder_answers_with_transformers_tokens(folders, tmp_path):
     through the openai client: the served
     model id is the folder's name, the chat uses the checkpoint's template, and the greedy
     tokens are transformers' on the same weights."""
-    from serve_helper import Server
+    from helpers.serve import Server
 
     folder = folders["qwen2"]
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(folder))

@@ -24,7 +24,7 @@ from pytest_lsp import ClientServerConfig, LanguageClient, client_capabilities
 
 from agentspec.lsp import apply_edits, line_edits
 
-from serve_helper import Server
+from helpers.serve import Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 

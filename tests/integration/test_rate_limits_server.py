@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from serve_helper import Server  # tests/integration/serve_helper.py
+from helpers.serve import Server
 
 pytestmark = pytest.mark.slow
 

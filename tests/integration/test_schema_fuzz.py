@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import max_response_time, not_a_server_error
-from serve_helper import Server  # tests/integration/serve_helper.py (pytest puts this folder on sys.path)
+from helpers.serve import Server
 
 from agentspec.server.openapi import build_openapi
 

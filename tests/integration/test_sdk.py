@@ -8,7 +8,7 @@ import asyncio
 
 import msgspec
 import pytest
-from serve_helper import Server  # tests/integration/serve_helper.py
+from helpers.serve import Server
 
 import agentspec
 from agentspec.sdk import (

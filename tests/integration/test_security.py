@@ -9,7 +9,7 @@ import json
 
 import httpx
 import pytest
-from serve_helper import Server  # tests/integration/serve_helper.py
+from helpers.serve import Server
 
 pytestmark = pytest.mark.slow
 

@@ -14,30 +14,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serve_helper import Server  # tests/integration/serve_helper.py (pytest puts this folder on sys.path)
+from helpers.serve import CODE, MODEL, Server, rewrite_messages
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL = "SmolLM2-135M-Instruct"
 ACME_KEY = "sk-acme-0123456789"
 BETA_KEY = "sk-beta-0123456789"
 
-CODE = '''def fibonacci(n):
-    """Return the n-th Fibonacci number."""
-    a, b = 0, 1
-    for _ in range(n):
-        a, b = b, a + b
-    return a
-
-
-def factorial(n):
-    """Return n!."""
-    result = 1
-    for i in range(2, n + 1):
-        result *= i
-    return result
-'''
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +93,11 @@ def _wait_for_record(server: Server, tenant: str, request_id: str, timeout: floa
     raise AssertionError(f"no log record for {request_id} in {tenant}.jsonl")
 
 
-def _rewrite_messages() -> list[dict]:
-    return [{"role": "user", "content": f"Add type hints to this code. Reply with the full code only.\n\n```python\n{CODE}```"}]
-
-
 # ---- OpenAI API --------------------------------------------------------------------------------------
 
 def test_chat_stream_equals_non_stream_and_speculation_is_exact(server):
     c = server.client(ACME_KEY)
-    msgs = _rewrite_messages()
+    msgs = rewrite_messages()
     spec = c.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=120,
                                      extra_body={"spec_stats": True})
     plain = c.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=120,
@@ -378,7 +358,7 @@ def test_route_budget_past_one_forward_is_clamped_and_exact(server, engine, plai
 
 def test_high_temperature_turns_speculation_off_by_route(server):
     c = server.client(ACME_KEY)
-    out = c.chat.completions.create(model=MODEL, messages=_rewrite_messages(), temperature=0.9, seed=7,
+    out = c.chat.completions.create(model=MODEL, messages=rewrite_messages(), temperature=0.9, seed=7,
                                     max_tokens=16, extra_body={"spec_stats": True}, prompt_cache_key="sess-42")
     spec = out.model_extra["spec"]
     assert spec["enabled"] is False and spec["route"] == "creative"
@@ -386,13 +366,13 @@ def test_high_temperature_turns_speculation_off_by_route(server):
     rec = _wait_for_record(server, "acme", out.id)
     assert rec["spec_enabled"] is False and rec["spec_reason"] == spec["reason"] and rec["route"] == "creative"
     assert rec["session"] == "sess-42" and rec["endpoint"] == "chat.completions"
-    again = c.chat.completions.create(model=MODEL, messages=_rewrite_messages(), temperature=0.9, seed=7, max_tokens=16)
+    again = c.chat.completions.create(model=MODEL, messages=rewrite_messages(), temperature=0.9, seed=7, max_tokens=16)
     assert again.choices[0].message.content == out.choices[0].message.content  # seeded sampling repeats
 
 
 def test_log_records_and_metrics(server):
     c = server.client(ACME_KEY)
-    out = c.chat.completions.create(model=MODEL, messages=_rewrite_messages(), temperature=0, max_tokens=60)
+    out = c.chat.completions.create(model=MODEL, messages=rewrite_messages(), temperature=0, max_tokens=60)
     rec = _wait_for_record(server, "acme", out.id)
     for key in ("ts", "request_id", "tenant", "route", "endpoint", "session", "prompt_tokens", "completion_tokens",
                 "ttft_ms", "e2e_ms", "spec_enabled", "spec_reason", "steps", "draft_tokens", "accepted_tokens", "mat",
@@ -535,7 +515,7 @@ def test_concurrent_clients_and_disconnect_cancels(server):
     # a streaming client that goes away: its generation stops and is logged as cancelled
     h = {"Authorization": f"Bearer {ACME_KEY}"}
     with httpx.stream("POST", server.base + "/v1/chat/completions", headers=h, timeout=60,
-                      json={"messages": _rewrite_messages(), "temperature": 0, "max_tokens": 2000,
+                      json={"messages": rewrite_messages(), "temperature": 0, "max_tokens": 2000,
                             "stream": True, "speculation": False}) as s:
         lines = s.iter_lines()
         first = next(line for line in lines if line.startswith("data: {"))
@@ -556,7 +536,7 @@ def test_default_server_without_config_and_sigkill(tmp_path):
     s = Server(tmp_path, config=None, repo=repo, name="default")
     try:
         c = s.client()
-        out = c.chat.completions.create(model=MODEL, messages=_rewrite_messages(), temperature=0, max_tokens=30,
+        out = c.chat.completions.create(model=MODEL, messages=rewrite_messages(), temperature=0, max_tokens=30,
                                         extra_body={"spec_stats": True})
         assert out.model_extra["spec"]["enabled"] and out.usage.completion_tokens == 30
         r = httpx.post(s.base + "/v1/apply", json={"path": "mathutil.py", "update": "# x", "max_tokens": 4},
@@ -565,7 +545,7 @@ def test_default_server_without_config_and_sigkill(tmp_path):
         m = httpx.get(s.base + "/metrics", timeout=60)   # no keys configured: no key needed here either
         assert m.status_code == 200 and 'tenant="default"' in m.text and "_created" not in m.text
         with httpx.stream("POST", s.base + "/v1/chat/completions", timeout=60,
-                          json={"messages": _rewrite_messages(), "temperature": 0, "max_tokens": 200,
+                          json={"messages": rewrite_messages(), "temperature": 0, "max_tokens": 200,
                                 "stream": True}) as st:
             for line in st.iter_lines():
                 if line.startswith("data: {"):
@@ -593,7 +573,7 @@ def timeout_server(tmp_path_factory):
     s.stop()
 
 
-TIMEOUT_CHAT = {"messages": _rewrite_messages(), "temperature": 0, "max_tokens": 200, "speculation": False}
+TIMEOUT_CHAT = {"messages": rewrite_messages(), "temperature": 0, "max_tokens": 200, "speculation": False}
 
 
 def test_request_timeout_is_a_504_and_logged(timeout_server):

@@ -10,14 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from test_server import CODE, MODEL, Server, _rewrite_messages
+from helpers.serve import CODE, MODEL, Server, rewrite_messages
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 48
 
 CHATS = [
-    _rewrite_messages(),
+    rewrite_messages(),
     [{"role": "user", "content": "List three prime numbers greater than 50 and say why each is prime."}],
     [{"role": "system", "content": "You are a terse assistant."},
      {"role": "user", "content": "Explain in two sentences why the sky is blue."}],

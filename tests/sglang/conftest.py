@@ -1,8 +1,6 @@
 """Tests of the SGLang CPU test infrastructure (tests/sglang/standin); they run only in
 .venv-sglang: `make test-sglang` runs scripts/setup_sglang.sh, then pytest on this directory.
-Elsewhere the directory is not even collected (tests/conftest.py ignores it when sglang is not
-importable); `collect_ignore_glob` below is the second line of defence, e.g. for
-`pytest tests/sglang` run from a venv without the stand-in."""
+Elsewhere each module is skipped with the reason (``helpers.sglang.require_sglang``)."""
 
 from __future__ import annotations
 
@@ -16,9 +14,7 @@ import pytest
 HERE = Path(__file__).parent
 AVAILABLE = importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("sgl_kernel") is not None
 
-if not AVAILABLE:
-    collect_ignore_glob = ["*"]
-else:
+if AVAILABLE:
     # SGLang takes its CPU path only with this set (sglang.srt.utils.common.is_cpu, read at import).
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     # test_standin.py runs the wheel's own Triton kernels in Triton's CPU interpreter as references.

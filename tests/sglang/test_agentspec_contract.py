@@ -11,6 +11,10 @@ import types
 
 import numpy as np
 import pytest
+
+from helpers.sglang import require_sglang
+
+require_sglang()   # before anything that imports SGLang
 import torch
 
 from agentspec.integrations.sglang.worker import ancestor_mask, draft_rows, sample_rows_as_argmax

@@ -13,43 +13,19 @@ float32 both are identical to plain decoding; the drafter is what these tests ch
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
 import pytest
 
+from helpers.sglang import require_sglang
+
+require_sglang()   # before anything that imports SGLang
+
 from agentspec.integrations.sglang.config import request_params
+from helpers.sglang import engine_kwargs, real_prompts
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-MODEL = Path(os.environ.get("AGENTSPEC_SGLANG_MODEL", ROOT / ".venv-sglang" / "models" / "SmolLM2-135M-Instruct"))
-DATA = Path(os.environ.get("AGENTSPEC_DATA", ROOT.parent / "shared" / "data"))
 D = 8
 MAX_TOKENS = 40
-
-
-def engine_kwargs(**extra):
-    kw = dict(model_path=str(MODEL), device="cpu", dtype="float32", attention_backend="intel_amx",
-              max_total_tokens=8192, max_running_requests=4, mem_fraction_static=0.3, log_level="error")
-    kw.update(extra)
-    return kw
-
-
-def real_prompts() -> dict[str, list[list[int]]]:
-    """4 file rewrites and 4 agent turns from the recorded traffic (held-out positions), tokenized
-    with the model's chat template. The traffic is read where it lies (``$AGENTSPEC_DATA``, default
-    ``../shared/data`` beside the checkout): its agent turns may not be copied into the repository."""
-    if not (DATA / "agent_turns.jsonl").exists():
-        pytest.skip(f"recorded traffic not found at {DATA} (set AGENTSPEC_DATA)")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_throughput import agent_prompts, rewrite_prompts
-
-    from agentspec.backends.embedded.engine import EmbeddedEngine
-
-    tok = EmbeddedEngine(quiet=True)
-    return {"rewrites": rewrite_prompts(tok, DATA, 4, 700, 200), "agent": agent_prompts(tok, DATA, 4, 700, 150)}
 
 
 def gen(engine, ids, *, max_tokens=MAX_TOKENS, temperature=0.0, seed=None, **policy):

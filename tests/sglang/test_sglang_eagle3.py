@@ -19,7 +19,11 @@ import warnings
 
 import pytest
 
-from test_agentspec_engine import MODEL, ROOT, engine_kwargs, real_prompts
+from helpers.sglang import require_sglang
+
+require_sglang()   # before anything that imports SGLang
+
+from helpers.sglang import MODEL, ROOT, engine_kwargs, real_prompts
 
 # two engine start-ups plus 8 generations: ~6-10 min on this shared 2-core machine under pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

@@ -28,9 +28,12 @@ import httpx
 import openai
 import pytest
 
+from helpers.sglang import require_sglang
+
+require_sglang()   # before anything that imports SGLang
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
-from serve_helper import Server  # noqa: E402  (tests/integration/serve_helper.py)
+from helpers.serve import Server  # noqa: E402
 
 MODEL_DIR = Path(os.environ.get("AGENTSPEC_SGLANG_MODEL", ROOT / ".venv-sglang" / "models" / "SmolLM2-135M-Instruct"))
 MODEL = MODEL_DIR.name

@@ -16,6 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers.sglang import require_sglang
+
+require_sglang()   # before anything that imports SGLang
+
 pytestmark = pytest.mark.slow
 
 MODEL = Path(os.environ.get(

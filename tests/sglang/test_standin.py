@@ -12,6 +12,10 @@ import math
 import types
 
 import pytest
+
+from helpers.sglang import require_sglang
+
+require_sglang()   # before anything that imports SGLang
 import torch
 
 import sgl_kernel

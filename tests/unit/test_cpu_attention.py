@@ -4,6 +4,7 @@ identity of a draft-tree node with the same token computed as a plain decoding r
 from __future__ import annotations
 
 import math
+
 import random
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 
 from agentspec.kernels import cpu_attention
 from agentspec.kernels.tree import tree_mask
+
+from helpers.models import packed_cache, random_model
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="agentspec.kernels._cpu not built")
 
@@ -190,33 +193,6 @@ def test_engine_uses_the_native_kernel(monkeypatch):
         assert calls == {k: v * args.n_layers for k, v in want.items()}, (dtype, fused)
 
 
-def _random_model(packed_linears: bool = False):
-    """A small random bfloat16 model; ``packed_linears``: with the native row-invariant linears
-    (``Transformer.pack_linears``) on its decode rows, as the engine runs a bf16 model on CPU."""
-    from agentspec.backends.embedded.model import ModelArgs, Transformer
-
-    args = ModelArgs(dim=576, n_layers=3, n_heads=9, n_kv_heads=3, hidden_dim=256, vocab_size=300,
-                     max_seq_len=1024)
-    torch.manual_seed(0)
-    model = Transformer(args).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.05)
-        for layer in model.layers:  # norms near 1, as trained models have
-            layer.attn_norm.weight.normal_(1, 0.1)
-            layer.ffn_norm.weight.normal_(1, 0.1)
-    model = model.to(torch.bfloat16)
-    if packed_linears:
-        assert model.pack_linears()
-    return args, model
-
-
-def _packed_cache(args, cap):
-    from agentspec.backends.embedded.model import KVCache
-
-    return KVCache(args, cap, dtype=torch.float32, device=torch.device("cpu"), packed=True)
-
-
 def _assert_packed_consistent(c, n):
     """kt2 / vp hold exactly the bfloat16 values of k / v for slots [0, n)."""
     L, Hkv, cap, D = c.k.shape
@@ -234,12 +210,12 @@ def test_fused_attention_matches_float_attention_and_keeps_packed_copies(monkeyp
     rounds it), and the packed copies equal the cache through tree steps and branch commits."""
     from agentspec.kernels.tree import tree_depths
 
-    args, model = _random_model()
+    args, model = random_model()
     ids = torch.randint(0, args.vocab_size, (300,), generator=torch.Generator().manual_seed(3))
     caches, logits = {}, {}
     for fused in (True, False):
         monkeypatch.setattr(cpu_attention, "_FUSED", fused)
-        cache = _packed_cache(args, 400)
+        cache = packed_cache(args, 400)
         model(ids, torch.arange(300), cache, logits_rows=slice(-1, None))
         cache.commit(list(range(300)))
         out = []
@@ -269,13 +245,13 @@ def test_fused_tree_node_equals_plain_decoding_row_bitwise(packed_linears):
     engine runs plain decoding: two rows with torch's linears, one row with the native
     row-invariant ones) and the same chain inside a draft tree, among siblings at other slots,
     give bit-identical logits; with an odd and an even prefix length."""
-    args, model = _random_model(packed_linears)
+    args, model = random_model(packed_linears)
     n = 1 if packed_linears else 2
     for P in (257, 300):
         ids = torch.randint(0, args.vocab_size, (P,), generator=torch.Generator().manual_seed(P))
         chain = [5, 17, 42, 99, 7]
         # plain decoding
-        plain = _packed_cache(args, P + 16)
+        plain = packed_cache(args, P + 16)
         model(ids, torch.arange(P), plain, logits_rows=slice(-1, None))
         plain.commit(list(range(P)))
         rows = []
@@ -292,7 +268,7 @@ def test_fused_tree_node_equals_plain_decoding_row_bitwise(packed_linears):
         parents = [-1, 0, 0, 2, 2, 4, 5, 5, 7]
         toks = [chain[0], 3, chain[1], 8, chain[2], chain[3], 11, chain[4], 13]
         from agentspec.kernels.tree import tree_depths
-        tree = _packed_cache(args, P + 16)
+        tree = packed_cache(args, P + 16)
         model(ids, torch.arange(P), tree, logits_rows=slice(-1, None))
         tree.commit(list(range(P)))
         mask = torch.zeros(len(toks), P + len(toks), dtype=torch.bool)
@@ -314,12 +290,12 @@ def test_every_isa_level_gives_the_same_bits(restore_isa, monkeypatch):
     monkeypatch.setattr(cpu_attention, "_DECODE_MODE", "rows")  # the AMX decode kernel: its own bits
     cpu_isa = restore_isa
     levels = cpu_isa.supported()
-    args, model = _random_model(packed_linears=True)
+    args, model = random_model(packed_linears=True)
     ids = torch.randint(0, args.vocab_size, (200,), generator=torch.Generator().manual_seed(9))
     outs = {}
     for isa in levels:
         assert cpu_isa.set_isa(isa) == isa
-        c = _packed_cache(args, 256)
+        c = packed_cache(args, 256)
         model(ids[:190], torch.arange(190), c, logits_rows=slice(-1, None))
         c.commit(list(range(190)))
         outs[isa] = (model(ids[190:], torch.arange(190, 200), c, None), c.k.clone(), c.kt2.clone())
@@ -345,11 +321,11 @@ def test_fused_segments_equal_each_request_alone(packed_linears):
     runs alone through forward."""
     from agentspec.decode.step import Segment
 
-    args, model = _random_model(packed_linears)
+    args, model = random_model(packed_linears)
     lens, rows = [40, 257, 130], [3, 1, 6]
 
     def prefilled(n):
-        c = _packed_cache(args, n + 16)
+        c = packed_cache(args, n + 16)
         model(torch.arange(n) % args.vocab_size, torch.arange(n), c, logits_rows=slice(-1, None))
         c.commit(list(range(n)))
         return c
@@ -386,7 +362,7 @@ def _segments_case(seed: int):
     for P, T, kind in [(1000, 9, "tree"), (257, 16, "tree"), (64, 5, "chain"), (130, 3, "gaps"),
                        (700, 4, "none"), (511, 1, "one")]:
         cap = (P + T + 15) // 16 * 16 + 16
-        c = _packed_cache(args, cap)
+        c = packed_cache(args, cap)
         c.k[:, :, :P] = torch.randn(2, HKV, P, D, generator=g).bfloat16().float()
         c.v[:, :, :P] = torch.randn(2, HKV, P, D, generator=g).bfloat16().float()
         cpu_attention.sync_packed(c, range(P))

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from agentspec.kernels import cpu_attention
-from test_cpu_attention import _packed_cache, _random_model  # (pytest puts this folder on sys.path)
+from helpers.models import packed_cache, random_model
 
 pytestmark = pytest.mark.skipif(
     not (cpu_attention.available() and cpu_attention._cpu.prefill_amx_available()),
@@ -121,11 +121,11 @@ def test_the_model_prefills_through_it_and_matches_the_sdpa_path(monkeypatch):
     chunk boundaries would change the bits through torch's GEMM, which is why the engine's prompt
     chunks are canonical: agentspec/backends/embedded/prefix_cache.py.)"""
     _skip_unless_prompts_take_amx()
-    args, model = _random_model()  # tests/unit/test_cpu_attention.py's 3-layer bf16 model
+    args, model = random_model()  # tests/unit/test_cpu_attention.py's 3-layer bf16 model
     ids = torch.randint(0, args.vocab_size, (600,), generator=torch.Generator().manual_seed(3))
 
     def run(bounds):
-        c = _packed_cache(args, 768)
+        c = packed_cache(args, 768)
         for s, e in zip(bounds, bounds[1:]):
             logits = model(ids[s:e], torch.arange(s, e), c, prefill=True)
             c.commit(list(range(e - s)))
@@ -144,31 +144,6 @@ def test_the_model_prefills_through_it_and_matches_the_sdpa_path(monkeypatch):
     assert torch.equal(again_logits, amx_logits)
     assert torch.equal(again_cache.k[:, :, :600], amx_cache.k[:, :, :600])
     assert torch.equal(again_cache.kt2[:, :, :, :600], amx_cache.kt2[:, :, :, :600])
-
-
-def test_the_bundled_model_reports_and_runs_it(engine, rewrite_prompts, monkeypatch):
-    """The engine says which prefill attention ran (start-up line, benchmark JSON), and on a real
-    rewrite prompt the AMX path's next token and logits agree with the SDPA path's."""
-    _skip_unless_prompts_take_amx()
-    assert engine.kernel_info()["prefill_attention"] == "amx"
-    ids = torch.tensor(max(rewrite_prompts, key=len)[:700])
-
-    def last_logits():
-        cache = engine.new_cache(768)
-        with torch.inference_mode():
-            for s in range(0, len(ids), 256):
-                e = min(s + 256, len(ids))
-                out = engine.model(ids[s:e], torch.arange(s, e), cache, logits_rows=slice(-1, None), prefill=True)
-                cache.commit(list(range(e - s)))
-        return out[0]
-
-    amx = last_logits()
-    monkeypatch.setattr(cpu_attention, "_PREFILL_AMX", False)
-    sdpa = last_logits()
-    # bf16 rounding differs between the two kernels and compounds over 30 layers: a few percent
-    # of the logits' range (a wrong kernel is off by the whole range)
-    assert (amx - sdpa).abs().max().item() < 0.05 * sdpa.abs().max().item()
-    assert amx.argmax() == sdpa.argmax()
 
 
 def test_a_model_with_more_than_4_query_heads_per_kv_head_falls_back():

@@ -8,7 +8,6 @@ from agentspec.apply import apply_prompt, merged_code, prediction_usage
 from agentspec.config import ServerConfig, SpecConfig, load_server_config
 from agentspec.errors import ConfigError
 from agentspec.api.routing import Router
-from agentspec.text import TextStream
 
 README_CONFIG = """
 [server]
@@ -101,21 +100,6 @@ name = "everything"
     rest = r.resolve(endpoint="completions", tenant="acme", model="m", temperature=0.0)
     assert rest.name == "everything" and rest.spec == SpecConfig()
     assert Router().resolve(endpoint="apply", tenant="x", model="m", temperature=1.0).name == "default"
-
-
-def test_text_stream_never_sends_what_the_final_text_lacks():
-    from agentspec.backends.embedded.weights import load_checkpoint
-
-    tok = load_checkpoint(quiet=True).tokenizer
-    text = "naïve café — ünïcödé 你好 and the END marker here"
-    ids = tok.encode(text)
-    for stops in ([], ["END"], ["你好"], ["é —"]):
-        s = TextStream(tok, stops)
-        sent = "".join(s.push([t]) for t in ids)
-        cut = min((i for i in (text.find(x) for x in stops) if i >= 0), default=len(text))
-        final = text[:cut]
-        assert final.startswith(sent) and "\ufffd" not in sent
-        assert sent + s.finish(final) == final
 
 
 def test_merged_code_prediction_usage_and_apply_prompt():

@@ -11,7 +11,6 @@ import msgspec
 import pytest
 
 from agentspec.cli import main
-from agentspec.config import SpecConfig
 from agentspec.drafting import (
     EMPTY_DRAFT,
     AcceptanceTracker,
@@ -150,43 +149,6 @@ def test_count_by_node_source():
     assert s.source_drafted == {"suffix:request": 6, "eagle3": 9, "unknown": 3, "prompt_lookup": 2}
     assert s.source_accepted == {"suffix:request": 2, "eagle3": 1, "unknown": 0, "prompt_lookup": 1}
     assert sum(s.source_drafted.values()) == s.draft_tokens and sum(s.source_accepted.values()) == s.accepted_tokens
-
-
-@pytest.mark.slow
-def test_engine_counts_merged_drafts_by_source(engine, plain_greedy):
-    """A real generation with a merged drafter: an oracle (the plain output's next tokens) and a
-    drafter that is always wrong. Output unchanged; every accepted token is the oracle's."""
-    ids = engine.encode("List the numbers from one to twenty, separated by commas.")
-    want = plain_greedy(ids, 40).token_ids
-
-    class Oracle:
-        def __init__(self, source: str, wrong: bool) -> None:
-            self.source, self.wrong, self.done = source, wrong, 0
-
-        def start(self, req_id, prompt, *, tenant="default"):
-            self.done = 0
-
-        def extend(self, req_id, tokens):   # committed output tokens (the prefill's first one too)
-            self.done += len(tokens)
-
-        def propose(self, req_id, budget):
-            nxt = want[self.done:self.done + min(budget, 3)]
-            if self.wrong:
-                nxt = [t ^ 1 for t in nxt[:1]]
-            return Draft.chain(nxt, 0.4 if self.wrong else 0.9, source=self.source)
-
-        def stop(self, req_id):
-            pass
-
-    d = MergedDrafter(Oracle("oracle", False), Oracle("wrong", True))
-    g = engine.generate(ids, max_tokens=40, drafter=d, spec=SpecConfig(row_cost=0.0))
-    s = g.stats
-    assert g.token_ids == want
-    assert set(s.draft_sources) == {"merged"} and set(s.source_drafted) == {"oracle", "wrong"}
-    assert s.source_accepted == {"oracle": s.accepted_tokens, "wrong": 0} and s.accepted_tokens > 20
-    assert sum(s.source_drafted.values()) == s.draft_tokens
-    # the wrong node is the least likely: cut when the budget is short (the last steps)
-    assert s.source_steps["oracle"] == s.draft_sources["merged"] >= s.source_steps["wrong"] > 0
 
 
 # ---- the log and agentspec stats ---------------------------------------------------------------

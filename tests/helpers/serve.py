@@ -81,3 +81,27 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.stderr.close()
+
+
+# the bundled model's served id, and a file rewrite the server tests ask for
+MODEL = "SmolLM2-135M-Instruct"
+
+CODE = '''def fibonacci(n):
+    """Return the n-th Fibonacci number."""
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+def factorial(n):
+    """Return n!."""
+    result = 1
+    for i in range(2, n + 1):
+        result *= i
+    return result
+'''
+
+
+def rewrite_messages() -> list[dict]:
+    return [{"role": "user", "content": f"Add type hints to this code. Reply with the full code only.\n\n```python\n{CODE}```"}]

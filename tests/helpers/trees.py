@@ -1,5 +1,5 @@
 """Draft trees for exactness tests: a chain with a decoy sibling beside every token (shared by
-test_engine_exactness.py and test_families.py; pytest puts this folder on sys.path)."""
+test_engine_exactness.py and test_families.py)."""
 
 from __future__ import annotations
 
