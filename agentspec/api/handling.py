@@ -406,7 +406,7 @@ def submit(state: ServerState, call: Call, emit: Callable[[str, Any], None], *,
     request = GenerationRequest(
         prompt_ids=call.ids, max_tokens=call.max_tokens, temperature=call.temperature, top_p=call.top_p,
         top_k=call.top_k, seed=call.seed, stop=call.stop, spec=call.route.spec, drafters=call.route.drafters,
-        tenant=tenant, route=call.route.name, session=call.session, request_id=call.request_id,
+        tenant=tenant, route=call.route.name, request_id=call.request_id,
         prediction_ids=call.prediction)
     if state.draining:
         raise shutting_down()

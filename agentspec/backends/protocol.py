@@ -38,12 +38,12 @@ A cancelled request ends with a ``Generation`` whose finish_reason is "cancelled
 
 
 class GenerationRequest(msgspec.Struct, kw_only=True):
-    """One generation, as the server hands it to a backend.
+    """One generation, as the request layer (``agentspec.api``) hands it to a backend.
 
     ``prompt_ids``: the prompt's token ids (chat template already applied where wanted).
     ``spec``: how the request speculates; None is plain decoding. ``drafters``: the drafter names
     of the request's route (``agentspec.drafting.registry``). ``tenant`` scopes drafting (its
-    workspace, its history, its predictions); ``route``/``session`` are for the backend's own
+    workspace, its history, its predictions); ``route`` is for the backend's own
     bookkeeping. ``request_id``: the id ``cancel`` takes ("" : the backend assigns one and
     ``submit`` returns it). ``prediction_ids``: tokens the client predicts the output to contain;
     the backend makes them a draft source for this request only (within its tenant) and drops
@@ -60,7 +60,6 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     drafters: tuple[str, ...] = ("suffix",)
     tenant: str = "default"
     route: str = "default"
-    session: str | None = None
     request_id: str = ""
     prediction_ids: list[int] | None = None
 
