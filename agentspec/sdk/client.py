@@ -256,12 +256,21 @@ class _Options:
     def in_process(self) -> bool:
         return self.base_url is None
 
-    @property
-    def workspace(self) -> Any:
-        """In-process with ``repo``: its ``agentspec.Workspace`` (the engine is loaded first if it
-        was not yet), e.g. for ``overlay(path, text)``; None otherwise."""
-        local = getattr(self._transport, "local", self._transport)
-        return local.workspace if self.in_process else None
+
+def _transport(opts: Any, *, asynchronous: bool, timeout: Any, max_retries: int, headers: dict | None,
+               http_client: Any, engine: Any, engine_options: dict | None, repo: Any, config: Any, watch: bool) -> Any:
+    """The transport ``Client`` / ``AsyncClient`` talk through: in process (the request layer
+    over an embedded engine) or HTTP, sync or async."""
+    if opts.in_process:
+        from ._local import AsyncLocalTransport, LocalTransport
+
+        return (AsyncLocalTransport if asynchronous else LocalTransport)(
+            engine=engine, engine_options=engine_options, repo=repo, config=config, watch=watch)
+    from ._http import AsyncHTTPTransport, HTTPTransport
+
+    return (AsyncHTTPTransport if asynchronous else HTTPTransport)(
+        opts.base_url, api_key=opts.api_key, timeout=timeout, max_retries=max_retries, headers=headers,
+        http_client=http_client)
 
 
 class Client:
@@ -283,16 +292,9 @@ class Client:
                  config: Any = None, watch: bool = False) -> None:
         opts = _Options(base_url, api_key, model)
         self.base_url, self.model, self.timeout = opts.base_url, model, timeout
-        if opts.in_process:
-            from ._local import LocalTransport
-
-            self._transport: Any = LocalTransport(engine=engine, engine_options=engine_options, repo=repo,
-                                                  config=config, watch=watch)
-        else:
-            from ._http import HTTPTransport
-
-            self._transport = HTTPTransport(opts.base_url, api_key=opts.api_key, timeout=timeout,
-                                            max_retries=max_retries, headers=default_headers, http_client=http_client)
+        self._transport: Any = _transport(opts, asynchronous=False, timeout=timeout, max_retries=max_retries,
+                                          headers=default_headers, http_client=http_client, engine=engine,
+                                          engine_options=engine_options, repo=repo, config=config, watch=watch)
 
     @property
     def in_process(self) -> bool:
@@ -412,17 +414,9 @@ class AsyncClient:
                  config: Any = None, watch: bool = False) -> None:
         opts = _Options(base_url, api_key, model)
         self.base_url, self.model, self.timeout = opts.base_url, model, timeout
-        if opts.in_process:
-            from ._local import AsyncLocalTransport
-
-            self._transport: Any = AsyncLocalTransport(engine=engine, engine_options=engine_options, repo=repo,
-                                                       config=config, watch=watch)
-        else:
-            from ._http import AsyncHTTPTransport
-
-            self._transport = AsyncHTTPTransport(opts.base_url, api_key=opts.api_key, timeout=timeout,
-                                                 max_retries=max_retries, headers=default_headers,
-                                                 http_client=http_client)
+        self._transport: Any = _transport(opts, asynchronous=True, timeout=timeout, max_retries=max_retries,
+                                          headers=default_headers, http_client=http_client, engine=engine,
+                                          engine_options=engine_options, repo=repo, config=config, watch=watch)
 
     in_process = Client.in_process
     workspace = Client.workspace
