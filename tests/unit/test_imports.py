@@ -99,3 +99,51 @@ def test_unknown_attribute_raises():
             assert "does_not_exist" in str(e)
         else:
             raise AssertionError("expected AttributeError")
+
+
+def test_no_package_level_import_cycle():
+    """The folders follow the request path (api -> backends -> decode -> drafting -> index): no
+    two of agentspec's subpackages import each other at module level (imports inside functions
+    and under TYPE_CHECKING excluded)."""
+    import ast
+
+    roots = {"agentspec": "agentspec", "kernels": "agentspec.kernels", "integrations": "agentspec.integrations"}
+
+    def unit(mod: str) -> str:
+        parts = mod.split(".")
+        if len(parts) > 2 and parts[1] in ("kernels", "integrations"):
+            return ".".join(parts[:3])
+        return ".".join(parts[:2])
+
+    graph: dict[str, set[str]] = {}
+    for folder, pkg in roots.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = path.relative_to(ROOT / folder).with_suffix("").parts
+            mod = ".".join([pkg, *rel]).removesuffix(".__init__")
+            base = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ImportFrom):
+                    target = (".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+                              if node.level else node.module or "")
+                    targets = [target]
+                elif isinstance(node, ast.Import):
+                    targets = [a.name for a in node.names]
+                else:
+                    continue
+                for t in targets:
+                    if t.startswith("agentspec.") and unit(t) != unit(mod):
+                        graph.setdefault(unit(mod), set()).add(unit(t))
+
+    def reaches(a: str, b: str) -> bool:
+        seen, todo = set(), [a]
+        while todo:
+            x = todo.pop()
+            if x == b:
+                return True
+            if x not in seen:
+                seen.add(x)
+                todo.extend(graph.get(x, ()))
+        return False
+
+    cycles = sorted({tuple(sorted((a, b))) for a, outs in graph.items() for b in outs if reaches(b, a)})
+    assert not cycles, f"subpackages that import each other: {cycles}"
