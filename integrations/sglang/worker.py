@@ -14,8 +14,10 @@ The draft state lives here, in this process:
 - one ``Workspace`` per configured tenant folder, kept current by a file watcher
   (``SchedulerConfig`` from ``$AGENTSPEC_SGLANG``).
 
-Per-request policy comes in ``sampling_params.custom_params`` (``config.request_params``):
-tenant, speculation on/off, budget, prediction. A request with speculation off gets a root-only
+Drafts go through the same ``SuffixDrafter`` (``agentspec.drafting``) and ``DraftPolicy``
+(``agentspec.decode.policy``: the budget, capped by the tokens the request has left) as the
+embedded engine's. Per-request policy comes in ``sampling_params.custom_params``
+(``config.request_params``): tenant, speculation on/off, budget, prediction. A request with speculation off gets a root-only
 row (SGLang has no per-request off switch; its width is fixed per batch).
 
 Padding. SGLang verifies a fixed width D (``--speculative-num-draft-tokens``) for every request
@@ -52,6 +54,8 @@ from sglang.srt.runtime_context import get_device, get_schedule, get_spec
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 from sglang.srt.utils import is_cpu
+
+from agentspec.decode.policy import DraftPolicy
 
 from .config import SchedulerConfig, read_request_params
 
@@ -176,8 +180,12 @@ class AgentSpecWorker(NGRAMWorker):
     def _build_index(self) -> None:
         from suffix_index import SuffixIndex
 
+        from agentspec.drafting import SuffixDrafter
+
         vocab = int(self.model_runner.model_config.vocab_size)
         self.index = SuffixIndex(vocab_size=vocab, keep_outputs=self.config.history)
+        # drafts go through the same Drafter and DraftPolicy as the embedded engine's
+        self.drafter = SuffixDrafter(self.index)
         if not self.config.tenants:
             return
         from agentspec.backends.embedded.tokenizer import Tokenizer
@@ -209,7 +217,7 @@ class AgentSpecWorker(NGRAMWorker):
             return
         try:
             self._sync(r, list(r.req.output_ids))   # its last accepted tokens join the tenant's history
-            self.index.stop(rid)
+            self.drafter.stop(rid)
         finally:
             if r.doc is not None:
                 self.index.remove_document(r.doc)
@@ -222,11 +230,11 @@ class AgentSpecWorker(NGRAMWorker):
         doc = None
         if self.index is not None:
             try:
-                self.index.start(req.rid, prompt, tenant=tenant)
+                self.drafter.start(req.rid, prompt, tenant=tenant)
             except ValueError as e:   # custom_params from a client other than agentspec serve
                 logger.warning("AGENTSPEC: request %s drafts nothing: %s", req.rid, e)
                 tenant, spec, prediction = "default", False, None
-                self.index.start(req.rid, prompt)
+                self.drafter.start(req.rid, prompt)
             if prediction and spec:
                 doc = prediction_doc_id(req.rid)
                 try:
@@ -243,7 +251,7 @@ class AgentSpecWorker(NGRAMWorker):
         prompt_len = len(r.req.origin_input_ids_unpadded)
         have = r.known - prompt_len
         if len(committed_out) > have:
-            self.index.extend(r.rid, committed_out[have:])
+            self.drafter.extend(r.rid, committed_out[have:])
             r.known = prompt_len + len(committed_out)
 
     # ---- NGRAM's draft contract ----------------------------------------------------------------------
@@ -280,9 +288,12 @@ class AgentSpecWorker(NGRAMWorker):
             d_tokens: list[int] = []
             d_parents: list[int] = []
             if r.spec and width > 1:
-                budget = min(self.config.default_budget if r.budget is None else r.budget, width - 1)
+                policy = DraftPolicy(budget=min(self.config.default_budget if r.budget is None else r.budget,
+                                                width - 1))
+                left = getattr(req.sampling_params, "max_new_tokens", None)
+                budget = policy.budget if left is None else policy.budget_for(left - len(out))
                 if budget > 0:
-                    d = self.index.propose(r.rid, budget)
+                    d = policy.shape(self.drafter.propose(r.rid, budget))
                     d_tokens, d_parents = d.token_ids, d.parents
             rows, parents = draft_rows(d_tokens, d_parents, root, width)
             tokens[i * width:(i + 1) * width] = rows
