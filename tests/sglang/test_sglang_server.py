@@ -33,7 +33,7 @@ from helpers.sglang import require_sglang
 require_sglang()   # before anything that imports SGLang
 
 ROOT = Path(__file__).resolve().parents[2]
-from helpers.serve import Server  # noqa: E402
+from helpers.serve import CODE, Server, rewrite_messages  # noqa: E402
 
 MODEL_DIR = Path(os.environ.get("AGENTSPEC_SGLANG_MODEL", ROOT / ".venv-sglang" / "models" / "SmolLM2-135M-Instruct"))
 MODEL = MODEL_DIR.name
@@ -54,21 +54,6 @@ SPECULATIVE = os.environ.get("AGENTSPEC_TEST_SGLANG_SPECULATIVE") or _default_sp
 needs_model = pytest.mark.skipif(not (MODEL_DIR / "config.json").is_file(),
                                  reason=f"no converted model folder at {MODEL_DIR} (scripts/setup_sglang.sh)")
 
-CODE = '''def fibonacci(n):
-    """Return the n-th Fibonacci number."""
-    a, b = 0, 1
-    for _ in range(n):
-        a, b = b, a + b
-    return a
-
-
-def factorial(n):
-    """Return n!."""
-    result = 1
-    for i in range(2, n + 1):
-        result *= i
-    return result
-'''
 
 
 # ---- SGLangBackend over a stand-in engine (fast) -----------------------------------------------------
@@ -415,10 +400,6 @@ def _wait_for_record(server: Server, tenant: str, request_id: str, timeout: floa
     raise AssertionError(f"no log record for {request_id} in {tenant}.jsonl")
 
 
-def _rewrite_messages() -> list[dict]:
-    return [{"role": "user", "content": f"Add type hints to this code. Reply with the full code only.\n\n```python\n{CODE}```"}]
-
-
 @pytest.mark.slow
 def test_models_health_and_start_up_line(server):
     assert server.client(ACME_KEY).models.list().data[0].id == MODEL
@@ -434,7 +415,7 @@ def test_models_health_and_start_up_line(server):
 @pytest.mark.slow
 def test_chat_stream_equals_non_stream(server):
     c = server.client(ACME_KEY)
-    msgs = _rewrite_messages()
+    msgs = rewrite_messages()
     full = c.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=48,
                                      extra_body={"spec_stats": True})
     assert full.choices[0].message.content and full.usage.completion_tokens > 0
@@ -536,7 +517,7 @@ def test_auth_tenants_and_routes(server):
     assert rec["tenant"] == "beta" and rec["route"] == "beta-small"
     assert out.id not in {r["request_id"] for r in _logs(server, "acme")}
     hot = server.client(ACME_KEY).chat.completions.create(
-        model=MODEL, messages=_rewrite_messages(), temperature=0.9, max_tokens=8, extra_body={"spec_stats": True},
+        model=MODEL, messages=rewrite_messages(), temperature=0.9, max_tokens=8, extra_body={"spec_stats": True},
         prompt_cache_key="sess-42")
     spec = hot.model_extra["spec"]
     assert spec["route"] == "creative" and spec["reason"] == "route 'creative': speculation = false"
@@ -549,7 +530,7 @@ def test_auth_tenants_and_routes(server):
 @pytest.mark.slow
 def test_log_records_and_metrics(server):
     c = server.client(ACME_KEY)
-    out = c.chat.completions.create(model=MODEL, messages=_rewrite_messages(), temperature=0, max_tokens=32)
+    out = c.chat.completions.create(model=MODEL, messages=rewrite_messages(), temperature=0, max_tokens=32)
     rec = _wait_for_record(server, "acme", out.id)
     for key in ("ts", "request_id", "tenant", "route", "endpoint", "session", "prompt_tokens", "completion_tokens",
                 "ttft_ms", "e2e_ms", "spec_enabled", "spec_reason", "steps", "draft_tokens", "accepted_tokens", "mat",
@@ -599,7 +580,7 @@ def test_bad_requests_get_openai_errors(server):
 def test_disconnect_cancels_and_server_keeps_serving(server):
     h = {"Authorization": f"Bearer {ACME_KEY}"}
     with httpx.stream("POST", server.base + "/v1/chat/completions", headers=h, timeout=120,
-                      json={"messages": _rewrite_messages(), "temperature": 0, "max_tokens": 2000,
+                      json={"messages": rewrite_messages(), "temperature": 0, "max_tokens": 2000,
                             "stream": True}) as s:
         lines = s.iter_lines()
         first = next(line for line in lines if line.startswith("data: {"))
