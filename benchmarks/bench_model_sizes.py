@@ -43,14 +43,12 @@ from benchmarks.harness import ROOT, emit_report, logger  # noqa: E402
 SHAPES = {
     # hidden, layers, heads, kv heads, head_dim, intermediate, vocab, tied, family
     "qwen2.5-coder-1.5b": dict(dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, head_dim=128, hidden_dim=8960,
-                               vocab_size=151936, tie_embeddings=True, family="qwen2", qkv_bias=True,
-                               rope_base=1e6, max_seq_len=32768),
+                               vocab_size=151936, tie_embeddings=True, family="qwen2", max_seq_len=32768),
     # a quick check of this script (seconds), not a published shape
     "tiny": dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, hidden_dim=512, vocab_size=50000,
-                 tie_embeddings=True, family="qwen2", qkv_bias=True, rope_base=1e6, max_seq_len=4096),
+                 tie_embeddings=True, family="qwen2", max_seq_len=4096),
     "qwen2.5-coder-7b": dict(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128, hidden_dim=18944,
-                             vocab_size=152064, tie_embeddings=False, family="qwen2", qkv_bias=True,
-                             rope_base=1e6, max_seq_len=32768),
+                             vocab_size=152064, tie_embeddings=False, family="qwen2", max_seq_len=32768),
 }
 # held-out replay MAT at budget 32 (benchmarks/replay.py; docs/benchmarks.md)
 REPLAY_MAT = {"rewrites": 25.24, "agent_turns": 3.26}

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from ..apply import ApplyPathError, build_apply, chat_fast_apply, prediction_usage, resolve_workspace_path
 from ..backends.protocol import GenerationRequest
 from ..errors import BackendClosedError, ContextLengthError, InvalidRequestError, QueueFullError
@@ -372,8 +374,6 @@ def prepare(state: ServerState, path: str, tenant: Tenant, body: bytes, *, t0: f
     req = decode_body(body, body_type)
     req.check_unsupported()
     if stream is not None and req.stream != stream:
-        import msgspec
-
         req = msgspec.structs.replace(req, stream=stream)
     model = check_model(state, req.model)
     return preparer(state, tenant, req, model, _session(state, tenant, req), t0)
