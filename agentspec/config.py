@@ -67,7 +67,8 @@ def check_drafters(names: object, what: str = "drafters") -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Server configuration: one TOML file (``agentspec serve --config FILE``); see README "Configuration".
+# Server configuration: one TOML file (``agentspec serve --config FILE``); docs/configuration.md is
+# generated from these structs and their comments (scripts/config_reference.py).
 
 _NAME = r"^[A-Za-z0-9._-]{1,64}$"
 Name = Annotated[str, msgspec.Meta(pattern=_NAME)]
@@ -76,10 +77,13 @@ DRAFTERS = drafter_names()   # the built-in drafters (agentspec.drafting.registr
 
 
 class ServerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[server]``: logs, request limits, batching, the model and the prefix cache."""
+
     # where per-tenant acceptance logs go (<log_dir>/<tenant>.jsonl); relative to the working dir
     log_dir: str = "logs"
-    # rotate a tenant's log when it grows past this many bytes; keep this many old files
+    # rotate a tenant's log when it grows past this many bytes
     log_max_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 64 << 20
+    # rotated logs kept per tenant (<tenant>.jsonl.1 is the newest); 0: none, the log starts over
     log_backups: Annotated[int, msgspec.Meta(ge=0, le=100)] = 5
     # request bodies larger than this are refused with 413
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 8 << 20
@@ -119,6 +123,8 @@ MIN_API_KEY_CHARS = 8   # shorter API keys are refused at start-up
 
 
 class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[[tenants]]``, one table per tenant. With tenants configured every request needs an API key."""
+
     # tenant name: log file name and metrics label, so a restricted alphabet
     name: Name
     # bearer tokens that identify this tenant (Authorization: Bearer <key>); each at least
@@ -140,11 +146,17 @@ class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class RouteWhen(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    # every given condition must hold; lists match any of their values
+    """A route's ``when``: every given condition must hold; a list matches any of its values."""
+
+    # the endpoint: "chat.completions", "completions" or "apply" (/v1/apply)
     endpoint: str | list[str] | None = None
+    # the tenant's name (with tenants configured, one of theirs)
     tenant: str | list[str] | None = None
+    # the model id the request names
     model: str | list[str] | None = None
+    # requests whose temperature is at least this
     min_temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    # requests whose temperature is at most this
     max_temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
 
 
@@ -185,9 +197,13 @@ class RouteRule(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The whole file: ``[server]``, ``[[tenants]]`` and ``[[routes]]``; every key is optional."""
+
+    # how the server runs
     server: ServerSection = msgspec.field(default_factory=ServerSection)
     # no tenants: one tenant "default" and no API key (loopback only)
     tenants: list[TenantConfig] = []
+    # per-route speculation rules, first match wins; no match: route "default" (speculation on)
     routes: list[RouteRule] = []
 
     def __post_init__(self) -> None:
