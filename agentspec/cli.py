@@ -75,11 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate a completion for a prompt (file or stdin)")
     g.add_argument("prompt_file", nargs="?", default="-", help="file holding the prompt, or - for stdin (default)")
-    g.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=256)
-    g.add_argument("--temperature", type=_nonneg_float("--temperature"), default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=_nonneg_int("--top-k"), default=0)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=256, help="most tokens to generate")
+    g.add_argument("--temperature", type=_nonneg_float("--temperature"), default=0.0,
+                   help="sampling temperature; 0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the most likely tokens up to this probability mass (1: all)")
+    g.add_argument("--top-k", type=_nonneg_int("--top-k"), default=0,
+                   help="sample from the k most likely tokens (0: all)")
+    g.add_argument("--seed", type=int,
+                   help="sampling seed: the output is a function of the seed, with or without speculation")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--budget", type=_nonneg_int("--budget"), default=32, help="max draft tokens per step")
     g.add_argument("--no-spec", action="store_true", help="plain decoding, no speculation")
@@ -90,15 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="rewrite a file with and without speculation; print both speeds")
     d.add_argument("--file", help="file to rewrite (default: a source file of this package)")
-    d.add_argument("--instruction", default="Add a module docstring at the top. Keep everything else unchanged.")
-    d.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=256)
+    d.add_argument("--instruction", default="Add a module docstring at the top. Keep everything else unchanged.",
+                   help="the change to ask for")
+    d.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=256,
+                   help="most tokens to generate in each run")
     _engine_args(d)
 
     x = sub.add_parser("index", help="index a repository for drafting; print a summary")
     x.add_argument("directory", help="the repository's root folder")
-    x.add_argument("--tenant", default="default")
+    x.add_argument("--tenant", default="default", help="the tenant the files are indexed for")
     x.add_argument("--snapshot", help="folder to save the index in (and load it from next time)")
-    x.add_argument("--max-file-bytes", type=_positive_int("--max-file-bytes"), default=1 << 20)
+    x.add_argument("--max-file-bytes", type=_positive_int("--max-file-bytes"), default=1 << 20,
+                   help="skip files larger than this many bytes")
     x.add_argument("--ignore", action="append", default=[], help="extra ignore pattern, gitignore syntax (repeatable)")
     x.add_argument("--json", action="store_true", help="print the summary as one JSON object (last line)")
     x.add_argument("--model", help="tokenize for this model (default: bundled SmolLM2-135M-Instruct)")
@@ -107,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     sv.add_argument("--port", type=_port, default=8000, help="TCP port (default: 8000)")
     sv.add_argument("--repo", help="workspace to index and watch for drafting (default: none; `make run` passes .)")
-    sv.add_argument("--config", help="server TOML file: tenants, API keys, routes, log_dir (see README)")
+    sv.add_argument("--config", help="server TOML file: tenants, API keys, routes, log_dir (docs/configuration.md)")
     sv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                     help="uvicorn's log level (default: warning)")
     sv.add_argument("--insecure-no-auth", action="store_true",
@@ -158,22 +165,30 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     tr.add_argument("--skip", type=_nonneg_int("--skip"), default=0,
                     help="leave out the first N records of each --data file and their conversations (held out)")
-    tr.add_argument("--max-prompt", type=_positive_int("--max-prompt"), default=1536)
+    tr.add_argument("--max-prompt", type=_positive_int("--max-prompt"), default=1536,
+                    help="prompt tokens per record (a longer history keeps its system message and latest messages)")
     tr.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=192, help="response tokens")
     tr.add_argument("--samples", type=_nonneg_int("--samples"), default=1,
                     help="sampled responses per prompt besides the greedy one (default 1)")
-    tr.add_argument("--temperature", type=_nonneg_float("--temperature"), default=0.8)
-    tr.add_argument("--concurrency", type=_positive_int("--concurrency"), default=8)
-    tr.add_argument("--draft-vocab", type=_positive_int("--draft-vocab"), default=8192)
-    tr.add_argument("--epochs", type=_nonneg_float("--epochs"), default=4.0)
-    tr.add_argument("--max-len", type=_positive_int("--max-len"), default=1024)
-    tr.add_argument("--ttt-steps", type=_positive_int("--ttt-steps"), default=7)
-    tr.add_argument("--lr", type=_nonneg_float("--lr"), default=6e-4)
-    tr.add_argument("--batch-rows", type=_positive_int("--batch-rows"), default=8192)
-    tr.add_argument("--eval-fraction", type=_nonneg_float("--eval-fraction"), default=0.05)
+    tr.add_argument("--temperature", type=_nonneg_float("--temperature"), default=0.8,
+                    help="temperature of the sampled responses")
+    tr.add_argument("--concurrency", type=_positive_int("--concurrency"), default=8,
+                    help="prompts the target answers at once while distilling")
+    tr.add_argument("--draft-vocab", type=_positive_int("--draft-vocab"), default=8192,
+                    help="tokens in the head's draft vocabulary")
+    tr.add_argument("--epochs", type=_nonneg_float("--epochs"), default=4.0, help="passes over the training records")
+    tr.add_argument("--max-len", type=_positive_int("--max-len"), default=1024,
+                    help="tokens per training window (the last ones of a record)")
+    tr.add_argument("--ttt-steps", type=_positive_int("--ttt-steps"), default=7,
+                    help="training-time test steps: draft positions the head learns to predict ahead")
+    tr.add_argument("--lr", type=_nonneg_float("--lr"), default=6e-4, help="peak learning rate")
+    tr.add_argument("--batch-rows", type=_positive_int("--batch-rows"), default=8192,
+                    help="loss rows per optimiser step")
+    tr.add_argument("--eval-fraction", type=_nonneg_float("--eval-fraction"), default=0.05,
+                    help="share of the conversations held out for evaluation")
     tr.add_argument("--time-limit", type=_nonneg_float("--time-limit"), help="stop training after this many seconds")
     tr.add_argument("--init", metavar="DIR", help="start from this head (continue training) instead of from scratch")
-    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--seed", type=int, default=0, help="seed of the sampled responses, the held-out split and training")
     return parser
 
 
