@@ -111,7 +111,7 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # the model id clients pass; default: the checkpoint's file or folder name
     model_name: str | None = None
     # memory for the embedded engine's prefix cache (prompt KV reused by requests sharing a
-    # prefix: agent loops); None: min(25% of RAM, 4 GiB); 0: off; less than one full-context
+    # prefix: agent loops); unset: min(25% of RAM, 4 GiB); 0: off; less than one full-context
     # prompt's KV refuses to start
     prefix_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
     # one prefix cache for every tenant (shared system prompts); default one per tenant, so a
@@ -128,7 +128,7 @@ class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # tenant name: log file name and metrics label, so a restricted alphabet
     name: Name
     # bearer tokens that identify this tenant (Authorization: Bearer <key>); each at least
-    # MIN_API_KEY_CHARS characters (checked in __post_init__, for a message that says so)
+    # MIN_API_KEY_CHARS (8) characters, and no key listed twice
     api_keys: list[str] = []
     # repository this tenant's requests draft from and /v1/apply `path`s resolve in (default: --repo)
     workspace: str | None = None
@@ -169,7 +169,7 @@ class RouteRule(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     when: RouteWhen = msgspec.field(default_factory=RouteWhen)
     # false turns speculation off for matching requests (the reason is recorded)
     speculation: bool = True
-    # max draft tokens per step (None: SpecConfig's default)
+    # max draft tokens per step (unset: SpecConfig's default, 32)
     budget: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
     # which drafters propose (names from agentspec.drafting.registry): "suffix" (default), "lookahead"
     # (the lookahead n-gram pool alone), "prompt_lookup", "eagle3" (the EAGLE-3 draft head over the
