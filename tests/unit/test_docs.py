@@ -491,6 +491,18 @@ def test_configuration_reference_is_current():
     assert page == gen.render(), f"docs/configuration.md is out of date: run {gen.COMMAND}"
 
 
+def test_configuration_reference_check_names_the_command(tmp_path, monkeypatch, capsys):
+    """``--check`` on a page that differs exits 1 and says what to run; on the current page, 0."""
+    gen = _generator()
+    page = tmp_path / "configuration.md"
+    monkeypatch.setattr(gen, "OUTPUT", page)
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    page.write_text(gen.render().replace("| `max_queue` |", "| `max_queue_size` |"), encoding="utf-8")
+    assert gen.main(["--check"]) == 1
+    assert f"configuration.md is out of date: run {gen.COMMAND}" in capsys.readouterr().err
+    assert gen.main([]) == 0 and gen.main(["--check"]) == 0
+
+
 def test_configuration_reference_covers_every_key_and_flag():
     """The page names every key of every table and every flag of every subcommand (the rendering
     cannot drop one without this failing, whatever the committed page says)."""
@@ -561,6 +573,7 @@ NEGATIVE = [
     ("paths_and_history", "In `results/e2e_2026-12-01.json`, at commit `a6b6b02` (2026-08-08).\n",
      "In `results/e2e.json` (2026-12-01).\n", "dated"),
     ("paths_and_history", "Runs can repeat.\n", "Runs A-E are older.\n", "lab-run"),
+    ("commands", "`agentspec --help`\n", "`agentspec --version`\n", "--version"),
     ("commands", "```\nagentspec/        the package\n```\n", "```\nagentspec package\n```\n", "package"),
 ]
 
