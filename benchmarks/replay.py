@@ -90,7 +90,12 @@ def replay_drafter(drafter, records, budget: int, stop_at: int, tenant: str = "r
         resp_list = resp.tolist()
         while pos < n:
             t0 = clock()
-            b = policy.budget_for(n - pos)   # as the engine caps it by the tokens still to generate
+            # the engine caps a step's drafts by the request's max_tokens left (budget_for); a
+            # recorded turn ended by itself, with no max_tokens to reach, so its drafts get the whole
+            # budget, as in the SGLang worker for a request without one (the tokens left in the
+            # recorded answer would cap each tree by the answer's own length, which the engine
+            # never knows, and narrow its last steps' trees)
+            b = policy.budget
             d = drafter.propose(req, b) if b > 0 else EMPTY_DRAFT
             t1 = clock()
             d.validate(b)
