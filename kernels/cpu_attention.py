@@ -28,7 +28,7 @@ _ENABLED = os.environ.get("AGENTSPEC_CPU_ATTENTION", "1") != "0"
 # AGENTSPEC_CPU_FUSED=0 keeps the native attention but runs rotary / cache writes in torch
 # (QKVAttention off; benchmarks compare both paths)
 _FUSED = os.environ.get("AGENTSPEC_CPU_FUSED", "1") != "0"
-# AGENTSPEC_DECODE_ATTENTION: how QKVAttention runs decode / verify rows (kernels/csrc/attention.cpp):
+# AGENTSPEC_DECODE_ATTENTION: how QKVAttention runs decode / verify rows (kernels/csrc/qkv_attention*.cpp):
 #   amx   (the default) on AMX tiles, all of a request's rows at once ("AMX decode"), where the CPU
 #         has AMX and the kernels run at the top ISA level (avx512bf16); elsewhere "rows"
 #   rows  one task per (row, kv head), VDPBF16PS (or its emulation at lower ISA levels)
@@ -263,7 +263,7 @@ class QKVAttention:
     projection's input ``[R, H D]``, both bfloat16. Per row: rotary embedding (rounded as torch
     rounds it in bfloat16), the new key / value written at the row's slot of the float32 cache
     and of its packed bfloat16 copies, then exact attention with bfloat16 dot products (see
-    kernels/csrc/attention.cpp, "bfloat16 models").
+    kernels/csrc/qkv_attention.cpp).
 
     Built once per forward (``segments``: per request ``(cache, start, L, mask, T)``: its ``T``
     rows go to slots ``[start, start + T)`` and attend over ``[0, L)`` as ``mask`` [T, >= L]

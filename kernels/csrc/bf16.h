@@ -1,9 +1,9 @@
-// bfloat16 helpers shared by attention.cpp and linear.cpp: 16-lane vector types, torch's
+// bfloat16 helpers shared by the attention kernels and linear.cpp: 16-lane vector types, torch's
 // float <-> bfloat16 conversions, the bf16-pair dot-product step of AVX512-BF16's VDPBF16PS (the
 // instruction, and emulations with the same bits but for subnormals, which the instruction
 // flushes), and the ISA levels the kernels are compiled for.
 //
-// ISA levels (agentspec.kernels.cpu_isa.ISA_LEVELS has the same order):
+// ISA levels (agentspec.kernels.cpu_isa.ISA_LEVELS has the same order; isa.cpp picks one):
 //   0 scalar      portable C++ (the compiler's baseline vectors), mul + add
 //   1 neon        Arm (aarch64 baseline), FMA
 //   2 avx2        x86-64-v3: AVX2 + FMA, 256-bit vectors
@@ -136,17 +136,3 @@ static inline v16 dp_neon(v16 acc, v16i a, uint32_t b) {
 #endif
 
 }  // namespace
-
-// The ISA level the kernels run now (attention.cpp keeps it; see the list above).
-int agentspec_isa();
-
-// AMX (prefill_amx.cpp): whether this CPU and OS run it, and the phases of the decode / verify
-// attention (attention.cpp, "AMX decode")
-bool prefill_amx_available();
-void amx_decode_tiles(bool on);
-void amx_decode_scores(const uint16_t* qb, int ntiles, const uint16_t* kt2, int64_t cap, int j0, int j1,
-                       const uint8_t* need, float* S, int64_t ss);
-void amx_decode_pv(const uint16_t* P, int64_t ps, const uint16_t* vp, int E, int h, int ntiles, float* acc,
-                   int64_t acs);
-void amx_decode_pv_row(const uint16_t* prow, const uint16_t* vb, int nblk, float* acc);
-void amx_softmax_row(float* Sg, int n, uint16_t* P);

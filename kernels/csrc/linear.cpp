@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "kernels.h"
 
 namespace nb = nanobind;
 
@@ -154,6 +155,8 @@ static panels_fn panels_for(int isa) {
     }
 }
 
+}  // namespace
+
 // x: bfloat16 [M, K] (row stride x_st elements, even; K even); wp: packed [ceil(N/16), K/2, 16, 2];
 // out: bfloat16 [M, N] (row stride o_st). Runs the ISA level set by set_isa (bf16.h).
 void linear_bf16(uintptr_t x, int64_t x_st, int64_t M, uintptr_t wp, int64_t N, int64_t K, uintptr_t out,
@@ -194,10 +197,3 @@ void linear_bf16(uintptr_t x, int64_t x_st, int64_t M, uintptr_t wp, int64_t N, 
     }
 }
 
-}  // namespace
-
-void register_linear(nb::module_& m) {
-    m.def("linear_bf16", &linear_bf16, nb::arg("x"), nb::arg("x_stride"), nb::arg("M"), nb::arg("w_packed"),
-          nb::arg("N"), nb::arg("K"), nb::arg("out"), nb::arg("out_stride"), nb::arg("threads") = 0,
-          "Raw-pointer entry point; call agentspec.kernels.cpu_linear.PackedLinear instead.");
-}

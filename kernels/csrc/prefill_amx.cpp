@@ -30,6 +30,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "kernels.h"
+
 #if defined(__x86_64__)
 #include <cpuid.h>
 #include <immintrin.h>
@@ -464,7 +466,7 @@ AMX_TARGET static void linear_rows(const LinArgs& a, int64_t u0, int64_t u1) {
 }  // namespace
 
 // Whether this CPU (and OS) run AMX-BF16 (AVX-512 with it): the prefill kernels here and the
-// decode kernel's phases below (attention.cpp declares it through bf16.h)
+// decode kernel's phases below (qkv_attention_amx.cpp)
 bool prefill_amx_available() {
 #if defined(AGENTSPEC_AMX)
     return amx_ready();
@@ -549,6 +551,8 @@ AMX_TARGET static void rope_scatter_row(const uint16_t* row, const uint16_t* c, 
     }
 }
 #endif
+
+}  // namespace
 
 // Pack the chunk's keys / values (bf16 [Hkv, T, D], strides in elements) into kt2 / vp at slots
 // [start, start + T), then attend. out: bf16 [T, H, D].
@@ -694,10 +698,8 @@ void linear_amx(uintptr_t x, int64_t x_st, int64_t M, uintptr_t wp, int64_t N, i
 #endif
 }
 
-}  // namespace
-
 // ---------------------------------------------------------------------------------------------
-// AMX phases of the decode / verify attention (attention.cpp, "AMX decode"; the default on CPUs
+// AMX phases of the decode / verify attention (qkv_attention_amx.cpp; the default on CPUs
 // with AMX). Query rows m are a request's (row, head) pairs of one kv head, 16 to a tile.
 //   scores  S[m][j] = TDPBF16PS(q_m[0:32] . k_j[0:32]) then += (q_m[32:64] . k_j[32:64]), from
 //           kt2 in place (its d-pair rows are AMX's VNNI B layout for 16 keys);
@@ -859,25 +861,3 @@ void amx_decode_pv_row(const uint16_t*, const uint16_t*, int, float*) {
     throw std::runtime_error("AMX needs an x86-64 build");
 }
 #endif
-
-void register_prefill(nb::module_& m) {
-    m.def("prefill_amx_available", &prefill_amx_available,
-          "whether this CPU (and OS) runs the AMX prefill attention");
-    m.def("prefill_attention", &prefill_attention, nb::arg("q"), nb::arg("q_stride_h"), nb::arg("q_stride_t"),
-          nb::arg("k"), nb::arg("k_stride_h"), nb::arg("k_stride_t"), nb::arg("v"), nb::arg("v_stride_h"),
-          nb::arg("v_stride_t"), nb::arg("kt2"), nb::arg("vp"), nb::arg("capacity"), nb::arg("start"), nb::arg("T"),
-          nb::arg("n_heads"), nb::arg("n_kv_heads"), nb::arg("head_dim"), nb::arg("out"), nb::arg("threads") = 0,
-          "Raw-pointer entry point; call agentspec.kernels.cpu_attention.prefill_attention instead.");
-    m.def("prefill_qkv_attention", &prefill_qkv_attention, nb::arg("qkv"), nb::arg("qkv_stride"), nb::arg("cos"),
-          nb::arg("sin"), nb::arg("cs_stride"), nb::arg("k"), nb::arg("v"), nb::arg("kt2"), nb::arg("vp"),
-          nb::arg("capacity"), nb::arg("start"), nb::arg("T"), nb::arg("n_heads"), nb::arg("n_kv_heads"),
-          nb::arg("head_dim"), nb::arg("out"), nb::arg("threads") = 0,
-          "Raw-pointer entry point; call agentspec.kernels.cpu_attention.prefill_qkv_attention instead.");
-    m.def("rms_norm_rows", &rms_norm_rows, nb::arg("x"), nb::arg("x_stride"), nb::arg("M"), nb::arg("w"),
-          nb::arg("dim"), nb::arg("eps"), nb::arg("out"), nb::arg("out_stride"), nb::arg("threads") = 0,
-          "Raw-pointer entry point; call agentspec.kernels.cpu_attention.rms_norm instead.");
-    m.def("linear_amx", &linear_amx, nb::arg("x"), nb::arg("x_stride"), nb::arg("M"), nb::arg("w_packed"),
-          nb::arg("N"), nb::arg("K"), nb::arg("out"), nb::arg("out_stride"), nb::arg("threads") = 0,
-          nb::arg("mode") = 0, nb::arg("res") = 0, nb::arg("res_stride") = 0,
-          "Raw-pointer entry point; call agentspec.kernels.cpu_linear.PackedLinear.prefill instead.");
-}

@@ -1,0 +1,47 @@
+// The entry points of agentspec.kernels._cpu, bound by module.cpp (raw pointers as uintptr_t; the
+// Python wrappers in agentspec.kernels check shapes and dtypes and pass data_ptr()s). Each releases
+// the GIL while it computes.
+#pragma once
+
+#include <cstdint>
+
+// attention.cpp: float32 decode / tree-verification attention
+void attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v, int64_t cap,
+               uintptr_t mask, int64_t m_st, uintptr_t out, int H, int Hkv, int T, int L, int head_dim,
+               int threads);
+void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new, uintptr_t v_new, int64_t kn_sh,
+                        int64_t kn_st, uintptr_t segs_ptr, int S, uintptr_t out, int H, int Hkv, int head_dim,
+                        int threads);
+
+// qkv_attention.cpp: a bfloat16 model's whole attention for decode / verify rows; the packed copies
+void qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, int64_t cs_st, uintptr_t segs,
+                   int S, int layer, uintptr_t out, int64_t out_st, int H, int Hkv, int head_dim, int threads,
+                   int mode);
+void sync_packed(uintptr_t k, uintptr_t v, uintptr_t kt2, uintptr_t vp, int64_t cap, int n_layers, int Hkv,
+                 int head_dim, uintptr_t slots, int n);
+
+// qkv_attention_amx.cpp: whether qkv_attention's mode 1 runs on AMX now
+bool decode_amx_runs();
+
+// isa.cpp: the ISA levels of the bfloat16 kernels (bf16.h)
+int isa_max();
+bool isa_runs(int level);
+void set_isa(int level);
+int agentspec_isa();
+
+// linear.cpp: row-invariant bfloat16 linear for decode / verify rows
+void linear_bf16(uintptr_t x, int64_t x_st, int64_t M, uintptr_t wp, int64_t N, int64_t K, uintptr_t out,
+                 int64_t o_st, int threads);
+
+// prefill_amx.cpp: AMX prefill attention, RMSNorm rows and linears
+bool prefill_amx_available();
+void prefill_attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, int64_t k_sh, int64_t k_st,
+                       uintptr_t v, int64_t v_sh, int64_t v_st, uintptr_t kt2, uintptr_t vp, int64_t cap,
+                       int64_t start, int T, int H, int Hkv, int head_dim, uintptr_t out, int threads);
+void prefill_qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, int64_t cs_st,
+                           uintptr_t kf, uintptr_t vf, uintptr_t kt2, uintptr_t vp, int64_t cap, int64_t start,
+                           int T, int H, int Hkv, int head_dim, uintptr_t out, int threads);
+void rms_norm_rows(uintptr_t x, int64_t x_st, int64_t M, uintptr_t w, int64_t dim, double eps, uintptr_t out,
+                   int64_t o_st, int threads);
+void linear_amx(uintptr_t x, int64_t x_st, int64_t M, uintptr_t wp, int64_t N, int64_t K, uintptr_t out,
+                int64_t o_st, int threads, int mode, uintptr_t res, int64_t r_st);
