@@ -163,8 +163,7 @@ void row_task(const Args& a, int hk, int t, Scratch& sc) {
 void attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v, int64_t cap,
                uintptr_t mask, int64_t m_st, uintptr_t out, int H, int Hkv, int T, int L, int head_dim,
                int threads) {
-    if (head_dim != D) throw std::invalid_argument("head_dim must be 64");
-    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAXG) throw std::invalid_argument("bad head counts");
+    check_heads(H, Hkv, head_dim);
     if (T <= 0 || L <= 0 || L > cap) throw std::invalid_argument("bad T / L / capacity");
     Args a;
     a.q = reinterpret_cast<const float*>(q); a.q_sh = q_sh; a.q_st = q_st;
@@ -205,8 +204,7 @@ void attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v
 void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new, uintptr_t v_new, int64_t kn_sh,
                         int64_t kn_st, uintptr_t segs_ptr, int S, uintptr_t out, int H, int Hkv, int head_dim,
                         int threads) {
-    if (head_dim != D) throw std::invalid_argument("head_dim must be 64");
-    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAXG) throw std::invalid_argument("bad head counts");
+    check_heads(H, Hkv, head_dim);
     if (S <= 0) throw std::invalid_argument("no segments");
     const int64_t* sg = reinterpret_cast<const int64_t*>(segs_ptr);
     std::vector<Args> args(S);

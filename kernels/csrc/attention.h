@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 #include "bf16.h"
@@ -47,6 +48,12 @@ static inline v16 exp16(v16 x, float m) {
     v16 pow2 = (v16)bits;
     v16 p = z * pow2;
     return low ? v16{} : p;
+}
+
+// The head shapes every attention entry point takes: head_dim 64, 1 to MAXG query heads per kv head.
+static inline void check_heads(int H, int Hkv, int head_dim) {
+    if (head_dim != D) throw std::invalid_argument("head_dim must be 64");
+    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAXG) throw std::invalid_argument("bad head counts");
 }
 
 struct Args {

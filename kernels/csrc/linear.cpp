@@ -35,21 +35,7 @@ namespace {
 // LN_P 16-column panels of float32 accumulators (AVX-512: 6 x 4 x 1 zmm = 24 of 32; AVX2:
 // below; NEON: 2 x 2 x 4 = 16 of 32 q registers; scalar: 1 x 2 x 4 = 8 of 16 xmm). The tile
 // shape changes only which outputs are computed together, never an output's reduction order.
-#define LN_NS lin_scalar
-#define LN_DP dp_emul
-#define LN_MR 1
-#define LN_P 2
-#define LN_ATTR
-#include "linear_body.inc"
-
-#if defined(AGENTSPEC_NEON)
-#define LN_NS lin_neon
-#define LN_DP dp_neon
-#define LN_MR 2
-#define LN_P 2
-#define LN_ATTR
-#include "linear_body.inc"
-#endif
+#include "linear_portable.inc"  // lin_scalar; lin_neon on Arm
 
 #if defined(AGENTSPEC_X86)
 // AVX2 + FMA: written with 256-bit intrinsics (GCC keeps 16-lane vector-extension values of the

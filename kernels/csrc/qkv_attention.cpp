@@ -109,8 +109,7 @@ static row_fn bf16_row_for(int isa) {
 void qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, int64_t cs_st, uintptr_t segs,
                    int S, int layer, uintptr_t out, int64_t out_st, int H, int Hkv, int head_dim, int threads,
                    int mode) {
-    if (head_dim != D) throw std::invalid_argument("head_dim must be 64");
-    if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAXG) throw std::invalid_argument("bad head counts");
+    check_heads(H, Hkv, head_dim);
     if (S <= 0) throw std::invalid_argument("no segments");
     const int64_t* sg = reinterpret_cast<const int64_t*>(segs);
     const int G = H / Hkv;

@@ -12,20 +12,7 @@
 #include "../../kernels/csrc/bf16.h"
 
 namespace {
-#define LN_NS lin_scalar
-#define LN_DP dp_emul
-#define LN_MR 1
-#define LN_P 2
-#define LN_ATTR
-#include "../../kernels/csrc/linear_body.inc"
-#if defined(AGENTSPEC_NEON)
-#define LN_NS lin_neon
-#define LN_DP dp_neon
-#define LN_MR 2
-#define LN_P 2
-#define LN_ATTR
-#include "../../kernels/csrc/linear_body.inc"
-#endif
+#include "../../kernels/csrc/linear_portable.inc"
 }  // namespace
 
 int agentspec_isa() { return 0; }
