@@ -113,7 +113,7 @@ def split_markdown(text: str) -> tuple[list[Block], str]:
     return blocks, "\n".join(prose)
 
 
-_CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)
+_CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)((?:(?!\n[ \t]*\n).)+?)(?<!`)\1(?!`)", re.S)   # within a paragraph
 
 
 def code_spans(prose: str) -> Iterator[tuple[int, str]]:
@@ -574,6 +574,8 @@ NEGATIVE = [
      "In `results/e2e.json` (2026-12-01).\n", "dated"),
     ("paths_and_history", "Runs can repeat.\n", "Runs A-E are older.\n", "lab-run"),
     ("commands", "`agentspec --help`\n", "`agentspec --version`\n", "--version"),
+    ("commands", "A stray ` here.\n\nThen `agentspec serve --port 1`.\n",
+     "A stray ` here.\n\nThen `agentspec serve --prot 1`.\n", "--prot"),
     ("commands", "```\nagentspec/        the package\n```\n", "```\nagentspec package\n```\n", "package"),
 ]
 
