@@ -25,7 +25,7 @@ ENV PATH=/opt/agentspec/bin:$PATH
 # torch first, pinned to the CPU build: an unpinned torch would pull a multi-GB CUDA build
 RUN pip install torch==2.13.0 --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
-COPY pyproject.toml CMakeLists.txt README.md ./
+COPY pyproject.toml CMakeLists.txt README.md LICENSE ./
 COPY suffix_index/ suffix_index/
 COPY kernels/ kernels/
 COPY integrations/ integrations/

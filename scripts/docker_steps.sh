@@ -31,7 +31,7 @@ step "torch==2.13.0${TORCH_INDEX_URL:+ from $TORCH_INDEX_URL}"
 "${PIP[@]}" torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 step "the build context: what the Dockerfile copies (less what .dockerignore drops)"
 mkdir -p "$TMP/src"
-cp pyproject.toml CMakeLists.txt README.md "$TMP/src/"
+cp pyproject.toml CMakeLists.txt README.md LICENSE "$TMP/src/"
 for d in suffix_index kernels integrations agentspec; do
     tar -C . --exclude=__pycache__ --exclude='*.pyc' --exclude='*.so' --exclude=integrations/editor -cf - "$d" \
         | tar -C "$TMP/src" -xf -
