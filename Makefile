@@ -1,10 +1,16 @@
-# Quickstart: `make run` (set up, then run the main job) and `make test` (set up, then run the tests).
-.PHONY: setup run test test-unit bench test-sglang
+# Quickstart: `make run` (set up what serving needs, then serve this repository) and `make test`
+# (set up everything, then run the tests). scripts/setup.sh says what each stage installs.
+.PHONY: setup setup-serve run test test-unit bench test-sglang
 
+# everything: the serving install, then the tests' and benchmarks' extras and tools
 setup:
-	@bash scripts/setup.sh
+	@bash scripts/setup.sh test
 
-run: setup
+# what `agentspec serve` needs, nothing more
+setup-serve:
+	@bash scripts/setup.sh serve
+
+run: setup-serve
 	.venv/bin/agentspec serve --repo .
 
 test: setup
@@ -14,8 +20,10 @@ test: setup
 test-unit: setup
 	.venv/bin/python -m pytest tests/unit -q
 
+# the end-to-end benchmark on the small sample shipped in benchmarks/data;
+# `make bench BENCH_ARGS="--data DIR"` on a folder of the full recorded sets
 bench: setup
-	.venv/bin/python -m benchmarks.bench_e2e
+	.venv/bin/python -m benchmarks.bench_e2e $(BENCH_ARGS)
 
 # SGLang (CPU, NGRAM speculation) as test infrastructure: its own venv, see scripts/setup_sglang.sh
 test-sglang:
