@@ -1,8 +1,9 @@
 """Multi-turn agent conversations through the server: prefix cache and speculation on and off,
 and vLLM-CPU (automatic prefix caching + suffix decoding) on the same conversations, same run.
 
-Conversations come from ``shared/data/agent_turns.jsonl`` (mini-swe-agent trajectories; each
-record's prompt is the whole history so far, so consecutive turns of a task share their prefix).
+Conversations come from ``agent_turns.jsonl`` in ``--data`` (by default the synthetic sample in
+benchmarks/data, or recorded mini-swe-agent trajectories; each record's prompt is the whole
+history so far, so consecutive turns of a task share their prefix).
 Each kept task's recorded history is split into its successive turns (``--turns`` of them, the
 last under ``--max-prompt`` tokens). Each turn is sent in order, greedy, as token ids (``/v1/completions``, the model's chat
 template applied here, so the server and vLLM see identical ids), streamed, with the
@@ -33,6 +34,7 @@ if not __package__:  # run as a file, not with -m: the repository root, for `ben
 
 from benchmarks.harness import (  # noqa: E402
     DATA,
+    DATA_HELP,
     emit_report,
     logger,
     machine_info,
@@ -183,7 +185,7 @@ def _repeats(repeats: list) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
     ap.add_argument("--conversations", type=int, default=3)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-prompt", type=int, default=4096, help="prompt tokens of a conversation's last turn")

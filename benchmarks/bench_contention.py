@@ -32,9 +32,11 @@ if not __package__:  # run as a file, not with -m: the repository root, for `ben
 
 from benchmarks.harness import (  # noqa: E402
     DATA,
+    DATA_HELP,
     FIXTURE,
     ROOT,
     emit_report,
+    first_record,
     logger,
     machine_record,
     pyplot,
@@ -122,9 +124,10 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
     ap.add_argument("--prompts", type=int, default=3)
-    ap.add_argument("--start", type=int, default=200)
+    ap.add_argument("--start", type=int, default=None,
+                    help="first record index (default: 200 in the recorded sets; 0 in the shipped sample)")
     ap.add_argument("--max-prompt", type=int, default=1500)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--busy", type=int, default=1, help="busy-loop processes during the busy runs")
@@ -133,7 +136,8 @@ def main() -> int:
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
     spec = {"data": str(args.data / "file_rewrites.jsonl"), "fixture": str(FIXTURE), "prompts": args.prompts,
-            "start": args.start, "max_prompt": args.max_prompt, "max_tokens": args.max_tokens}
+            "start": first_record(args.data, 200, args.start), "max_prompt": args.max_prompt,
+            "max_tokens": args.max_tokens}
     runs = []
     machine = None
     for policy in args.policies.split(","):

@@ -13,7 +13,7 @@ one request at a time, prefill included in every time:
 Prints one JSON object (last line of stdout). Timings on a shared machine are noisy: every
 method runs in this process or a child of it back to back, and ratios come from this one run.
 
-    python -m benchmarks.bench_e2e [--data ../shared/data] [--prompts 4] [--max-tokens 256]
+    python -m benchmarks.bench_e2e [--data DIR] [--prompts 4] [--max-tokens 256]
         [--vllm-python /work/venvs/vllm/bin/python] [--llamacpp-python ...] [--hf-folder DIR]
 """
 
@@ -32,7 +32,9 @@ if not __package__:  # run as a file, not with -m: the repository root, for `ben
 
 from benchmarks.harness import (  # noqa: E402
     DATA,
+    DATA_HELP,
     emit_report,
+    first_record,
     logger,
     machine_record,
     method_bars,
@@ -148,9 +150,11 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
     ap.add_argument("--prompts", type=int, default=4, help="number of rewrite prompts")
-    ap.add_argument("--start", type=int, default=200, help="first record index to consider (tests use earlier ones)")
+    ap.add_argument("--start", type=int, default=None,
+                    help="first record index to consider (default: 200 in the recorded sets, whose earlier records the "
+                         "tests use; 0 in the shipped sample)")
     ap.add_argument("--max-prompt", type=int, default=2000, help="max prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1, help="runs per prompt for our engine (median)")
@@ -187,7 +191,8 @@ def main() -> int:
     hf_dtype = args.hf_dtype or (dtype if engine.prefill_gemm == dtype else "float32")
     machine["hf_dtype"] = hf_dtype
     log(f"machine: {machine}")
-    prompts = select_prompts(engine, args.data, args.prompts, args.max_prompt, args.start)
+    start = first_record(args.data, 200, args.start)
+    prompts = select_prompts(engine, args.data, args.prompts, args.max_prompt, start)
     log(f"{len(prompts)} prompts, {[len(p) for _, p in prompts]} tokens, {args.max_tokens} new tokens, {dtype}")
     engine.generate(prompts[0][1][:64], max_tokens=8, spec=None)  # warm up
 

@@ -34,7 +34,16 @@ from pathlib import Path
 if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import DATA, agent_prompts, emit_report, logger, rewrite_prompts, write_json  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    DATA,
+    DATA_HELP,
+    agent_prompts,
+    emit_report,
+    first_record,
+    logger,
+    rewrite_prompts,
+    write_json,
+)
 
 METHODS = {"plain": None, "suffix": ["suffix"], "suffix+eagle3": ["suffix", "eagle3"], "eagle3": ["eagle3"]}
 
@@ -92,7 +101,7 @@ def engine_default_spec():
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
     ap.add_argument("--model", help="target model (default: bundled)")
     ap.add_argument("--eagle3", help="head directory (default: the shipped head)")
     ap.add_argument("--device", default="cpu")
@@ -117,9 +126,9 @@ def main() -> int:
         if args.prompts_file:
             sets[wl] = json.loads(args.prompts_file.read_text())[wl]
         elif wl == "agent":
-            sets[wl] = agent_prompts(engine, args.data, args.agent, args.max_prompt, 150)
+            sets[wl] = agent_prompts(engine, args.data, args.agent, args.max_prompt, first_record(args.data, 150))
         elif wl == "rewrites":
-            sets[wl] = rewrite_prompts(engine, args.data, args.rewrites, args.max_prompt, 200)
+            sets[wl] = rewrite_prompts(engine, args.data, args.rewrites, args.max_prompt, first_record(args.data, 200))
         else:
             raise SystemExit(f"unknown workload {wl!r}")
     if args.dump_prompts:

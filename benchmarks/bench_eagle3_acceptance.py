@@ -32,7 +32,7 @@ import torch
 if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import DATA, emit_report, logger, select_prompts  # noqa: E402
+from benchmarks.harness import DATA, DATA_HELP, emit_report, first_record, logger, select_prompts  # noqa: E402
 
 DEPTHS = 8
 
@@ -50,7 +50,8 @@ def dev_records(engine, data: Path, n_agent: int, n_rewrites: int, max_prompt: i
 
     out = {}
     agent = load_prompt_items([data / "agent_turns.jsonl"], engine.tokenizer, max_prompt=max_prompt, limit=n_agent)
-    rew = [PromptItem(rid, ids) for rid, ids in select_prompts(engine, data, n_rewrites, max_prompt, 200)]
+    rewrites = select_prompts(engine, data, n_rewrites, max_prompt, first_record(data, 200))
+    rew = [PromptItem(rid, ids) for rid, ids in rewrites]
     for name, items in (("agent", agent), ("rewrites", rew)):
         f = cache / f"dev_{name}.jsonl"
         distill(engine, items, f, max_tokens=max_tokens, samples=0, concurrency=4, progress=False)
@@ -118,7 +119,7 @@ def replay(drafter, recs, feats_of, budget: int, layers, tag: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
     ap.add_argument("--eagle3", help="head directory (default: the shipped head)")
     ap.add_argument("--agent", type=int, default=40, help="development agent-turn records")
     ap.add_argument("--rewrites", type=int, default=6)

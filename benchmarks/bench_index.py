@@ -17,7 +17,7 @@ benchmarks/peers/arctic_index_bench.py (run in the same invocation in its own ve
 
 Prints one JSON object with both sides and the ratios.
 
-    python -m benchmarks.bench_index [--data ../shared/data] [--tokens 1000000]
+    python -m benchmarks.bench_index [--data DIR] [--tokens 1000000]
         [--vllm-python /work/venvs/vllm/bin/python]
 """
 
@@ -37,7 +37,7 @@ if not __package__:  # run as a file, not with -m: the repository root, for `ben
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import replay_data  # noqa: E402
-from benchmarks.harness import DATA, PEERS, ROOT, emit_report, logger, rss_bytes  # noqa: E402
+from benchmarks.harness import DATA, DATA_HELP, PEERS, ROOT, emit_report, is_sample, logger, rss_bytes  # noqa: E402
 from benchmarks.replay import accepted_length  # noqa: E402
 
 log = logger("bench_index")
@@ -148,16 +148,20 @@ def latency(ix, all_recs, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
     ap.add_argument("--tokens", type=int, default=1_000_000)
     ap.add_argument("--queries", type=int, default=20_000)
-    ap.add_argument("--holdout", type=int, default=50)
+    ap.add_argument("--holdout", type=int, default=None,
+                    help="last records of each stream kept out of the index, as the queries "
+                         "(default: 50; 4 in the shipped sample)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--budget", type=int, default=32)
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.holdout is None:
+        args.holdout = 4 if is_sample(args.data) else 50
     if args._child:
         print(json.dumps(child(args._child, args)))
         return

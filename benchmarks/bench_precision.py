@@ -19,7 +19,7 @@ from pathlib import Path
 if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import DATA, emit_report  # noqa: E402
+from benchmarks.harness import DATA, DATA_HELP, emit_report, first_record  # noqa: E402
 
 
 def agree(a: list[int], b: list[int]) -> int:
@@ -28,11 +28,13 @@ def agree(a: list[int], b: list[int]) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
     ap.add_argument("--prompts", type=int, default=14)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--start", type=int, default=100, help="first record to consider")
+    ap.add_argument("--start", type=int, default=None,
+                    help="first record to consider (default: 100 in the recorded sets; 0 in the shipped sample)")
     args = ap.parse_args()
+    start = first_record(args.data, 100, args.start)
 
     from agentspec import Engine
     from agentspec.kernels import cpu_attention
@@ -42,7 +44,7 @@ def main() -> None:
     e16 = Engine.embedded(quiet=True, row_cost=0.04)
     rows = []
     for k, rec in enumerate(load_records(args.data / "file_rewrites.jsonl")):
-        if k < args.start:
+        if k < start:
             continue
         ids = e16.encode(prompt_messages(rec["prompt"]))
         if not 300 < len(ids) < 1500:

@@ -1,7 +1,8 @@
 """Prefix cache on multi-turn agent replays: time to first token with the cache and without.
 
-Replays the first turns of recorded mini-swe-agent trajectories (``agent_turns.jsonl``; each
-turn's prompt is the message history up to that turn, so it extends the previous turn's prompt)
+Replays the first turns of agent trajectories (``agent_turns.jsonl`` in ``--data-dir``: by default
+the synthetic sample in benchmarks/data, or recorded mini-swe-agent trajectories; each turn's
+prompt is the message history up to that turn, so it extends the previous turn's prompt)
 through the embedded engine, greedy. Every turn runs twice back to back, without the cache and
 with it (the cache kept across the conversation's turns), so machine load drifts alike for both.
 Prints JSON: per-turn TTFT, prefilled and cached tokens, whether the outputs are identical, and
@@ -21,12 +22,12 @@ from pathlib import Path
 if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import DATA, conversations, emit_report  # noqa: E402
+from benchmarks.harness import DATA, DATA_HELP, conversations, emit_report  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data-dir", type=Path, default=DATA)
+    ap.add_argument("--data-dir", type=Path, default=DATA, help=DATA_HELP)
     ap.add_argument("--tasks", type=int, default=3)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -1,8 +1,8 @@
 """Server benchmark: file rewrites through `/v1/apply` and `/v1/chat/completions`, speculation on vs off.
 
 Starts `agentspec serve` (embedded engine, bundled model) on loopback with a workspace holding
-the files being rewritten, then sends each rewrite prompt from ../shared/data/file_rewrites.jsonl
-(prompt <= --max-prompt tokens) as
+the files being rewritten, then sends each rewrite prompt from ``--data``'s file_rewrites.jsonl
+(default: the sample in benchmarks/data; prompt <= --max-prompt tokens) as
   - `/v1/apply` with `path` (the file in the workspace) and `instruction` (the commit message),
   - `/v1/chat/completions` with the recorded prompt, through the official `openai` client,
 each once with speculation on (the default route) and once with `"speculation": false`, streamed,
@@ -27,8 +27,10 @@ if not __package__:  # run as a file, not with -m: the repository root, for `ben
 
 from benchmarks.harness import (  # noqa: E402
     DATA,
+    DATA_HELP,
     agent_items,
     emit_report,
+    first_record,
     logger,
     machine_record,
     sse_events,
@@ -130,9 +132,11 @@ def summarize(runs: list[dict]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
     ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--start", type=int, default=200, help="first record index (tests use earlier ones)")
+    ap.add_argument("--start", type=int, default=None,
+                    help="first record index (default: 200 in the recorded sets, whose earlier records the tests use; "
+                         "0 in the shipped sample)")
     ap.add_argument("--max-prompt", type=int, default=2000)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1, help="rounds over all prompts (medians of per-round figures)")
@@ -146,7 +150,7 @@ def main() -> int:
     from agentspec.backends.embedded.weights import load_checkpoint
 
     tok = load_checkpoint(quiet=True).tokenizer
-    items = select(args.data, args.prompts, args.max_prompt, args.start, tok)
+    items = select(args.data, args.prompts, args.max_prompt, first_record(args.data, 200, args.start), tok)
     if not items:
         raise SystemExit(f"no rewrite prompts found in {args.data}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -186,7 +190,7 @@ def main() -> int:
             if args.concurrency:
                 n = args.concurrent_requests
                 workloads = {"rewrites": (items * (n // len(items) + 1))[:n],
-                             "agent_turns": agent_items(args.data, n, args.max_prompt, 150, tok)}
+                             "agent_turns": agent_items(args.data, n, args.max_prompt, first_record(args.data, 150), tok)}
                 for wl, its in workloads.items():
                     on = concurrent_chat(client, model, its, True, args.max_tokens, args.concurrency)
                     off = concurrent_chat(client, model, its, False, args.max_tokens, args.concurrency)

@@ -32,7 +32,16 @@ from pathlib import Path
 if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import DATA, ROOT, agent_prompts, emit_report, logger, rewrite_prompts  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    DATA,
+    DATA_HELP,
+    ROOT,
+    agent_prompts,
+    emit_report,
+    first_record,
+    logger,
+    rewrite_prompts,
+)
 
 DEFAULT_MODEL = ROOT / ".venv-sglang" / "models" / "SmolLM2-135M-Instruct"
 
@@ -116,7 +125,7 @@ def summarize(raw: dict) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="Hugging Face model folder")
-    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="default: float32 on CPU (SGLang's bf16 CPU verify is not "
                     "row-invariant: its own NGRAM diverges from plain there), bfloat16 on CUDA")
@@ -141,8 +150,9 @@ def main() -> int:
         from agentspec.backends.embedded.engine import EmbeddedEngine
 
         tok_engine = EmbeddedEngine(quiet=True)   # the same tokenizer and chat template as the HF folder
-        sets = {"rewrites": rewrite_prompts(tok_engine, args.data, args.rewrites, args.max_prompt, 200),
-                "agent": agent_prompts(tok_engine, args.data, args.agent, args.max_prompt, 150)}
+        sets = {"rewrites": rewrite_prompts(tok_engine, args.data, args.rewrites, args.max_prompt,
+                                            first_record(args.data, 200)),
+                "agent": agent_prompts(tok_engine, args.data, args.agent, args.max_prompt, first_record(args.data, 150))}
         del tok_engine
     raw = {}
     for m in args.methods.split(","):

@@ -31,8 +31,10 @@ if not __package__:  # run as a file, not with -m: the repository root, for `ben
 
 from benchmarks.harness import (  # noqa: E402
     DATA,
+    DATA_HELP,
     agent_prompts,  # with rewrite_prompts, still importable from here (tests/sglang imports them so)
     emit_report,
+    first_record,
     logger,
     machine_record,
     pyplot,
@@ -101,7 +103,7 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--requests", type=int, default=8, help="requests per run (at least the concurrency)")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -127,9 +129,9 @@ def main() -> int:
     sets = {}
     for wl in args.workloads.split(","):
         if wl == "rewrites":
-            sets[wl] = rewrite_prompts(engine, args.data, n_max, args.max_prompt, 200)
+            sets[wl] = rewrite_prompts(engine, args.data, n_max, args.max_prompt, first_record(args.data, 200))
         elif wl == "agent_turns":
-            sets[wl] = agent_prompts(engine, args.data, n_max, args.max_prompt, 150)
+            sets[wl] = agent_prompts(engine, args.data, n_max, args.max_prompt, first_record(args.data, 150))
         else:
             raise SystemExit(f"unknown workload {wl!r}: rewrites or agent_turns")
     have_vllm = Path(args.vllm_python).exists() and Path(args.vllm_model).exists()

@@ -1,7 +1,7 @@
 """What the benchmark scripts share, in one place.
 
-- paths: the repository, the recorded traffic (``../shared/data``), the tests' held-in fixture,
-  the peer runners;
+- paths: the repository, the data (``--data``; by default the small sample shipped in
+  ``benchmarks/data``, see its README), the tests' held-in fixture, the peer runners;
 - ``logger``: a script's ``[name] message`` lines on stderr;
 - the machine record: ``machine_info`` (CPU, flags, kernel ISA of this process) and
   ``machine_record`` (the same, or an engine's ``kernel_info()``, with the core count); ``rss_bytes``;
@@ -10,7 +10,7 @@
   loopback port and waits for ``/health``; ``sse_events`` reads a streamed response;
 - peers: ``run_peer`` runs a ``benchmarks/peers`` runner under another venv's python;
 - workloads: the recorded prompts the scripts share (held-out rewrites, agent turns,
-  multi-turn conversations);
+  multi-turn conversations) and the record each starts at (``first_record``);
 - plots: matplotlib without a display, and the per-method bar chart.
 
 Scripts import it as ``from benchmarks.harness import ...``. Run them from the repository root as
@@ -34,7 +34,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"                            # recorded traffic (--data default)
+SAMPLE = ROOT / "benchmarks" / "data"                             # a small held-out sample, shipped (its README)
+DATA = SAMPLE                                                     # --data default; --data DIR: the full recorded sets
+DATA_HELP = ("folder with file_rewrites.jsonl and agent_turns.jsonl (default: the small sample in benchmarks/data; "
+             "give the full recorded sets for figures worth quoting)")
 FIXTURE = ROOT / "tests" / "fixtures" / "file_rewrites_sample.jsonl"   # held in: the tests use these records
 PEERS = ROOT / "benchmarks" / "peers"                             # runners for other venvs' pythons
 
@@ -205,6 +208,20 @@ def run_peer(python: str, runner: Path | str, spec: dict, timeout: int) -> dict 
 
 
 # --- workloads: recorded prompts ------------------------------------------------------------------
+
+def first_record(data: Path, recorded: int, start: int | None = None) -> int:
+    """The record a workload starts reading ``data`` at: ``start`` where given; else ``recorded``
+    in the full recorded sets (their earlier records are those the tests and the drafters' tuning
+    use), and 0 in the shipped sample (every record of it is held out)."""
+    if start is not None:
+        return start
+    return 0 if is_sample(data) else recorded
+
+
+def is_sample(data: Path) -> bool:
+    """Whether ``data`` is the shipped sample (``SAMPLE``), not a folder of full recorded sets."""
+    return Path(data).resolve() == SAMPLE.resolve()
+
 
 def select_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> list[tuple[str, list[int]]]:
     """File-rewrite prompts not used by the tests, in file order from record ``start``."""

@@ -20,7 +20,7 @@ rest): MAT (mean committed tokens per step, bonus included), drafted tokens per 
 per step (propose + extend, p50/p99 µs), and the speedup estimated from the engine's measured
 cost of verifying n tokens vs 1 (``--costs``, from benchmarks/results/step_costs*.json).
 
-    python -m benchmarks.replay [--data ../shared/data] [--budget 32] [--limit N]
+    python -m benchmarks.replay [--data DIR] [--budget 32] [--limit N]
         [--methods agentspec,prompt_lookup,oracle,arctic,sglang_ngram] [--out FILE]
 """
 
@@ -41,9 +41,21 @@ if not __package__:  # run as a file, not with -m: the repository root, for `ben
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import replay_data  # noqa: E402
-from benchmarks.harness import DATA, PEERS, ROOT, emit_report, logger, method_bars, pyplot, save_figure  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    DATA,
+    DATA_HELP,
+    PEERS,
+    ROOT,
+    emit_report,
+    first_record,
+    logger,
+    method_bars,
+    pyplot,
+    save_figure,
+)
 
-# Records tuned on: the first DEV_RECORDS[name] records of each file; the rest are held out.
+# Records tuned on: the first DEV_RECORDS[name] records of each recorded file; the rest are held out
+# (the shipped sample has none: first_record).
 DEV_RECORDS = {"file_rewrites": 100, "agent_turns": 150}
 
 log = logger("replay")
@@ -236,7 +248,7 @@ def run_peer(script: str, python: str, streams: Path, budget: int, stop: int, ex
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
     ap.add_argument("--datasets", default=",".join(replay_data.DATASETS))
     ap.add_argument("--budget", type=int, default=32)
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N records of each file")
@@ -262,12 +274,13 @@ def main() -> None:
     if args.costs and args.costs.exists():
         costs = {int(k): float(v) for k, v in json.loads(args.costs.read_text())["step_seconds"].items()}
     methods = args.methods.split(",")
-    result = {"budget": args.budget, "dev_records": DEV_RECORDS, "datasets": {}}
+    dev_records = {name: first_record(args.data, n) for name, n in DEV_RECORDS.items()}
+    result = {"budget": args.budget, "dev_records": dev_records, "datasets": {}}
     for name in args.datasets.split(","):
         streams = replay_data.tokenize(args.data, name)
         records = replay_data.load(streams)
         stop = len(records) if args.limit is None else min(args.limit, len(records))
-        cut = DEV_RECORDS[name]
+        cut = dev_records[name]
         per_method = {}
         for m in methods:
             t0 = time.perf_counter()

@@ -1,11 +1,12 @@
 """Recorded traffic as token streams, for teacher-forced replay (shared by replay.py and peers).
 
-Each record of ``../shared/data/<name>.jsonl`` becomes ``(id, prompt_ids, response_ids)``: the
-prompt rendered with the bundled model's chat template (as the engine would see it) and the
-response tokenized as plain text, both with the bundled model's tokenizer. Tokenized streams
-are cached as one ``.npz`` (``tokens`` int32 concatenated, ``offsets`` int64 [prompt_start,
-response_start, end] per record, ``ids``) under ``~/.cache/agentspec/replay`` and are read by
-the peer runners in other virtual environments, which need only numpy.
+Each record of ``<data>/<name>.jsonl`` (``--data``; by default the sample in benchmarks/data)
+becomes ``(id, prompt_ids, response_ids)``: the prompt rendered with the bundled model's chat
+template (as the engine would see it) and the response tokenized as plain text, both with the
+bundled model's tokenizer. Tokenized streams are cached as one ``.npz`` (``tokens`` int32
+concatenated, ``offsets`` int64 [prompt_start, response_start, end] per record, ``ids``) under
+``~/.cache/agentspec/replay`` and are read by the peer runners in other virtual environments,
+which need only numpy.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import DATA, DATA_HELP  # noqa: E402
+
 DATASETS = ("file_rewrites", "agent_turns")
 
 
@@ -68,7 +73,7 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
     args = ap.parse_args()
     for name in DATASETS:
         path = tokenize(args.data, name)
