@@ -1,4 +1,4 @@
-"""What the SGLang tests share: the model folder, engine arguments, prompts from recorded traffic."""
+"""What the SGLang tests share: the model folder, engine arguments, real prompts."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ def require_sglang() -> None:
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = Path(os.environ.get("AGENTSPEC_SGLANG_MODEL", ROOT / ".venv-sglang" / "models" / "SmolLM2-135M-Instruct"))
-DATA = Path(os.environ.get("AGENTSPEC_DATA", ROOT.parent / "shared" / "data"))
+# the shipped sample (benchmarks/data: recorded rewrites, synthetic agent turns); $AGENTSPEC_DATA: a folder
+# of the full recorded sets instead
+DATA = Path(os.environ.get("AGENTSPEC_DATA", ROOT / "benchmarks" / "data"))
 
 
 def engine_kwargs(**extra):
@@ -32,17 +34,15 @@ def engine_kwargs(**extra):
 
 
 def real_prompts() -> dict[str, list[list[int]]]:
-    """4 file rewrites and 4 agent turns from the recorded traffic (held-out positions), tokenized
-    with the model's chat template. The traffic is read where it lies (``$AGENTSPEC_DATA``, default
-    ``../shared/data`` beside the checkout): its agent turns may not be copied into the repository."""
-    if not (DATA / "agent_turns.jsonl").exists():
-        pytest.skip(f"recorded traffic not found at {DATA} (set AGENTSPEC_DATA)")
+    """4 file rewrites and 4 agent turns from ``DATA`` (held-out records, prompts of at most 700
+    tokens), tokenized with the model's chat template."""
     spec = importlib.util.spec_from_file_location("benchmarks_harness", ROOT / "benchmarks" / "harness.py")
     harness = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(harness)
-    agent_prompts, rewrite_prompts = harness.agent_prompts, harness.rewrite_prompts
+    agent_prompts, first_record, rewrite_prompts = harness.agent_prompts, harness.first_record, harness.rewrite_prompts
 
     from agentspec.backends.embedded.engine import EmbeddedEngine
 
     tok = EmbeddedEngine(quiet=True)
-    return {"rewrites": rewrite_prompts(tok, DATA, 4, 700, 200), "agent": agent_prompts(tok, DATA, 4, 700, 150)}
+    return {"rewrites": rewrite_prompts(tok, DATA, 4, 700, first_record(DATA, 200)),
+            "agent": agent_prompts(tok, DATA, 4, 700, first_record(DATA, 150))}

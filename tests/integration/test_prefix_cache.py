@@ -2,13 +2,13 @@
 without the cache (greedy and seeded sampled; single requests and batches; speculation on and
 off), whatever eviction did; tenants do not share entries unless told to.
 
-Real multi-turn prompts: the first turns of a recorded mini-swe-agent trajectory
-(``../shared/data/agent_turns.jsonl``, read at run time), each turn's prompt extending the last.
+Multi-turn prompts: the first turns of an agent trajectory from the shipped agent turns
+(``benchmarks/data/agent_turns.jsonl``: a scripted shell agent over this repository's files, in the
+recorded traffic's format), each turn's prompt extending the last.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -21,40 +21,19 @@ from agentspec.traces import conversation_turns, load_records, prompt_messages
 
 pytestmark = pytest.mark.slow
 
-DATA = Path(os.environ.get("AGENTSPEC_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
-TASK = "sympy__sympy-16597"   # turns of 1511, 1689 and 1869 tokens
+AGENT_TURNS = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "agent_turns.jsonl"
 MAX_TOKENS = 16
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 7}
 
 
 @pytest.fixture(scope="module")
 def turns(engine) -> list[list[int]]:
-    path = DATA / "agent_turns.jsonl"
-    if not path.exists():
-        return fixture_turns(engine)
-    for rec in load_records(path):
-        if TASK in rec["id"]:
-            prompts = [engine.encode(m) for m in conversation_turns(prompt_messages(rec["prompt"]))[:3]]
-            assert all(len(a) < len(b) and b[:len(a) - 8] == a[:len(a) - 8] for a, b in zip(prompts, prompts[1:]))
-            return prompts
-    pytest.skip(f"task {TASK} not in {path}")
-
-
-def fixture_turns(engine) -> list[list[int]]:
-    """Where the recorded agent turns are not at hand (they may not be copied into the repository):
-    a 3-turn conversation from the repository's own fixture (real Aider rewrite requests and
-    responses), each turn's prompt the whole history so far plus a new request."""
-    import json
-
-    path = Path(__file__).resolve().parents[1] / "fixtures" / "file_rewrites_sample.jsonl"
-    recs = [json.loads(line) for line in path.read_text().splitlines()]
-    history: list[dict] = []
-    prompts = []
-    for rec in recs[:3]:
-        user = prompt_messages(rec["prompt"])[-1]["content"][:2400]
-        history.append({"role": "user", "content": user})
-        prompts.append(engine.encode(list(history)))
-        history.append({"role": "assistant", "content": rec["response"][:1200]})
+    """The first trajectory's first three turns (of about 690, 910 and 1180 tokens: the first
+    holds more than two cache chunks, what the tenant test shares)."""
+    rec = next(load_records(AGENT_TURNS))
+    prompts = [engine.encode(m) for m in conversation_turns(prompt_messages(rec["prompt"]))[:3]]
+    assert len(prompts) == 3 and len(prompts[0]) > 2 * CHUNK_TOKENS
+    assert all(len(a) < len(b) and b[:len(a) - 8] == a[:len(a) - 8] for a, b in zip(prompts, prompts[1:]))
     return prompts
 
 

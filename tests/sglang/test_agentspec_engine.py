@@ -1,13 +1,13 @@
 """agentspec's drafter inside real SGLang (``--speculative-algorithm AGENTSPEC``) on this CPU.
 
 One SGLang engine without speculation gives the reference outputs (then shuts down); one with
-the AGENTSPEC algorithm must reproduce them token for token on real rewrite and agent prompts
-(``shared/data``), with drafts actually accepted. Per-request policy (speculation off, tenants,
+the AGENTSPEC algorithm must reproduce them token for token on rewrite and agent prompts
+(``benchmarks/data``), with drafts actually accepted. Per-request policy (speculation off, tenants,
 predictions, sampling) travels in ``custom_params`` as ``agentspec serve --backend sglang`` sends it.
 
 float32: on this CPU SGLang's bf16 verify forward (D rows) and decode forward (one row) round
 differently, and near-ties flip: SGLang's own NGRAM then diverges from its plain output at the
-same positions as AGENTSPEC does (agent prompts 0 and 1 at tokens 10 and 21, measured). In
+same positions as AGENTSPEC does (measured on recorded agent prompts: two of four, at tokens 10 and 21). In
 float32 both are identical to plain decoding; the drafter is what these tests check.
 """
 
