@@ -126,9 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(pip install 'agentspec-serve[sglang]'; --model must be a Hugging Face folder)")
     sv.add_argument("--tp", type=_positive_int("--tp"), help="sglang: tensor-parallel size (default 1)")
     sv.add_argument("--dp", type=_positive_int("--dp"), help="sglang: data-parallel size (default 1)")
-    sv.add_argument("--speculative", choices=["agentspec", "ngram", "eagle3", "none"],
+    sv.add_argument("--speculative", choices=["agentspec", "ngram", "eagle3", "hybrid", "none"],
                     help="sglang: the speculative algorithm: agentspec (default: drafts from the suffix index), "
-                         "SGLang's ngram or eagle3 (head: --eagle3 DIR), or none")
+                         "SGLang's ngram or eagle3 (head: --eagle3 DIR), hybrid (the suffix index and the EAGLE-3 "
+                         "head, per request and step; --eagle3 DIR), or none")
     sv.add_argument("--draft-tokens", type=_draft_tokens, metavar="N",
                     help="sglang: speculative_num_draft_tokens, the tokens verified per step (default 8)")
     sv.add_argument("--sglang-arg", action="append", default=[], metavar="KEY=VALUE", type=_sglang_arg,
@@ -267,10 +268,10 @@ def _serve_backend_options(args) -> dict | None:
     if not args.model:
         raise ConfigError("--backend sglang needs --model PATH: a Hugging Face model folder")
     speculative = args.speculative or "agentspec"
-    if speculative == "eagle3" and not args.eagle3:
-        raise ConfigError("--speculative eagle3 needs --eagle3 DIR: the EAGLE-3 head folder (SGLang layout)")
-    if args.eagle3 and speculative != "eagle3":
-        raise ConfigError(f"--eagle3 is the head of --speculative eagle3; with --speculative {speculative} "
+    if speculative in ("eagle3", "hybrid") and not args.eagle3:
+        raise ConfigError(f"--speculative {speculative} needs --eagle3 DIR: the EAGLE-3 head folder (SGLang layout)")
+    if args.eagle3 and speculative not in ("eagle3", "hybrid"):
+        raise ConfigError(f"--eagle3 is the head of --speculative eagle3 or hybrid; with --speculative {speculative} "
                           "SGLang would not use it")
     if speculative == "none" and args.draft_tokens is not None:
         raise ConfigError("--draft-tokens needs speculation (--speculative agentspec, ngram or eagle3)")

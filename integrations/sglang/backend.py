@@ -75,11 +75,14 @@ from agentspec.decode.results import Generation, GenerationStats
 
 __all__ = ["ALGORITHMS", "SGLangBackend", "check_route_drafters", "sglang_available"]
 
-ALGORITHMS = {"agentspec": "AGENTSPEC", "ngram": "NGRAM", "eagle3": "EAGLE3"}
+ALGORITHMS = {"agentspec": "AGENTSPEC", "ngram": "NGRAM", "eagle3": "EAGLE3", "hybrid": "AGENTSPEC_EAGLE3"}
 """``speculative`` choices -> SGLang's ``speculative_algorithm`` (None: no speculation)."""
 
 # the route drafter names each algorithm stands for (see ``check_route_drafters``)
-_PROVIDES = {"agentspec": frozenset({"suffix"}), "eagle3": frozenset({"eagle3"})}
+_PROVIDES = {"agentspec": frozenset({"suffix"}), "eagle3": frozenset({"eagle3"}),
+             "hybrid": frozenset({"suffix", "eagle3"})}
+# the policy-carrying algorithms: per-request custom_params (tenant, speculation off, budget, ...)
+_POLICY = frozenset({"agentspec", "hybrid"})
 
 _ids = itertools.count()
 _RAW_SPEC_KEEP = 256   # raw SGLang spec fields kept for the last requests (``spec_meta``)
@@ -190,9 +193,9 @@ class SGLangBackend:
         for need in ("config.json", "tokenizer.json"):
             if not (root / need).is_file():
                 raise ConfigError(f"model folder {str(root)!r} has no {need}")
-        if speculative == "eagle3":
+        if speculative in ("eagle3", "hybrid"):
             if eagle3 is None:
-                raise ConfigError("speculative 'eagle3' needs the EAGLE-3 head folder (--eagle3 DIR)")
+                raise ConfigError(f"speculative {speculative!r} needs the EAGLE-3 head folder (--eagle3 DIR)")
             if not (Path(eagle3) / "config.json").is_file():
                 raise ConfigError(f"EAGLE-3 head folder {str(eagle3)!r} has no config.json")
         check_route_drafters(speculative, drafters or {})
@@ -237,8 +240,13 @@ class SGLangBackend:
         if self.algorithm is not None:
             kwargs["speculative_algorithm"] = self.algorithm
             kwargs["speculative_num_draft_tokens"] = draft_tokens
-            if speculative == "eagle3":
+            if speculative in ("eagle3", "hybrid"):
                 kwargs["speculative_draft_model_path"] = str(Path(eagle3).resolve())
+            if speculative == "hybrid":
+                # the head's chain fills the verify width (SGLang: topk 1 means num_steps + 1 rows);
+                # overlap off: the hybrid's drafts read committed tokens from each request
+                kwargs.update(speculative_num_steps=draft_tokens - 1, speculative_eagle_topk=1,
+                              disable_overlap_schedule=True)
         kwargs.update(engine_kwargs or {})
         self.engine_kwargs = kwargs
         self.device = str(kwargs.get("device") or "auto")
@@ -246,8 +254,8 @@ class SGLangBackend:
         if engine is None:
             if not sglang_available():
                 raise ConfigError("the SGLang backend needs SGLang: pip install 'agentspec-serve[sglang]'")
-            if speculative == "agentspec":
-                _check_plugin()
+            if speculative in _POLICY:
+                _check_plugin(speculative)
             os.environ[ENV] = self.scheduler_config.to_env()   # inherited by SGLang's spawned processes
             engine = _start_engine(kwargs, quiet=quiet)
         self.engine = engine
@@ -349,14 +357,18 @@ class SGLangBackend:
             sampling["stop_token_ids"] = list(self._eos)
         if request.seed is not None:
             sampling["sampling_seed"] = int(request.seed) % (2**63)   # used by SGLang's deterministic sampling
-        if self.speculative == "agentspec":
+        if self.speculative in _POLICY:
             from agentspec.integrations.sglang.config import request_params
 
+            names = request_drafters(request)
             sampling["custom_params"] = request_params(
                 tenant=request.tenant, route=request.route, spec=spec is not None,
-                budget=spec.budget if spec is not None else None, prediction=prediction)
+                budget=spec.budget if spec is not None else None, prediction=prediction,
+                # the hybrid: the route's own list; the default list ("suffix") leaves the
+                # worker's default, both drafters (suffix first, the head when it expects more)
+                drafters=names if self.speculative == "hybrid" and names != ("suffix",) else None)
         # NGRAM and EAGLE3 cannot be turned off per request: they draft for every one
-        spec_on = self.algorithm is not None and (spec is not None or self.speculative != "agentspec")
+        spec_on = self.algorithm is not None and (spec is not None or self.speculative not in _POLICY)
         rid = request.request_id or f"sglang-{next(_ids)}-{secrets.token_hex(6)}"
         r = _Req(rid, request, ids, sampling, on_tokens, on_done, should_stop, spec_on)
         with self._lock:
@@ -450,8 +462,11 @@ class SGLangBackend:
     async def _drive(self, r: _Req) -> None:
         stream = None
         try:
+            from agentspec.integrations.sglang.config import cache_salt
+
+            # cache_salt: SGLang keys its prefix cache by it, so tenants never share cached prefixes
             stream = await self.engine.async_generate(input_ids=list(r.ids), sampling_params=dict(r.sampling),
-                                                      stream=True, rid=r.rid)
+                                                      stream=True, rid=r.rid, cache_salt=cache_salt(r.request.tenant))
             finish: Any = None
             async for chunk in stream:
                 meta = chunk.get("meta_info") or {}
@@ -567,6 +582,7 @@ class SGLangBackend:
                                             else len(out) / verify)
             if r.spec_on:
                 stats.draft_sources = {f"sglang:{self.algorithm}": verify}
+            self._read_sources(stats, meta)
         else:
             stats.steps = max(len(out) - 1, 0) if out else 0   # decode forwards after the prefill
             stats.mean_acceptance_length = 1.0 if stats.steps else 0.0
@@ -575,6 +591,35 @@ class SGLangBackend:
             while len(self._raw_spec) > _RAW_SPEC_KEEP:
                 self._raw_spec.popitem(last=False)
         return Generation(text=text, token_ids=out, finish_reason=reason, stats=stats)
+
+    @staticmethod
+    def _read_sources(stats: GenerationStats, meta: Mapping) -> None:
+        """Per-source counts from the AGENTSPEC / AGENTSPEC_EAGLE3 workers' per-step records
+        (``meta_info[SOURCE_KEY]``): ``source_steps`` / ``source_drafted`` / ``source_accepted`` as
+        the embedded engine counts them, ``draft_sources`` by each step's sources ("suffix",
+        "eagle3", "suffix+eagle3" for a merged tree) and ``draft_tokens`` the tokens really
+        drafted (SGLang's ``spec_num_proposed_drafts`` counts the padded verify width)."""
+        from agentspec.integrations.sglang.config import SOURCE_KEY, read_source_records
+
+        values = meta.get(SOURCE_KEY)
+        if not isinstance(values, list):
+            return
+        by_source = read_source_records(values)
+        if not by_source:
+            if stats.spec_enabled:
+                stats.draft_sources = {}
+                stats.draft_tokens = 0
+            return
+        stats.source_steps = {k: v[0] for k, v in by_source.items()}
+        stats.source_drafted = {k: v[1] for k, v in by_source.items()}
+        stats.source_accepted = {k: v[2] for k, v in by_source.items()}
+        stats.draft_tokens = sum(stats.source_drafted.values())
+        steps: dict[str, int] = {}
+        for v in values:
+            if isinstance(v, str) and v:
+                key = "+".join(sorted({part.rsplit(":", 2)[0] for part in v.split(",")}))
+                steps[key] = steps.get(key, 0) + 1
+        stats.draft_sources = steps
 
     # ---- state ----------------------------------------------------------------------------------
 
@@ -690,8 +735,8 @@ def _start_engine(kwargs: dict[str, Any], *, quiet: bool) -> Any:
         raise ModelLoadError(f"the SGLang engine failed to start: {type(e).__name__}: {e}") from e
 
 
-def _check_plugin() -> None:
-    """The AGENTSPEC algorithm is registered by the ``sglang.srt.plugins`` entry point of this
+def _check_plugin(speculative: str = "agentspec") -> None:
+    """The AGENTSPEC / AGENTSPEC_EAGLE3 algorithms are registered by the ``sglang.srt.plugins`` entry point of this
     package, which SGLang loads in each of its processes: without it the engine cannot start."""
     import importlib.metadata
     import importlib.util
@@ -705,8 +750,8 @@ def _check_plugin() -> None:
     if not found or not eps:
         what = "the module agentspec.integrations.sglang.plugin" if not found else \
             "the 'sglang.srt.plugins' entry point of agentspec-serve (install the package: pip install -e .)"
-        raise ConfigError(f"--speculative agentspec needs the AGENTSPEC SGLang plugin, but {what} is missing; "
-                          "use --speculative ngram or none meanwhile")
+        raise ConfigError(f"--speculative {speculative} needs the agentspec SGLang plugin, but {what} is missing; "
+                          "use --speculative ngram, eagle3 or none meanwhile")
 
 
 def _int(v: Any) -> int:

@@ -20,11 +20,15 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["ALGORITHM", "ENV", "KEY_BUDGET", "KEY_PREDICTION", "KEY_ROUTE", "KEY_SPEC", "KEY_TENANT",
-           "SchedulerConfig", "TenantWorkspace", "read_request_params", "request_params"]
+__all__ = ["ALGORITHM", "ENV", "HYBRID_ALGORITHM", "KEY_BUDGET", "KEY_DRAFTERS", "KEY_PREDICTION", "KEY_ROUTE",
+           "KEY_SPEC", "KEY_TENANT", "SOURCE_KEY", "SchedulerConfig", "TenantWorkspace", "cache_salt",
+           "read_request_drafters", "read_request_params", "read_source_records", "request_params", "source_record"]
 
 ALGORITHM = "AGENTSPEC"
 """The speculative algorithm name the plugin registers (``--speculative-algorithm AGENTSPEC``)."""
+HYBRID_ALGORITHM = "AGENTSPEC_EAGLE3"
+"""The hybrid: SGLang's EAGLE-3 worker whose steps may verify the suffix index's draft instead of the
+head's (``--speculative-algorithm AGENTSPEC_EAGLE3``, with ``--speculative-draft-model-path``)."""
 ENV = "AGENTSPEC_SGLANG"
 """The environment variable carrying the ``SchedulerConfig`` (JSON) into SGLang's processes."""
 
@@ -33,6 +37,12 @@ KEY_ROUTE = "agentspec_route"
 KEY_SPEC = "agentspec_spec"            # False: speculation off (a root-only draft)
 KEY_BUDGET = "agentspec_budget"        # max draft tokens (the verify width caps it)
 KEY_PREDICTION = "agentspec_prediction"  # Predicted Outputs: token ids, a draft source for this request
+KEY_DRAFTERS = "agentspec_drafters"    # the route's drafter list (the hybrid: "suffix", "eagle3", both)
+
+SOURCE_KEY = "agentspec_steps"
+"""The ``meta_info`` key (SGLang's per-token ``customized_info``) carrying per-step draft counts by
+source back to the front: one entry per output token, the first token of each verify step holding
+``"source:drafted:accepted,..."`` for that step (None elsewhere). ``read_source_records`` sums them."""
 
 
 class TenantWorkspace(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -69,13 +79,62 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 def request_params(*, tenant: str = "default", route: str = "default", spec: bool = True,
-                   budget: int | None = None, prediction: Sequence[int] | None = None) -> dict[str, Any]:
+                   budget: int | None = None, prediction: Sequence[int] | None = None,
+                   drafters: Sequence[str] | None = None) -> dict[str, Any]:
     """The ``custom_params`` entries that carry one request's draft policy into the scheduler."""
     out: dict[str, Any] = {KEY_TENANT: str(tenant), KEY_ROUTE: str(route), KEY_SPEC: bool(spec)}
     if budget is not None:
         out[KEY_BUDGET] = int(budget)
     if prediction:
         out[KEY_PREDICTION] = [int(t) for t in prediction]
+    if drafters:
+        out[KEY_DRAFTERS] = [str(d) for d in drafters]
+    return out
+
+
+def cache_salt(tenant: str) -> str:
+    """SGLang's ``cache_salt`` for a tenant: its prefix-cache entries are keyed by it, so one
+    tenant's prompts never hit another tenant's cached prefixes."""
+    return f"agentspec-tenant:{tenant}"
+
+
+def read_request_drafters(custom: Any) -> tuple[str, ...] | None:
+    """The drafter list of a request's ``custom_params`` (None: the worker's default)."""
+    if not isinstance(custom, dict):
+        return None
+    names = custom.get(KEY_DRAFTERS)
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        return None
+    return tuple(names)
+
+
+def source_record(counts: dict[str, tuple[int, int]]) -> str:
+    """One step's ``{source: (drafted, accepted)}`` as its ``SOURCE_KEY`` entry."""
+    return ",".join(f"{src}:{d}:{a}" for src, (d, a) in counts.items())
+
+
+def read_source_records(values: Any) -> dict[str, list[int]]:
+    """``{source: [steps, drafted, accepted]}`` summed over a request's ``SOURCE_KEY`` entries
+    (anything malformed is skipped)."""
+    out: dict[str, list[int]] = {}
+    if not isinstance(values, list):
+        return out
+    for v in values:
+        if not isinstance(v, str) or not v:
+            continue
+        for part in v.split(","):
+            src, _, rest = part.rpartition(":")
+            src, _, drafted = src.rpartition(":")
+            try:
+                d, a = int(drafted), int(rest)
+            except ValueError:
+                continue
+            if not src:
+                continue
+            row = out.setdefault(src, [0, 0, 0])
+            row[0] += 1
+            row[1] += d
+            row[2] += a
     return out
 
 

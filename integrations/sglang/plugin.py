@@ -1,8 +1,14 @@
 """The SGLang plugin entry point (``[project.entry-points."sglang.srt.plugins"] agentspec``).
 
 SGLang calls ``load()`` early in each of its processes (engine, scheduler, detokenizer, data
-parallel controller). It registers the speculative algorithm ``AGENTSPEC``
-(``--speculative-algorithm AGENTSPEC``) under its own name; SGLang's NGRAM stays as it is.
+parallel controller). It registers two speculative algorithms under their own names (SGLang's
+NGRAM and EAGLE3 stay as they are):
+
+- ``AGENTSPEC`` (``--speculative-algorithm AGENTSPEC``): NGRAM's tree verifier drafting from the
+  suffix index (``worker.AgentSpecWorker``);
+- ``AGENTSPEC_EAGLE3`` (with ``--speculative-draft-model-path HEAD``): SGLang's EAGLE-3 worker
+  whose steps verify the suffix index's draft where it expects more than the head's
+  (``hybrid.AgentSpecEagle3Worker``). It runs with overlap scheduling off.
 
 SGLang logs and swallows an exception raised here, so a failure would only show as "Unknown
 speculative algorithm name: AGENTSPEC" later; ``load`` therefore logs what failed itself.
@@ -12,24 +18,25 @@ from __future__ import annotations
 
 import logging
 
-from .config import ALGORITHM
+from .config import ALGORITHM, HYBRID_ALGORITHM
 
 logger = logging.getLogger(__name__)
 
 _registered = False
 
 
-def spec_class():
-    """``CustomSpecAlgo`` for AGENTSPEC, answering every question SGLang asks of an algorithm
-    (``is_ngram()``, ``has_draft_kv()``, ``carries_draft_hidden_states()``, ``create_future_map``,
-    ...) as its NGRAM does: AGENTSPEC is NGRAM's draft-model-free tree verifier with other drafts,
-    so the scheduler, memory planning, overlap relay and server-argument handling must treat it
-    as NGRAM. Only ``create_worker`` differs. Forwarding every method of the enum (rather than
-    overriding a list) keeps this right when a SGLang release adds one."""
+def spec_class(base: str = "NGRAM"):
+    """``CustomSpecAlgo`` answering every question SGLang asks of an algorithm (``is_ngram()``,
+    ``is_eagle3()``, ``has_draft_kv()``, ``handle_server_args``, ...) as its ``base`` does:
+    AGENTSPEC is NGRAM's draft-model-free tree verifier with other drafts, AGENTSPEC_EAGLE3 is
+    EAGLE3 with other drafts on some steps, so the scheduler, memory planning, the target's
+    hidden-state capture and server-argument handling must treat them as their base. Only
+    ``create_worker`` differs. Forwarding every method of the enum (rather than overriding a
+    list) keeps this right when a SGLang release adds one."""
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-    ngram = SpeculativeAlgorithm.NGRAM
+    ngram = getattr(SpeculativeAlgorithm, base)
 
     def forward(name):
         def method(self, *args, **kwargs):
@@ -42,11 +49,11 @@ def spec_class():
     namespace = {name: forward(name) for name, value in vars(SpeculativeAlgorithm).items()
                  if not name.startswith("_") and name not in own and callable(value)
                  and not isinstance(value, (classmethod, staticmethod))}
-    return type("AgentSpecAlgo", (CustomSpecAlgo,), namespace)
+    return type(f"AgentSpec{base.title()}Algo", (CustomSpecAlgo,), namespace)
 
 
 def load() -> None:
-    """Register ``AGENTSPEC`` with SGLang (idempotent)."""
+    """Register ``AGENTSPEC`` and ``AGENTSPEC_EAGLE3`` with SGLang (idempotent)."""
     global _registered
     if _registered:
         return
@@ -60,7 +67,16 @@ def load() -> None:
                 from .worker import AgentSpecWorker
 
                 return AgentSpecWorker
+        if get_spec(HYBRID_ALGORITHM) is None:
+            # supports_overlap=False: its drafts read committed tokens from req.output_ids, which
+            # lag one step under overlap scheduling (SGLang refuses the start unless it is off)
+            @SpeculativeAlgorithm.register(HYBRID_ALGORITHM, supports_overlap=False, spec_class=spec_class("EAGLE3"))
+            def _hybrid_factory(server_args):
+                from .hybrid import AgentSpecEagle3Worker
+
+                return AgentSpecEagle3Worker
         _registered = True
     except Exception:
-        logger.exception("agentspec: could not register the %s speculative algorithm with SGLang", ALGORITHM)
+        logger.exception("agentspec: could not register the %s / %s speculative algorithms with SGLang", ALGORITHM,
+                         HYBRID_ALGORITHM)
         raise

@@ -57,7 +57,7 @@ from sglang.srt.utils import is_cpu
 
 from agentspec.decode.policy import DraftPolicy
 
-from .config import SchedulerConfig, read_request_params
+from .config import SOURCE_KEY, SchedulerConfig, read_request_drafters, read_request_params, source_record
 
 logger = logging.getLogger(__name__)
 
@@ -91,12 +91,28 @@ def ancestor_mask(parents: list[int]) -> np.ndarray:
 
 
 class _Req:
-    __slots__ = ("rid", "req", "tenant", "spec", "budget", "doc", "known", "sampled")
+    __slots__ = ("rid", "req", "tenant", "spec", "budget", "doc", "known", "sampled", "drafters")
 
     def __init__(self, rid: str, req: Any, tenant: str, spec: bool, budget: int | None, doc: str | None,
-                 known: int, sampled: bool) -> None:
+                 known: int, sampled: bool, drafters: tuple[str, ...] | None = None) -> None:
         self.rid, self.req, self.tenant, self.spec, self.budget = rid, req, tenant, spec, budget
-        self.doc, self.known, self.sampled = doc, known, sampled
+        self.doc, self.known, self.sampled, self.drafters = doc, known, sampled, drafters
+
+
+def record_step(req: Any, counts: dict[str, tuple[int, int]], accepted: int) -> None:
+    """Write one verify step's ``{source: (drafted, accepted)}`` into ``req.customized_info``
+    (``SOURCE_KEY``: one entry per output token, this step's on its first token), which SGLang
+    returns in ``meta_info``. Called after verify, before the step's ``accepted + 1`` tokens join
+    ``req.output_ids``."""
+    info = req.customized_info
+    if info is None:
+        info = req.customized_info = {}
+    values = info.setdefault(SOURCE_KEY, [])
+    have = len(req.output_ids)
+    if len(values) < have:   # the prefill's token, or steps before this worker saw the request
+        values.extend([None] * (have - len(values)))
+    values.append(source_record(counts) if counts else None)
+    values.extend([None] * accepted)
 
 
 class _NoCorpus:
@@ -129,30 +145,13 @@ class _NoCorpus:
         return {}
 
 
-class AgentSpecWorker(NGRAMWorker):
-    """NGRAM's verify machinery with agentspec's drafts (see the module docstring)."""
+class SuffixState:
+    """The draft state both agentspec workers keep in SGLang's scheduler process: the suffix
+    index, the tenants' workspaces, and one ``_Req`` per running request (its tenant, policy,
+    prediction document and the tokens the index has seen). ``_init_suffix_state`` after the
+    SGLang worker's own ``__init__``; ``self.model_runner`` must be the target's."""
 
-    def __init__(self, server_args: Any, gpu_id: int, nccl_port: int, target_worker: Any) -> None:
-        # NGRAMWorker.__init__ builds NGRAM's C++ corpus (a JIT build we have no use for): set the
-        # same attributes here instead.
-        BaseSpecWorker.__init__(self)
-        spec = get_spec()
-        self.server_args = server_args
-        self.enable_overlap = not get_schedule().disable_overlap_schedule
-        self._target_worker = target_worker
-        self.model_runner = target_worker.model_runner
-        self.page_size = get_schedule().page_size
-        self.draft_token_num: int = spec.speculative_num_draft_tokens
-        self.max_trie_depth: int = spec.speculative_ngram_max_trie_depth
-        self.speculative_num_draft_tokens = spec.speculative_num_draft_tokens
-        self.topk = spec.speculative_eagle_topk
-        self.speculative_num_steps = spec.speculative_num_steps
-        self.device = get_device().device
-        self.adaptive_controller = None
-        self._prev_decode_rids: set = set()
-        self.grammar_tree_host = None
-        self.ngram_corpus = _NoCorpus(self)
-
+    def _init_suffix_state(self) -> None:
         self.config = SchedulerConfig.from_env()
         self._tp = self._tp_group()
         self.drafts_here = self._tp is None or self._tp.rank_in_group == 0
@@ -161,11 +160,8 @@ class AgentSpecWorker(NGRAMWorker):
         self.index = None
         if self.drafts_here:
             self._build_index()
-        self._wrap_verify_sampling()
         self.steps = 0
         self.draft_seconds = 0.0
-
-    # ---- state ----------------------------------------------------------------------------------
 
     @staticmethod
     def _tp_group() -> Any:
@@ -224,7 +220,9 @@ class AgentSpecWorker(NGRAMWorker):
 
     def _open(self, req: Any) -> _Req:
         sp = req.sampling_params
-        tenant, spec, budget, prediction = read_request_params(getattr(sp, "custom_params", None))
+        custom = getattr(sp, "custom_params", None)
+        tenant, spec, budget, prediction = read_request_params(custom)
+        drafters = read_request_drafters(custom)
         prompt = list(req.origin_input_ids_unpadded)
         sampled = sp.top_k > 1
         doc = None
@@ -242,7 +240,7 @@ class AgentSpecWorker(NGRAMWorker):
                 except ValueError as e:   # a token id outside the vocabulary: no prediction, no crash
                     logger.warning("AGENTSPEC: request %s: prediction ignored: %s", req.rid, e)
                     doc = None
-        r = _Req(req.rid, req, tenant, spec, budget, doc, len(prompt), sampled)
+        r = _Req(req.rid, req, tenant, spec, budget, doc, len(prompt), sampled, drafters)
         self._reqs[req.rid] = r
         return r
 
@@ -253,6 +251,34 @@ class AgentSpecWorker(NGRAMWorker):
         if len(committed_out) > have:
             self.drafter.extend(r.rid, committed_out[have:])
             r.known = prompt_len + len(committed_out)
+
+class AgentSpecWorker(SuffixState, NGRAMWorker):
+    """NGRAM's verify machinery with agentspec's drafts (see the module docstring)."""
+
+    def __init__(self, server_args: Any, gpu_id: int, nccl_port: int, target_worker: Any) -> None:
+        # NGRAMWorker.__init__ builds NGRAM's C++ corpus (a JIT build we have no use for): set the
+        # same attributes here instead.
+        BaseSpecWorker.__init__(self)
+        spec = get_spec()
+        self.server_args = server_args
+        self.enable_overlap = not get_schedule().disable_overlap_schedule
+        self._target_worker = target_worker
+        self.model_runner = target_worker.model_runner
+        self.page_size = get_schedule().page_size
+        self.draft_token_num: int = spec.speculative_num_draft_tokens
+        self.max_trie_depth: int = spec.speculative_ngram_max_trie_depth
+        self.speculative_num_draft_tokens = spec.speculative_num_draft_tokens
+        self.topk = spec.speculative_eagle_topk
+        self.speculative_num_steps = spec.speculative_num_steps
+        self.device = get_device().device
+        self.adaptive_controller = None
+        self._prev_decode_rids: set = set()
+        self.grammar_tree_host = None
+        self.ngram_corpus = _NoCorpus(self)
+
+        self._init_suffix_state()
+        self._wrap_verify_sampling()
+        self._step_drafted: list[tuple[Any, int]] | None = None
 
     # ---- NGRAM's draft contract ----------------------------------------------------------------------
 
@@ -277,6 +303,7 @@ class AgentSpecWorker(NGRAMWorker):
             self._release(rid)   # finished or aborted: its output joins its tenant's history
         tokens = np.zeros(bs * width, dtype=np.int64)
         mask = np.zeros((bs, width, width), dtype=bool)
+        drafted: list[tuple[Any, int]] = []
         for i, req in enumerate(batch.reqs):
             r = self._reqs.get(req.rid) or self._open(req)
             out = list(req.output_ids)
@@ -296,14 +323,30 @@ class AgentSpecWorker(NGRAMWorker):
                     d = policy.shape(self.drafter.propose(r.rid, budget))
                     d_tokens, d_parents = d.token_ids, d.parents
             rows, parents = draft_rows(d_tokens, d_parents, root, width)
+            drafted.append((req, min(len(d_tokens), width - 1)))
             tokens[i * width:(i + 1) * width] = rows
             mask[i] = ancestor_mask(parents)
         flat = mask.reshape(-1)
+        self._step_drafted = drafted
         self.steps += 1
         self.draft_seconds += time.perf_counter() - t0
         if self._tp is not None:
             self._tp.broadcast_object((tokens, flat), src=0)
         return tokens, flat
+
+    def forward_batch_generation(self, batch: ScheduleBatch, *args: Any, **kwargs: Any) -> Any:
+        """NGRAM's step, then each request's draft counts (source "suffix") into its
+        ``customized_info`` (``record_step``). A padding row accepted (the target's token happened
+        to be the pad) is not a suffix token: accepted counts are capped at the drafted ones."""
+        self._step_drafted = None
+        result = super().forward_batch_generation(batch, *args, **kwargs)
+        drafted, self._step_drafted = self._step_drafted, None
+        lens = getattr(result, "accept_lens", None)
+        if drafted and lens is not None and len(drafted) == len(lens):
+            for (req, n), acc in zip(drafted, lens.tolist()):
+                acc = int(acc) - 1
+                record_step(req, {"suffix": (n, min(acc, n))} if n else {}, acc)
+        return result
 
     def _update_ngram_corpus(self, batch: ScheduleBatch) -> None:
         """NGRAM inserts n-grams here; the index takes committed tokens at the next draft."""

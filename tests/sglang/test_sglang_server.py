@@ -78,7 +78,7 @@ class _FakeEngine:
         self.calls: list[tuple] = []
         self.shut = False
 
-    async def async_generate(self, *, input_ids, sampling_params, stream, rid):
+    async def async_generate(self, *, input_ids, sampling_params, stream, rid, cache_salt=None):
         assert stream is True
         self.calls.append((input_ids, sampling_params, rid))
         script, fail, tm = self.script, self.fail, self.tokenizer_manager
