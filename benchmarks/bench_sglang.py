@@ -1,4 +1,4 @@
-"""agentspec's drafter inside real SGLang vs SGLang's own NGRAM and no speculation, same prompts.
+"""agentspec's drafters inside real SGLang vs SGLang's own NGRAM, EAGLE3 and no speculation, same prompts.
 
 Each method is a fresh ``sglang.Engine`` in this process (started one after the other, so they
 share the machine, never run together), fed the same prompts one at a time, greedy:
@@ -7,15 +7,21 @@ share the machine, never run together), fed the same prompts one at a time, gree
 - ``ngram``: SGLang's NGRAM (its C++ corpus, 18-token window), ``--speculative-num-draft-tokens D``;
 - ``agentspec``: the AGENTSPEC algorithm (this repo's plugin: the suffix index over whole prompts
   and the tenant's history), same D;
-- ``eagle3``: SGLang's EAGLE-3 worker with this repo's head (only where SGLang can run it).
+- ``eagle3``: SGLang's EAGLE-3 worker with this repo's head, a chain of D - 1 drafts (topk 1);
+- ``hybrid``: ``AGENTSPEC_EAGLE3`` (this repo's plugin): the same EAGLE-3 worker and head, each
+  request's step verifying the suffix index's draft where it expects more than the head's.
+
+Every method runs the prompts with the same verify width D. Each prompt is its own tenant, so the
+suffix index drafts from the prompt (and what the request generates), not from earlier runs.
 
 Reported per method and workload: SGLang's own ``spec_accept_length`` (mean over requests, and
-the token-weighted figure: completion tokens / verify steps), tokens/s, start-up seconds, and
-whether each output is identical to ``none``'s. On a CPU, SGLang runs through a pure-torch
+the token-weighted figure: completion tokens / verify steps), tokens/s, start-up seconds,
+whether each output is identical to ``none``'s and, for agentspec and hybrid, the accepted tokens
+by source (``meta_info["agentspec_steps"]``). On a CPU, SGLang runs through a pure-torch
 stand-in for its compiled kernels (tests/sglang/standin): absolute speeds mean little there,
 acceptance lengths are what carry over.
 
-    .venv-sglang/bin/python -m benchmarks.bench_sglang --out benchmarks/results/sglang_cpu.json
+    .venv-sglang/bin/python -m benchmarks.bench_sglang --out benchmarks/results/sglang_hybrid_cpu.json
 """
 
 from __future__ import annotations
@@ -58,9 +64,12 @@ def engine_kwargs(method: str, model: str, draft_tokens: int, device: str, eagle
         kw.update(speculative_algorithm="NGRAM", speculative_num_draft_tokens=draft_tokens)
     elif method == "agentspec":
         kw.update(speculative_algorithm="AGENTSPEC", speculative_num_draft_tokens=draft_tokens)
-    elif method == "eagle3":
-        kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=eagle3,
-                  speculative_num_steps=4, speculative_eagle_topk=1, speculative_num_draft_tokens=5)
+    elif method in ("eagle3", "hybrid"):
+        kw.update(speculative_algorithm="EAGLE3" if method == "eagle3" else "AGENTSPEC_EAGLE3",
+                  speculative_draft_model_path=eagle3, speculative_num_steps=draft_tokens - 1,
+                  speculative_eagle_topk=1, speculative_num_draft_tokens=draft_tokens)
+        if method == "hybrid":
+            kw["disable_overlap_schedule"] = True
     elif method != "none":
         raise SystemExit(f"unknown method {method!r}")
     return kw
@@ -68,6 +77,8 @@ def engine_kwargs(method: str, model: str, draft_tokens: int, device: str, eagle
 
 def run_method(method: str, sets: dict, args) -> dict:
     import sglang
+
+    from agentspec.integrations.sglang.config import SOURCE_KEY, read_source_records, request_params
 
     t0 = time.perf_counter()
     engine = sglang.Engine(**engine_kwargs(method, args.model, args.draft_tokens, args.device, args.eagle3, args.dtype))
@@ -81,13 +92,16 @@ def run_method(method: str, sets: dict, args) -> dict:
             rows = []
             for i, ids in enumerate(prompts):
                 sp = {"temperature": 0, "max_new_tokens": args.max_tokens}
+                if method in ("agentspec", "hybrid"):
+                    sp["custom_params"] = request_params(tenant=f"{wl}-{i}")
                 t = time.perf_counter()
                 r = engine.generate(input_ids=ids, sampling_params=sp)
                 dt = time.perf_counter() - t
                 meta = r["meta_info"]
                 rows.append({"output_ids": list(r.get("output_ids") or []), "seconds": dt,
                              "completion_tokens": meta.get("completion_tokens"),
-                             "spec": {k: v for k, v in meta.items() if k.startswith("spec_")}})
+                             "spec": {k: v for k, v in meta.items() if k.startswith("spec_")},
+                             "by_source": read_source_records(meta.get(SOURCE_KEY))})
                 log(f"{method} {wl}[{i}]: {meta.get('completion_tokens')} tokens in {dt:.1f}s, "
                     f"accept length {meta.get('spec_accept_length')}")
             out["workloads"][wl] = rows
@@ -113,13 +127,59 @@ def summarize(raw: dict) -> dict:
                 ref_rows = ref["workloads"].get(wl, [])
                 same = [a["output_ids"] == b["output_ids"] for a, b in zip(rows, ref_rows)]
                 entry["identical_to_none"] = f"{sum(same)}/{len(same)}"
+            by: dict = {}
+            for x in rows:
+                for src, (steps, drafted, accepted) in (x.get("by_source") or {}).items():
+                    t = by.setdefault(src, {"steps": 0, "drafted": 0, "accepted": 0})
+                    t["steps"] += steps
+                    t["drafted"] += drafted
+                    t["accepted"] += accepted
+            if by:
+                entry["by_source"] = by
             res[method][wl] = entry
+    ratios: dict = {}
     for wl in next(iter(raw.values()))["workloads"]:
-        a = res.get("agentspec", {}).get(wl, {}).get("accept_length_mean")
-        n = res.get("ngram", {}).get(wl, {}).get("accept_length_mean")
-        if a and n:
-            res.setdefault("ratios", {})[f"{wl}_accept_length_agentspec_over_ngram"] = round(a / n, 3)
+        al = {m: res.get(m, {}).get(wl, {}).get("accept_length_tokens_per_verify") for m in res}
+        for num, den in (("agentspec", "ngram"), ("hybrid", "eagle3"), ("hybrid", "agentspec")):
+            if al.get(num) and al.get(den):
+                ratios[f"{wl}_accept_length_{num}_over_{den}"] = round(al[num] / al[den], 3)
+    if ratios:
+        res["ratios"] = ratios
     return res
+
+
+def bars(res: dict) -> dict:
+    """The hybrid's targets: acceptance length >= 1.3x EAGLE3 and >= 1.15x AGENTSPEC on agent
+    turns, >= AGENTSPEC on rewrites; every output identical to no speculation."""
+    r = res.get("ratios", {})
+    out = {}
+    for key, want in (("agent_accept_length_hybrid_over_eagle3", 1.3), ("agent_accept_length_hybrid_over_agentspec", 1.15),
+                      ("rewrites_accept_length_hybrid_over_agentspec", 1.0)):
+        if key in r:
+            out[key] = {"value": r[key], "bar": want, "met": r[key] >= want}
+    identical = [v.get("identical_to_none") for m, wls in res.items() if m not in ("ratios", "none")
+                 for wl, v in wls.items() if isinstance(v, dict) and "identical_to_none" in v]
+    if identical:
+        out["all_identical_to_none"] = all(a == b for a, b in (x.split("/") for x in identical))
+    return out
+
+
+def machine() -> dict:
+    """The CPU as lscpu names it, its core count and its SIMD flags (avx*, amx*)."""
+    import subprocess
+
+    info: dict = {"cores": os.cpu_count()}
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "Model name":
+                info["cpu"] = value.strip()
+            elif key.strip() == "Flags":
+                info["flags"] = sorted(f for f in value.split() if f.startswith(("avx", "amx", "fma")))
+    except (OSError, subprocess.SubprocessError):
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
 
 
 def main() -> int:
@@ -129,7 +189,7 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="default: float32 on CPU (SGLang's bf16 CPU verify is not "
                     "row-invariant: its own NGRAM diverges from plain there), bfloat16 on CUDA")
-    ap.add_argument("--methods", default="none,ngram,agentspec")
+    ap.add_argument("--methods", default="none,ngram,agentspec,eagle3,hybrid")
     ap.add_argument("--eagle3", default=str(ROOT / "agentspec" / "heads" / "smollm2-135m-instruct-eagle3"))
     ap.add_argument("--draft-tokens", type=int, default=8, help="SGLang's verify width D")
     ap.add_argument("--agent", type=int, default=4)
@@ -165,15 +225,15 @@ def main() -> int:
     import sglang
     import torch
 
-    report = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                          "flags": sorted(f for f in open("/proc/cpuinfo").read().split() if f.startswith(("avx", "amx")))[:12]
-                          if Path("/proc/cpuinfo").exists() else None},
+    results = summarize(ok) if ok else {}
+    report = {"machine": machine(),
               "sglang": sglang.__version__, "torch": torch.__version__, "device": args.device, "dtype": args.dtype,
               "kernels": "pure-torch sgl_kernel stand-in (tests/sglang/standin), intel_amx attention backend"
               if args.device == "cpu" else "sgl_kernel",
               "draft_tokens": args.draft_tokens, "max_tokens": args.max_tokens,
               "prompts": {k: len(v) for k, v in sets.items()},
-              "results": summarize(ok) if ok else {}, "errors": {m: r["error"] for m, r in raw.items() if "error" in r}}
+              "results": results, "bars": bars(results),
+              "errors": {m: r["error"] for m, r in raw.items() if "error" in r}}
     emit_report(report, args.out)
     return 0
 
