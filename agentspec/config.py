@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
 from .drafting.registry import drafter_names, parse_drafters
 from .errors import ConfigError
 
-__all__ = ["RouteRule", "RouteWhen", "ServerConfig", "ServerSection", "SpecConfig", "TenantConfig",
-           "check_drafters", "load_server_config"]
+__all__ = ["RouteRule", "RouteWhen", "ServerConfig", "ServerSection", "SpecConfig", "TenantConfig", "UnknownField",
+           "check_drafters", "load_server_config", "unknown_field"]
 
 
 class SpecConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -230,6 +232,76 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     raise ConfigError(f"route {r.name!r}: when.tenant {t!r} is not a configured tenant")
 
 
+class UnknownField(NamedTuple):
+    """A key that a strictly decoded object does not take (``unknown_field``)."""
+
+    name: str                 # the unknown key
+    where: str                # the object holding it, as a path from the root ("" = the root; "routes[0].when")
+    valid: tuple[str, ...]    # the keys that object takes, in declaration order
+    suggestion: str | None    # the valid key closest to ``name`` (a likely typo), if any
+
+    @property
+    def path(self) -> str:
+        """The unknown key's own path (``routes[0].when.endpoints``)."""
+        return f"{self.where}.{self.name}" if self.where else self.name
+
+    def hint(self, noun: str = "keys") -> str:
+        """``did you mean `x`? `` (when a key is close) and the valid keys, for a message."""
+        mean = f"did you mean `{self.suggestion}`? " if self.suggestion else ""
+        return f"{mean}valid {noun}: {', '.join(self.valid)}"
+
+
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`(?: - at `\$(?P<path>[^`]*)`)?$")
+_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+
+
+def unknown_field(error: msgspec.ValidationError, root: Any) -> UnknownField | None:
+    """What ``msgspec`` refused in ``error`` if it is an unknown field of a ``forbid_unknown_fields``
+    Struct reached from the type ``root``: the key, the object holding it and that object's
+    keys; None for any other error."""
+    m = _UNKNOWN.match(str(error))
+    if m is None:
+        return None
+    path = m["path"] or ""
+    info: Any = msgspec.inspect.type_info(root)
+    for name, index in _STEP.findall(path):
+        info = _member(info, list_step=bool(index))
+        if info is None:
+            return None
+        if index:
+            info = info.item_type
+        elif isinstance(info, msgspec.inspect.DictType):
+            info = info.value_type
+        else:
+            info = next((f.type for f in info.fields if f.encode_name == name), None)
+            if info is None:
+                return None
+    info = _member(info, list_step=False)
+    if not isinstance(info, msgspec.inspect.StructType):
+        return None
+    valid = tuple(f.encode_name for f in info.fields)
+    close = difflib.get_close_matches(m["name"], valid, n=1, cutoff=0.6)
+    return UnknownField(m["name"], path.lstrip("."), valid, close[0] if close else None)
+
+
+def _member(info: Any, *, list_step: bool) -> Any:
+    """``info`` (or the member of a union) that a path step goes into: a list for ``[i]``, an
+    object (struct or dict) for ``.name``."""
+    kinds = ((msgspec.inspect.ListType, msgspec.inspect.VarTupleType, msgspec.inspect.SetType) if list_step
+             else (msgspec.inspect.StructType, msgspec.inspect.DictType))
+    for t in (info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)):
+        if isinstance(t, kinds):
+            return t
+    return None
+
+
+def _table(where: str) -> str:
+    """A TOML table's name for a message: ``[server]``, ``routes[0].when``, the top level."""
+    if not where:
+        return "at the top level"
+    return f"in [{where}]" if "[" not in where else f"in {where}"
+
+
 def load_server_config(path: str | os.PathLike | None) -> ServerConfig:
     """Read and validate a server TOML file; None gives the defaults. Errors name the field."""
     if path is None:
@@ -246,4 +318,8 @@ def load_server_config(path: str | os.PathLike | None) -> ServerConfig:
     try:
         return msgspec.convert(data, ServerConfig)
     except msgspec.ValidationError as e:
+        bad = unknown_field(e, ServerConfig)
+        if bad is not None:   # a typo or a key of another table: name it and list what that table takes
+            raise ConfigError(f"config file {str(path)!r}: unknown key `{bad.name}` {_table(bad.where)}; "
+                              f"{bad.hint()}") from None
         raise ConfigError(f"config file {str(path)!r}: {e}") from None

@@ -1,8 +1,9 @@
 """HTTP bodies of the OpenAI-compatible API, as msgspec Structs.
 
-Requests are decoded strictly: a field we do not know is a 400 naming it (a typo such as
-``max_token`` must not be silently ignored), and features we do not implement (tools, logprobs,
-penalties, n > 1) are refused by name rather than ignored. Extensions are marked as such.
+Requests are decoded strictly: a field we do not know is a 400 naming it and listing the fields
+that object takes (a typo such as ``max_token`` must not be silently ignored), and features we do
+not implement (tools, logprobs, penalties, n > 1) are refused by name rather than ignored.
+Extensions are marked as such.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
+
+from ..config import unknown_field
 
 __all__ = ["APIError", "ApplyRequest", "ChatCompletionRequest", "CompletionRequest", "SessionCreateRequest",
            "error_body"]
@@ -152,20 +155,35 @@ class SessionCreateRequest(_Strict, kw_only=True):
     id: SessionId | None = None
 
 
+# OpenAI request fields this server does not implement: refused by name as unsupported, not as
+# unknown (what the OpenAI API takes and is implemented here is a field of the structs above)
+OPENAI_UNSUPPORTED = frozenset({
+    "audio", "function_call", "functions", "logit_bias", "modalities", "reasoning_effort", "response_format",
+    "safety_identifier", "tool_choice", "tools", "verbosity", "web_search_options",
+})
+
+
 def decode_body(body: bytes, type: Any) -> Any:
-    """Decode a JSON body into ``type``; errors become 400s naming the field."""
+    """Decode a JSON body into ``type``; errors become 400s naming the field (``param``: its path,
+    ``messages[0].foo``); an unknown field's message lists the fields its object takes."""
     try:
         return msgspec.json.decode(body, type=type)
     except msgspec.ValidationError as e:
         msg = str(e)
+        bad = unknown_field(e, type)
+        if bad is not None:
+            if not bad.where and bad.name in OPENAI_UNSUPPORTED:
+                return _raise(400, f"`{bad.name}` is not supported by this server (an OpenAI option it does not "
+                                   f"implement): remove it from the request", bad.name, "unsupported_parameter")
+            where = f"`{bad.where}`" if bad.where else "the request body"
+            return _raise(400, f"unknown field `{bad.name}` in {where}; {bad.hint('fields')}",
+                          bad.path, "unknown_field")
         param = None
         if "at `$." in msg:
             path = msg.rsplit("at `$.", 1)[1].rstrip("`")
             param = path.split("[")[0].split(".")[0] or None
-        if "unknown field" in msg:
-            field = msg.split("`")[1] if "`" in msg else None
-            param = field if param is None else f"{param}.{field}"
-            return _raise(400, f"unknown or unsupported field: {msg}", param, "unknown_field")
+        if "unknown field" in msg:   # an object the walk above could not place: msgspec's own words
+            return _raise(400, f"unknown field: {msg}", param, "unknown_field")
         return _raise(400, f"invalid request: {msg}", param, "invalid_value")
     except msgspec.DecodeError as e:
         return _raise(400, f"request body is not valid JSON: {e}", None, "invalid_json")
