@@ -29,7 +29,7 @@ import msgspec
 from ..apply import ApplyPathError, build_apply, chat_fast_apply, prediction_usage, resolve_workspace_path
 from ..backends.protocol import GenerationRequest
 from ..errors import BackendClosedError, ContextLengthError, InvalidRequestError, QueueFullError
-from .routing import Route
+from .routing import Route, UnknownRouteError
 from ..text import TextStream
 from .jobs import Job
 from .limits import LimitExceeded
@@ -124,9 +124,13 @@ class Call:
 def _resolve(state: ServerState, *, endpoint: str, tenant: Tenant, model: str, ids: list[int], temperature: float,
              top_p: float | None, top_k: int | None, seed: int | None, stop, max_tokens: int | None,
              speculation: bool | None, prediction: str | list[int] | None, session: str | None, stream: bool,
-             include_usage: bool, want_stats: bool, t0: float, prefix: str) -> Call:
+             include_usage: bool, want_stats: bool, t0: float, prefix: str, route_name: str | None = None) -> Call:
     backend = state.backend
-    route = state.router.resolve(endpoint=endpoint, tenant=tenant.name, model=model, temperature=temperature)
+    try:
+        route = state.router.resolve(endpoint=endpoint, tenant=tenant.name, model=model, temperature=temperature,
+                                     name=route_name)
+    except UnknownRouteError as e:
+        raise APIError(400, str(e), param="route", code="invalid_value") from None
     if speculation is False and route.spec is not None:
         route = Route(name=route.name, spec=None, reason="request: speculation = false", drafters=route.drafters)
     room = backend.max_context - len(ids)
@@ -226,7 +230,7 @@ def _chat(state: ServerState, tenant: Tenant, req: ChatCompletionRequest, model:
                     max_tokens=req.max_completion_tokens or req.max_tokens, speculation=req.speculation,
                     prediction=prediction, session=session, stream=req.stream,
                     include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                    want_stats=req.spec_stats, t0=t0, prefix="chatcmpl")
+                    want_stats=req.spec_stats, t0=t0, prefix="chatcmpl", route_name=req.route)
     base = {"id": call.request_id, "created": call.created, "model": model}
 
     def respond(gen) -> dict:
@@ -278,7 +282,7 @@ def _completion(state: ServerState, tenant: Tenant, req: CompletionRequest, mode
                     prediction=_text(req.prediction.content) if req.prediction is not None else None,
                     session=session, stream=req.stream,
                     include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                    want_stats=req.spec_stats, t0=t0, prefix="cmpl")
+                    want_stats=req.spec_stats, t0=t0, prefix="cmpl", route_name=req.route)
     base = {"id": call.request_id, "object": "text_completion", "created": call.created, "model": model}
 
     def respond(gen) -> dict:
@@ -333,7 +337,7 @@ def _apply(state: ServerState, tenant: Tenant, req: ApplyRequest, model: str, se
     call = _resolve(state, endpoint="apply", tenant=tenant, model=model, ids=ids, temperature=req.temperature,
                     top_p=None, top_k=None, seed=req.seed, stop=None, max_tokens=max_tokens,
                     speculation=req.speculation, prediction=plan.prediction_ids, session=session, stream=req.stream,
-                    include_usage=True, want_stats=True, t0=t0, prefix="apply")
+                    include_usage=True, want_stats=True, t0=t0, prefix="apply", route_name=req.route)
     base = {"id": call.request_id, "object": "apply", "created": call.created, "model": model}
     if req.path is not None:
         base["path"] = req.path

@@ -68,6 +68,7 @@ class StreamOptions(_Strict):
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]   # sessions.MAX_SESSION_ID
+RouteName = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]    # config.Name: a configured route
 Stop = str | list[str] | None
 
 
@@ -93,6 +94,7 @@ class _Sampling(_Strict):
     session: SessionId | None = None              # extension: an existing session's id (api/sessions.py)
     spec_stats: bool = False                      # extension: speculation stats in the response
     speculation: bool | None = None               # extension: false turns speculation off for this request
+    route: RouteName | None = None                # extension: a configured route, by name (not by its `when`)
 
     def check_unsupported(self) -> None:
         if self.n != 1:
@@ -147,6 +149,7 @@ class ApplyRequest(_Strict, kw_only=True):
     speculation: bool | None = None
     prompt_cache_key: str | None = None
     session: SessionId | None = None              # extension: an existing session's id (api/sessions.py)
+    route: RouteName | None = None                # extension: a configured route, by name (not by its `when`)
 
 
 class SessionCreateRequest(_Strict, kw_only=True):

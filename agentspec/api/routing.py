@@ -2,6 +2,9 @@
 
 Rules are evaluated per request, in the order the config lists them; the first whose ``when``
 matches decides. No match: route "default", speculation on with ``SpecConfig()``'s defaults.
+A request may name its route instead (``route``, e.g. an editor's setting): that rule decides,
+whatever its ``when`` says of the endpoint, model and temperature, as long as its ``when.tenant``
+takes the request's tenant; "default" is the built-in route.
 Speculation is then still subject to what the engine can do exactly (sampled requests are
 verified greedily nowhere; the engine records why it turned speculation off).
 """
@@ -15,7 +18,11 @@ import msgspec
 from ..config import RouteRule, SpecConfig
 from ..drafting.registry import DEFAULT_DRAFTERS
 
-__all__ = ["Route", "Router"]
+__all__ = ["Route", "Router", "UnknownRouteError"]
+
+
+class UnknownRouteError(ValueError):
+    """A request named a route that is not configured for its tenant (the message lists those that are)."""
 
 
 class Route(msgspec.Struct, frozen=True, kw_only=True):
@@ -32,6 +39,9 @@ def _matches(value, want) -> bool:
     return value in ([want] if isinstance(want, str) else want)
 
 
+_DEFAULT = Route(name="default", spec=SpecConfig(), reason="", drafters=DEFAULT_DRAFTERS)
+
+
 class Router:
     def __init__(self, rules: Sequence[RouteRule] = ()) -> None:
         self.rules = list(rules)
@@ -41,7 +51,11 @@ class Router:
         route naming a draft head that is missing or does not fit the model refuses to start)."""
         return [self._route(rule) for rule in self.rules]
 
-    def resolve(self, *, endpoint: str, tenant: str, model: str, temperature: float) -> Route:
+    def resolve(self, *, endpoint: str, tenant: str, model: str, temperature: float, name: str | None = None) -> Route:
+        """The route of one request: the rule called ``name`` when given (UnknownRouteError if the
+        tenant has none of that name), else the first rule whose ``when`` matches."""
+        if name is not None:
+            return self.named(name, tenant=tenant)
         for rule in self.rules:
             w = rule.when
             if not (_matches(endpoint, w.endpoint) and _matches(tenant, w.tenant) and _matches(model, w.model)):
@@ -51,7 +65,18 @@ class Router:
             if w.max_temperature is not None and temperature > w.max_temperature:
                 continue
             return self._route(rule)
-        return Route(name="default", spec=SpecConfig(), reason="", drafters=DEFAULT_DRAFTERS)
+        return _DEFAULT
+
+    def named(self, name: str, *, tenant: str) -> Route:
+        usable = [rule for rule in self.rules if _matches(tenant, rule.when.tenant)]
+        for rule in usable:
+            if rule.name == name:
+                return self._route(rule)
+        if name == "default" and "default" not in {r.name for r in self.rules}:
+            return _DEFAULT
+        names = [r.name for r in usable] + (["default"] if "default" not in {r.name for r in self.rules} else [])
+        raise UnknownRouteError(f"route {name!r} is not configured for tenant {tenant!r}; its routes: "
+                                f"{', '.join(names)} (the server config's [[routes]] names)")
 
     @staticmethod
     def _route(rule: RouteRule) -> Route:

@@ -10,7 +10,8 @@ Each reports ``$/progress`` while it generates (tokens so far, MAT), stops at th
 step when cancelled (``$/cancelRequest`` or ``window/workDoneProgress/cancel``), and ends with
 one ``workspace/applyEdit`` of the changed lines only, against the document version it started
 from: if the buffer changed meanwhile, nothing is applied and the result says why. The result
-is ``{applied, reason?, edits, completion_tokens, mat, seconds, version}``.
+is ``{applied, reason?, edits, completion_tokens, mat, seconds, version, route?}`` (``route``: the
+route that decided how it speculated).
 
 The open buffers are the workspace: ``didOpen`` / ``didChange`` text shadows the file on disk in
 the tenant's index (``Workspace.overlay``; incremental sync), ``didClose`` drops it. This holds
@@ -22,9 +23,13 @@ and the server's own workspace index is what it indexes from disk.
 Configuration (``initializationOptions``, or ``workspace/configuration`` section ``agentspec``):
 ``url``, ``apiKey`` (default ``$AGENTSPEC_API_KEY``), ``model`` (remote: the served model's id;
 in-process: a GGUF path, default the bundled model), ``config`` (in-process: a server TOML for
-routes), ``maxTokens``, ``speculation`` (default on), ``instruction`` (used when a code action
-runs ``agentspec.rewrite`` without one), ``notifyIndexed`` (send ``agentspec/indexed`` after
-each overlay update; for benchmarks and tests).
+routes), ``route`` (a configured route, by name, for every command: the server's, or in-process
+the ``config``'s; default: the first route whose ``when`` matches), ``maxTokens``,
+``speculation`` (default on), ``instruction`` (used when a code action runs ``agentspec.rewrite``
+without one), ``notifyIndexed`` (send ``agentspec/indexed`` after each overlay update; for
+benchmarks and tests). ``workspace/didChangeConfiguration`` updates the per-command settings
+(``route``, ``maxTokens``, ``speculation``, ``instruction``, ``notifyIndexed``) at once; ``url``,
+``apiKey``, ``model`` and ``config`` are read at start-up (a change asks for a restart).
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ from .edits import line_edits
 CMD_REWRITE = "agentspec.rewrite"
 CMD_APPLY = "agentspec.apply"
 INDEXED = "agentspec/indexed"
-SETTINGS = ("url", "apiKey", "model", "config", "maxTokens", "speculation", "instruction", "notifyIndexed")
+SETTINGS = ("url", "apiKey", "model", "config", "route", "maxTokens", "speculation", "instruction", "notifyIndexed")
+LIVE_SETTINGS = ("route", "maxTokens", "speculation", "instruction", "notifyIndexed")   # read by each command
 REPORT_EVERY_S = 0.1
 
 
@@ -259,6 +265,8 @@ class AgentSpecLanguageServer(LanguageServer):
                 opts["max_tokens"] = int(self.settings["maxTokens"])
             if self.settings.get("speculation") is not None:
                 opts["speculation"] = bool(self.settings["speculation"])
+            if self.settings.get("route"):   # a configured route by name (POST /v1/apply's `route`)
+                opts["extra_body"] = {"route": str(self.settings["route"])}
             stream = await self.client.apply(code=code, update=update, instruction=instruction, stream=True,
                                              temperature=0.0, **opts)
             last = 0.0
@@ -277,6 +285,8 @@ class AgentSpecLanguageServer(LanguageServer):
                         message=f"{stream.completion_tokens} tokens, MAT {mat:.2f}", percentage=pct))
             result = stream.result
             outcome["completion_tokens"] = result.usage.completion_tokens
+            if result.spec is not None:
+                outcome["route"] = result.spec.route
             outcome["mat"] = round(result.spec.mean_acceptance_length or 1.0, 3) if result.spec else 1.0
             outcome["seconds"] = round(time.perf_counter() - t0, 3)
             if result.finish_reason == "length":
@@ -372,6 +382,14 @@ def _settings(raw: Any) -> dict:
     return out
 
 
+def _section(raw: Any) -> Any:
+    """The ``agentspec`` settings in a ``didChangeConfiguration``'s ``settings`` (VS Code sends
+    ``{"agentspec": {...}}``; some clients send the section itself)."""
+    if isinstance(raw, dict) and isinstance(raw.get("agentspec"), dict):
+        return raw["agentspec"]
+    return raw
+
+
 def build_server(defaults: dict | None = None) -> AgentSpecLanguageServer:
     server = AgentSpecLanguageServer()
     base = dict(defaults or {})
@@ -409,6 +427,34 @@ def build_server(defaults: dict | None = None) -> AgentSpecLanguageServer:
                                                            message=f"agentspec failed to start: {e}"))
             ls.ready.set_exception(e)
             ls.ready.exception()   # retrieved: no "never retrieved" warning when no command runs
+
+    @server.feature(types.WORKSPACE_DID_CHANGE_CONFIGURATION)
+    async def did_change_configuration(ls: AgentSpecLanguageServer, params: types.DidChangeConfigurationParams) -> None:
+        raw = _section(params.settings)
+        if not isinstance(raw, dict) or not raw:   # a pull-model client: ask for the section
+            ws_caps = ls.client_capabilities.workspace
+            if not (ws_caps and ws_caps.configuration):
+                return
+            try:
+                got = await asyncio.wait_for(ls.workspace_configuration_async(types.ConfigurationParams(
+                    items=[types.ConfigurationItem(section="agentspec")])), 5)
+            except Exception:  # noqa: BLE001 - nothing to update from
+                return
+            raw = got[0] if got and isinstance(got[0], dict) else None
+            if raw is None:
+                return
+        new = _settings(raw)
+        for key in LIVE_SETTINGS:   # a setting cleared in the editor (null) falls back to its default
+            if key in new:
+                ls.settings[key] = new[key]
+            elif key in raw:
+                ls.settings.pop(key, None)
+        changed = [k for k in SETTINGS if k not in LIVE_SETTINGS and k in raw
+                   and new.get(k) != ls.settings.get(k) and not (k == "apiKey" and k not in new)]
+        if changed:
+            ls.window_show_message(types.ShowMessageParams(type=types.MessageType.Info, message=(
+                f"agentspec: {', '.join(changed)} {'take' if len(changed) > 1 else 'takes'} effect when the "
+                "language server restarts")))
 
     def _overlay(ls: AgentSpecLanguageServer, uri: str, close: bool = False) -> None:
         if ls.root is None or not uri.startswith("file:"):
@@ -469,6 +515,7 @@ def build_server(defaults: dict | None = None) -> AgentSpecLanguageServer:
         ws = ls.overlays.workspace
         return {"ready": bool(ls.ready and ls.ready.done() and not ls.ready.exception()),
                 "mode": "remote" if ls.settings.get("url") else "in-process",
+                "route": ls.settings.get("route"),
                 "root": str(ls.root) if ls.root else None,
                 "overlays": ws.overlays() if ws is not None else [],
                 "files": len(ws.files()) if ws is not None else None}

@@ -202,7 +202,8 @@ def build_openapi() -> dict:
         "paths": {
             "/v1/chat/completions": _generation(
                 "Chat completion", "OpenAI chat completions. Extensions: `spec_stats`, `speculation`, `session`, "
-                "`top_k`; `prediction` (Predicted Outputs) is the draft source.",
+                "`route` (a configured route by name), `top_k`; `prediction` (Predicted Outputs) is the draft "
+                "source.",
                 "ChatCompletionRequest", "ChatCompletion", "createChatCompletion"),
             "/v1/completions": _generation(
                 "Completion", "A raw prompt (no chat template) or token ids.",

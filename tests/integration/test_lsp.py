@@ -344,3 +344,75 @@ async def test_remote_mode_applies_through_a_server(lsp_workspace, tmp_path):
     finally:
         await client.stop()
         server.stop()
+
+
+async def end(client: LanguageClient) -> None:
+    """Shut the server down and stop the client, also after a failed assertion (a client stopped
+    without ``shutdown``/``exit`` waits for a server that is still reading its stdin)."""
+    try:
+        await asyncio.wait_for(client.shutdown_session(), 60)
+    except Exception:  # noqa: BLE001 - the test's own failure is the one to report
+        client._server.kill()
+    await client.stop()
+
+
+ROUTES_TOML = '''
+[[routes]]
+name = "plain"          # never matched by its `when` for apply: only a request that names it gets it
+when = { endpoint = "completions" }
+speculation = false
+
+[[routes]]
+name = "narrow"
+budget = 4
+'''
+
+
+async def test_route_setting_reaches_requests_in_process_and_changes_live(lsp_workspace, tmp_path):
+    cfg = tmp_path / "routes.toml"
+    cfg.write_text(ROUTES_TOML)
+    client = await ClientServerConfig(server_command=SERVER).start()
+    try:
+        await start(client, lsp_workspace, {"config": str(cfg), "route": "plain"})
+        assert (await status(client))["route"] == "plain"
+        ed: Editor = client.editor
+        uri = ed.open(lsp_workspace / "util.py")
+        result = await command(client, "agentspec.apply", {"uri": uri, "update": UPDATE})
+        # the named route decided (its `when` names another endpoint), so speculation was off
+        assert result["route"] == "plain" and result["mat"] == 1.0, result
+
+        # workspace/didChangeConfiguration (what VS Code sends): the next command uses the new route
+        client.workspace_did_change_configuration(types.DidChangeConfigurationParams(
+            settings={"agentspec": {"route": "nosuch"}}))
+        result = await command(client, "agentspec.apply", {"uri": uri, "update": UPDATE})
+        assert result["applied"] is False and "'nosuch'" in result["reason"], result
+        assert "plain" in result["reason"] and "narrow" in result["reason"], result   # the routes it has
+
+        client.workspace_did_change_configuration(types.DidChangeConfigurationParams(
+            settings={"agentspec": {"route": None}}))   # cleared: the first route whose `when` matches
+        result = await command(client, "agentspec.apply", {"uri": uri, "update": UPDATE})
+        assert result["route"] == "narrow", result
+        ed.close(uri)
+    finally:
+        await end(client)
+
+
+async def test_route_setting_reaches_a_remote_server(lsp_workspace, tmp_path):
+    server = Server(tmp_path, config=ROUTES_TOML, name="routes")
+    client = await ClientServerConfig(server_command=SERVER).start()
+    try:
+        await start(client, lsp_workspace, {"url": server.base, "route": "plain"})
+        ed: Editor = client.editor
+        uri = ed.open(lsp_workspace / "util.py")
+        result = await command(client, "agentspec.apply", {"uri": uri, "update": UPDATE})
+        assert result["route"] == "plain" and result["mat"] == 1.0, result
+        # the same body without the route: the server's own rule decides
+        r = httpx.post(server.base + "/v1/apply", json={"code": UTIL, "update": UPDATE}, timeout=300)
+        assert r.status_code == 200 and r.json()["spec"]["route"] == "narrow", r.text
+        r = httpx.post(server.base + "/v1/apply", json={"code": UTIL, "update": UPDATE, "route": "nosuch"}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and (err["param"], err["code"]) == ("route", "invalid_value"), r.text
+        assert "plain" in err["message"] and "narrow" in err["message"]
+    finally:
+        await end(client)
+        server.stop()

@@ -26,11 +26,13 @@ const EDITOR_REWRITE = "agentspec.editor.rewrite";
 const EDITOR_APPLY = "agentspec.editor.apply";
 
 /** Settings the server receives as `initializationOptions` (and, by section "agentspec",
- * through `workspace/configuration`). */
+ * through `workspace/configuration` and `workspace/didChangeConfiguration`). No `url`: the
+ * server loads the model in its own process; `config` gives that in-process server its routes. */
 interface ServerSettings {
   url: string | null;
   apiKey: string | null;
   model: string | null;
+  config: string | null;
   route: string | null;
 }
 
@@ -52,7 +54,13 @@ function serverSettings(): ServerSettings {
     const value = cfg.get<string | null>(key);
     return typeof value === "string" && value.trim() !== "" ? value : null;
   };
-  return { url: text("url"), apiKey: text("apiKey"), model: text("model"), route: text("route") };
+  return {
+    url: text("url"),
+    apiKey: text("apiKey"),
+    model: text("model"),
+    config: text("config"),
+    route: text("route"),
+  };
 }
 
 function isEditResult(value: unknown): value is EditResult {
