@@ -5,11 +5,14 @@
 #   deploy/sglang-router/launch.sh workers          # on every GPU node: N workers, one per GPU group
 #   deploy/sglang-router/launch.sh router URL...    # on the front node: nginx (default) or sglang-router
 #   deploy/sglang-router/launch.sh stop             # stop what this script started on this node
+#   DRY_RUN=1 deploy/sglang-router/launch.sh workers  # print each worker's folder and command; start nothing
 #
 # Environment (defaults in brackets):
 #   MODEL          Hugging Face folder SGLang loads                   [/models/Qwen2.5-Coder-7B-Instruct]
 #   CONFIG         server TOML (tenants with api_keys: required, the workers bind 0.0.0.0)  [./server.toml]
 #   REPO           workspace to index (every worker indexes every tenant's workspace)       [.]
+#                  (relative paths in MODEL, CONFIG, REPO and AGENTSPEC are from where this is run:
+#                  they are made absolute before each worker starts in its own folder)
 #   WORKERS        workers on this node                                [1]
 #   GPUS_PER_WORKER  GPUs per worker (--tp)                            [1]
 #   BASE_PORT      first worker port; worker i listens on BASE_PORT+i  [8001]
@@ -21,11 +24,23 @@
 #                                                                      [nginx]
 #   ROUTER_HOST / ROUTER_PORT   where the front listens                [0.0.0.0 / 8000]
 #   RUN_DIR        per-worker working dirs (logs/, pid files)          [./run]
+#   DRY_RUN        1: print each worker's folder and command instead of starting it  [0]
 set -euo pipefail
 
+# `path` made absolute from the current directory (a path that does not exist yet too); each
+# worker runs in its own folder, where a relative path would name something else
+absolute() {
+    case "$1" in
+    /*) printf '%s\n' "$1" ;;
+    *) printf '%s\n' "$PWD/${1#./}" ;;
+    esac
+}
+
 MODEL="${MODEL:-/models/Qwen2.5-Coder-7B-Instruct}"
-CONFIG="${CONFIG:-$PWD/server.toml}"
+[ ! -e "$MODEL" ] || MODEL="$(absolute "$MODEL")"   # a local folder (not a hub id)
+CONFIG="$(absolute "${CONFIG:-server.toml}")"
 REPO="${REPO:-.}"
+if [ -d "$REPO" ]; then REPO="$(cd "$REPO" && pwd)"; else REPO="$(absolute "$REPO")"; fi
 WORKERS="${WORKERS:-1}"
 GPUS_PER_WORKER="${GPUS_PER_WORKER:-1}"
 BASE_PORT="${BASE_PORT:-8001}"
@@ -38,6 +53,8 @@ ROUTER_PORT="${ROUTER_PORT:-8000}"
 RUN_DIR="$(mkdir -p "${RUN_DIR:-$PWD/run}" && cd "${RUN_DIR:-$PWD/run}" && pwd)"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 AGENTSPEC="${AGENTSPEC:-agentspec}"
+case "$AGENTSPEC" in */*) AGENTSPEC="$(absolute "$AGENTSPEC")" ;; esac   # a path, not a name on PATH
+DRY_RUN="${DRY_RUN:-0}"
 
 wait_healthy() {  # URL SECONDS PIDFILE
     local deadline=$((SECONDS + $2))
@@ -50,23 +67,31 @@ wait_healthy() {  # URL SECONDS PIDFILE
 
 workers() {
     [ -f "$CONFIG" ] || { echo "launch: no config at $CONFIG (tenants with api_keys)" >&2; exit 2; }
+    [ -d "$REPO" ] || { echo "launch: REPO is not a directory: $REPO (the workspace the workers index)" >&2; exit 2; }
     local i
     for ((i = 0; i < WORKERS; i++)); do
         local port=$((BASE_PORT + i)) dir="$RUN_DIR/worker-$i"
         local first=$((i * GPUS_PER_WORKER)) gpus
         gpus="$(seq -s, "$first" $((first + GPUS_PER_WORKER - 1)))"
-        mkdir -p "$dir"
         # own working dir: `log_dir = "logs"` (relative) gives each worker its own logs/, so no two
         # processes append to and rotate the same <tenant>.jsonl; `agentspec stats --log-dir run/worker-i/logs`
         local tp=()
         [ -z "$BACKEND_ARGS" ] || tp=(--tp "$GPUS_PER_WORKER")
         # shellcheck disable=SC2086  # BACKEND_ARGS / WORKER_ARGS are word lists
-        (cd "$dir" && CUDA_VISIBLE_DEVICES="$gpus" exec "$AGENTSPEC" serve --host "$BIND" --port "$port" \
-            --config "$CONFIG" --repo "$REPO" $BACKEND_ARGS "${tp[@]}" $WORKER_ARGS \
-            >"$dir/serve.log" 2>&1) &
+        local argv=("$AGENTSPEC" serve --host "$BIND" --port "$port" --config "$CONFIG" --repo "$REPO"
+                    $BACKEND_ARGS "${tp[@]}" $WORKER_ARGS)
+        if [ "$DRY_RUN" = 1 ]; then
+            printf 'worker %d: cd %q && CUDA_VISIBLE_DEVICES=%q' "$i" "$dir" "$gpus"
+            printf ' %q' "${argv[@]}"
+            printf '\n'
+            continue
+        fi
+        mkdir -p "$dir"
+        (cd "$dir" && CUDA_VISIBLE_DEVICES="$gpus" exec "${argv[@]}" >"$dir/serve.log" 2>&1) &
         echo $! >"$dir/pid"
         echo "worker $i: pid $(cat "$dir/pid"), port $port, GPUs $gpus, logs $dir"
     done
+    [ "$DRY_RUN" != 1 ] || return 0
     for ((i = 0; i < WORKERS; i++)); do
         wait_healthy "http://127.0.0.1:$((BASE_PORT + i))" "${START_TIMEOUT_S:-900}" "$RUN_DIR/worker-$i/pid"
     done
@@ -120,5 +145,5 @@ case "$cmd" in
 workers) workers ;;
 router) router "$@" ;;
 stop) stop ;;
-*) sed -n '2,8p' "$0"; exit 2 ;;
+*) sed -n '2,9p' "$0"; exit 2 ;;
 esac
