@@ -1,13 +1,25 @@
-"""Command line: ``agentspec serve | generate | demo | index | stats | train-eagle3``."""
+"""Command line: ``agentspec serve | generate | demo | index | stats | lsp | train-eagle3``.
+
+Exit codes, the same for every command: 0 done; 2 bad input or usage (a flag, a file, a config
+value, a device: the message names the value and the fix; argparse's own errors too); 1 a
+failure at run time (a port in use, a server that stopped, an OS error, ``demo``'s outputs
+differing); 130 interrupted (Ctrl-C); 141 output into a pipe that closed early. Messages go to
+stderr as ``agentspec <command>: ...``, never as a traceback for these cases.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
 __all__ = ["main"]
+
+
+class UsageError(Exception):
+    """Bad input to a command (exit 2): the message names the value and says what to do instead."""
 
 
 def _positive_int(name: str):
@@ -49,11 +61,46 @@ def _nonneg_float(name: str):
     return parse
 
 
+_CUDA = re.compile(r"cuda(?::(\d+))?")
+# SGLang's own device names (``sglang.srt.server_args``): it checks what is present itself
+SGLANG_DEVICES = ("cuda", "cpu", "xpu", "hpu", "npu")
+
+
+def check_device(device: str | None, *, flag: str = "--device", backend: str = "embedded") -> None:
+    """UsageError (exit 2) for a device the engine cannot run on, before any model loads:
+    the embedded engine and training take ``cpu``, ``cuda`` or ``cuda:N`` of a GPU torch finds;
+    SGLang takes its own device names."""
+    if device is None:
+        return
+    if backend == "sglang":
+        if device not in SGLANG_DEVICES:
+            raise UsageError(f"{flag} {device!r} is not a device SGLang runs on: use one of {', '.join(SGLANG_DEVICES)}"
+                             " (or leave it out: SGLang chooses)")
+        return
+    m = _CUDA.fullmatch(device)
+    if device != "cpu" and m is None:
+        hint = " (for an NVIDIA GPU: --device cuda)" if device.lower() in ("gpu", "nvidia", "cuda0") else ""
+        raise UsageError(f"{flag} must be cpu, cuda or cuda:N (N: a GPU index), got {device!r}{hint}")
+    if m is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None
+               else f"torch (CUDA {torch.version.cuda}) finds no GPU")
+        raise UsageError(f"{flag} {device}: CUDA is not available here ({why}); use {flag} cpu, or run where "
+                         "a CUDA build of torch sees a GPU")
+    n = torch.cuda.device_count()
+    if m.group(1) is not None and int(m.group(1)) >= n:
+        raise UsageError(f"{flag} {device}: there {'is' if n == 1 else 'are'} {n} CUDA device(s) here "
+                         f"(cuda:0..cuda:{n - 1}); use one of those")
+
+
 def _engine_args(p: argparse.ArgumentParser, *, deterministic: bool = True) -> None:
     """The engine options; ``deterministic=False`` leaves out --deterministic (``serve``: the
     server batches requests, which the deterministic mode does not support)."""
     p.add_argument("--model", help="a .gguf file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype")
     if deterministic:
         p.add_argument("--deterministic", action="store_true",
@@ -163,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="already distilled records (training.distill output) to train on as well")
     tr.add_argument("--out", required=True, help="head directory to write (config.json + model.safetensors)")
     tr.add_argument("--work", help="folder for distilled data and resumable state (default: OUT.work)")
-    tr.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    tr.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     tr.add_argument("--skip", type=_nonneg_int("--skip"), default=0,
                     help="leave out the first N records of each --data file and their conversations (held out)")
     tr.add_argument("--max-prompt", type=_positive_int("--max-prompt"), default=1536,
@@ -296,10 +343,11 @@ def cmd_serve(args) -> int:
     sglang_options = _serve_backend_options(args)
     config = load_server_config(args.config)
     if not config.tenants and not is_loopback(args.host) and not args.insecure_no_auth:
-        raise SystemExit(f"agentspec serve: refusing to serve {args.host!r} without API keys: configure tenants "
+        raise UsageError(f"refusing to serve {args.host!r} without API keys: configure tenants "
                          "with api_keys in --config, bind 127.0.0.1, or pass --insecure-no-auth")
     if args.repo is not None and not Path(args.repo).is_dir():
-        raise SystemExit(f"agentspec serve: --repo is not a directory: {args.repo!r}")
+        raise UsageError(f"--repo is not a directory: {args.repo!r} (give the repository's root folder)")
+    check_device(args.device, backend=args.backend)
     # bind before loading the model: a port in use ends the start at once (exit 1, naming it),
     # and the bound socket goes to uvicorn, so nothing can take the port in between
     sock = bind_socket(args.host, args.port)
@@ -349,13 +397,14 @@ def cmd_stats(args) -> int:
 
     by_session = getattr(args, "by", "route") == "session"
     if by_session and args.plot:
-        raise SystemExit("agentspec stats: --plot draws routes; it does not go with --by session")
+        raise UsageError("--plot draws routes; it does not go with --by session (drop one of them)")
     report = ReadReport()
     try:
         records = read_records(args.log_dir, tenant=args.tenant, since=args.since, report=report)
         summary = summarize_sessions(records) if by_session else summarize(records)
     except FileNotFoundError as e:
-        raise SystemExit(f"agentspec stats: {e}") from None
+        raise UsageError(f"{e} (--log-dir: the folder the server writes, its config's log_dir; "
+                         "default logs in the folder it runs in)") from None
     if args.plot:
         plot_summary(summary, args.plot)
     if args.json:
@@ -379,7 +428,7 @@ def cmd_index(args) -> int:
 
     root = Path(args.directory)
     if not root.is_dir():
-        raise SystemExit(f"agentspec index: not a directory: {args.directory!r}")
+        raise UsageError(f"not a directory: {args.directory!r} (give the repository's root folder)")
     tokenizer = load_checkpoint(args.model, quiet=args.json).tokenizer
     with Workspace(root, tenant=args.tenant, watch=False, tokenizer=tokenizer, snapshot=args.snapshot,
                    ignore=[*DEFAULT_IGNORE, *args.ignore], max_file_bytes=args.max_file_bytes,
@@ -401,15 +450,18 @@ def cmd_index(args) -> int:
 def _read_prompt(path: str) -> str:
     if path == "-":
         if sys.stdin is None or sys.stdin.isatty():
-            raise SystemExit("agentspec generate: no prompt: give a prompt file or pipe the prompt on stdin")
-        return sys.stdin.read()
+            raise UsageError("no prompt: give a prompt file or pipe the prompt on stdin")
+        try:
+            return sys.stdin.read()
+        except UnicodeDecodeError:
+            raise UsageError("the prompt on stdin is not UTF-8 text") from None
     p = Path(path)
     if not p.is_file():
-        raise SystemExit(f"agentspec generate: prompt file not found: {path!r}")
+        raise UsageError(f"prompt file not found: {path!r} (give a file, or - to read stdin)")
     try:
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise SystemExit(f"agentspec generate: prompt file is not UTF-8 text: {path!r}") from None
+        raise UsageError(f"prompt file is not UTF-8 text: {path!r}") from None
 
 
 def _make_engine(args):
@@ -426,16 +478,20 @@ def cmd_generate(args) -> int:
     from . import SpecConfig
     from .errors import ConfigError
 
+    if not 0.0 <= args.top_p <= 1.0:   # the engine's range, checked before the model loads
+        raise UsageError(f"--top-p must be in [0, 1], got {args.top_p}")
     text = _read_prompt(args.prompt_file)
     if not text.strip():
-        raise SystemExit("agentspec generate: the prompt is empty")
-    engine = _make_engine(args)
-    prompt = engine.tokenizer.encode(text) if args.raw else text
+        where = "on stdin" if args.prompt_file == "-" else f"in {args.prompt_file!r}"
+        raise UsageError(f"the prompt {where} is empty (or only whitespace): give some text to complete")
     drafters = None if not args.drafters else tuple(x.strip() for x in args.drafters.split(","))
-    try:
+    try:   # checked before the model loads
         spec = None if args.no_spec else SpecConfig(budget=args.budget, drafters=drafters)
     except ConfigError as e:
-        raise SystemExit(f"agentspec generate: --drafters: {e}") from None
+        raise UsageError(f"--drafters: {e}") from None
+    check_device(args.device)
+    engine = _make_engine(args)
+    prompt = engine.tokenizer.encode(text) if args.raw else text
     g = engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, seed=args.seed, stop=args.stop, spec=spec)
     if args.json:
@@ -453,10 +509,11 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     from . import SpecConfig
 
-    path = Path(args.file) if args.file else Path(__file__).with_name("verify.py")
+    path = Path(args.file) if args.file else Path(__file__).parent / "decode" / "verify.py"
     if not path.is_file():
-        raise SystemExit(f"agentspec demo: file not found: {str(path)!r}")
+        raise UsageError(f"file not found: {str(path)!r} (--file: a text file to rewrite)")
     code = path.read_text(encoding="utf-8", errors="replace")
+    check_device(args.device)
     engine = _make_engine(args)
     prompt = (f"Apply this change to `{path.name}`:\n\n{args.instruction}\n\nCurrent contents of `{path.name}`:\n"
               f"```\n{code}\n```\n\nReply with the complete updated file and nothing else.")
@@ -547,10 +604,22 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "train-eagle3":
             from .training.cli import cmd_train_eagle3
 
+            check_device(args.device)
             return cmd_train_eagle3(args)
-    except AgentSpecError as e:
+    except (UsageError, AgentSpecError) as e:   # bad input: flags, files, config, model, device
         print(f"agentspec {args.command}: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:   # a run-time failure that ends the command with its message (port in use, ...)
+        if isinstance(e.code, str):
+            print(e.code if e.code.startswith("agentspec ") else f"agentspec {args.command}: {e.code}",
+                  file=sys.stderr)
+            return 1
+        raise
+    except BrokenPipeError:
+        raise   # main(): 141, quietly
+    except OSError as e:   # a failure while running (the OS refused a file, a socket, ...)
+        print(f"agentspec {args.command}: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 2
