@@ -62,8 +62,8 @@ def _nonneg_float(name: str):
 
 
 _CUDA = re.compile(r"cuda(?::(\d+))?")
-# SGLang's own device names (``sglang.srt.server_args``): it checks what is present itself
-SGLANG_DEVICES = ("cuda", "cpu", "xpu", "hpu", "npu")
+# SGLang's own device names (its --device help): it checks what is present itself
+SGLANG_DEVICES = ("cuda", "cpu", "xpu", "hpu", "npu", "musa")
 
 
 def check_device(device: str | None, *, flag: str = "--device", backend: str = "embedded") -> None:

@@ -38,6 +38,7 @@ USAGE = [
     (["generate", "--device", "mps", "prompt.txt"], "", ["'mps'", "cpu, cuda or cuda:N"]),
     (["generate", "--device", "cuda:0", "prompt.txt"], "", ["cuda:0", "CUDA is not available", "--device cpu"]),
     (["demo", "--device", "gpu", "--file", "prompt.txt"], "", ["'gpu'", "--device cuda"]),
+    (["demo", "--device", "gpu"], "", ["'gpu'"]),   # demo's default file exists: the device is what is wrong
     (["train-eagle3", "--device", "cuda", "--out", "head", "--data", "data.jsonl"], "",
      ["CUDA is not available", "--device cpu"]),
     # files and folders
