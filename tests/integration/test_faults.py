@@ -300,7 +300,7 @@ def test_file_rewritten_while_it_is_indexed_ends_with_the_final_content(tmp_path
 
 @pytest.mark.parametrize("text,names", [
     ("[server\nlog_dir = 'x'\n", ["not valid TOML", "line 1"]),
-    ("[server]\nmax_queu = 3\n", ["max_queu", "$.server"]),
+    ("[server]\nmax_queu = 3\n", ["unknown key `max_queu` in [server]", "did you mean `max_queue`?", "valid keys"]),
     ("[server]\nmax_queue = 'many'\n", ["$.server.max_queue", "Expected `int`"]),
     ("[server]\nshutdown_grace_s = -1\n", ["$.server.shutdown_grace_s"]),
     ('[[tenants]]\nname = "a"\napi_keys = ["sk-123456789"]\n'
