@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(device=None)   # embedded: cpu; sglang: SGLang's own choice
     sv.add_argument("--backend", choices=["embedded", "sglang"], default="embedded",
                     help="the engine: the embedded torch engine (default) or an in-process SGLang engine "
-                         "(pip install 'agentspec-serve[sglang]'; --model must be a Hugging Face folder)")
+                         "(in a clone: pip install -e '.[sglang]'; --model must be a Hugging Face folder)")
     sv.add_argument("--tp", type=_positive_int("--tp"), help="sglang: tensor-parallel size (default 1)")
     sv.add_argument("--dp", type=_positive_int("--dp"), help="sglang: data-parallel size (default 1)")
     sv.add_argument("--speculative", choices=["agentspec", "ngram", "eagle3", "hybrid", "none"],
@@ -326,7 +326,7 @@ def _serve_backend_options(args) -> dict | None:
 
     if not sglang_available():
         raise ConfigError("--backend sglang needs SGLang, which is not installed here: "
-                          "pip install 'agentspec-serve[sglang]'")
+                          "pip install -e '.[sglang]' in a clone of agentspec (docs/sglang.md)")
     return {"model": args.model, "speculative": None if speculative == "none" else speculative,
             "draft_tokens": args.draft_tokens or 8, "eagle3": args.eagle3, "tp_size": args.tp or 1,
             "dp_size": args.dp or 1, "device": args.device, "dtype": args.dtype,

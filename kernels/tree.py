@@ -100,7 +100,7 @@ def _triton():
         if not (e.name or "").startswith("triton"):
             raise
         raise ImportError(
-            "the Triton tree kernels need triton: pip install 'agentspec-serve[dev]' (or pip install triton)"
+            "the Triton tree kernels need triton: pip install triton"
         ) from e
     return tree_triton
 

@@ -16,7 +16,7 @@ def plot_summary(summary: dict[str, list[dict[str, Any]]], path: str | os.PathLi
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        raise ImportError("agentspec stats --plot needs matplotlib: pip install 'agentspec-serve[dev]'") from None
+        raise ImportError("agentspec stats --plot needs matplotlib: pip install matplotlib") from None
 
     tenants = sorted({t["tenant"] for t in summary["tenants"]} | {r["tenant"] for r in summary["routes"]})
     color = {t: f"C{i % 10}" for i, t in enumerate(tenants)}   # one colour per tenant in both panels

@@ -253,7 +253,7 @@ class SGLangBackend:
 
         if engine is None:
             if not sglang_available():
-                raise ConfigError("the SGLang backend needs SGLang: pip install 'agentspec-serve[sglang]'")
+                raise ConfigError("the SGLang backend needs SGLang: pip install -e '.[sglang]' in a clone of agentspec (docs/sglang.md)")
             if speculative in _POLICY:
                 _check_plugin(speculative)
             os.environ[ENV] = self.scheduler_config.to_env()   # inherited by SGLang's spawned processes
@@ -720,7 +720,7 @@ def _start_engine(kwargs: dict[str, Any], *, quiet: bool) -> Any:
     try:
         import sglang
     except ImportError as e:
-        raise ConfigError(f"the SGLang backend needs SGLang ({e}): pip install 'agentspec-serve[sglang]'") from e
+        raise ConfigError(f"the SGLang backend needs SGLang ({e}): pip install -e '.[sglang]' in a clone of agentspec (docs/sglang.md)") from e
     if not quiet:
         shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if k != "model_path")
         print(f"[agentspec] starting SGLang {_sglang_version()} engine for {kwargs['model_path']} ({shown})",

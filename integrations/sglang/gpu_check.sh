@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # GPU runbook for the SGLang backend: run as is on a machine with CUDA and SGLang installed
-# (pip install 'agentspec-serve[sglang]' into an environment with SGLang's CUDA build).
+# (pip install -e '.[sglang]' from this clone, into an environment with SGLang's CUDA build).
 #
 #   bash integrations/sglang/gpu_check.sh [OUT_DIR]
 #
 #   MODEL=/path/to/hf-folder   target model (default: the bundled SmolLM2-135M-Instruct, converted)
 #   DRAFT_TOKENS=8             SGLang's verify width for NGRAM and AGENTSPEC
-#   AGENT=8 REWRITES=8         prompts per workload from DATA (default ../shared/data)
+#   AGENT=8 REWRITES=8         prompts per workload from DATA (default benchmarks/data, the shipped sample)
 #
 # What it does, each step's output under OUT_DIR (default gpu_check_out/):
 #   1. environment: GPU, torch, SGLang and agentspec versions, that the AGENTSPEC plugin registers;
@@ -21,7 +21,7 @@ cd "$(dirname "$0")/../.."
 OUT="${1:-gpu_check_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python}"
-DATA="${DATA:-../shared/data}"
+DATA="${DATA:-benchmarks/data}"
 say() { echo "[gpu_check] $*" >&2; }
 
 say "1/3 environment"

@@ -43,3 +43,12 @@ def test_did_change_configuration_section_shapes():
     assert _section({"agentspec": {"route": "a"}}) == {"route": "a"}   # VS Code: {section: settings}
     assert _section({"route": "a"}) == {"route": "a"}                   # a client sending the section itself
     assert _section(None) is None
+
+
+def test_docs_settings_table_lists_what_the_server_reads():
+    """docs/editors.md's table of settings names every key the language server reads, and no other."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "editors.md").read_text()
+    table = page[page.index("| Key | Default |"):]
+    table = table[:table.index("\n\n")]
+    documented = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
+    assert documented == set(SETTINGS), (documented ^ set(SETTINGS))
