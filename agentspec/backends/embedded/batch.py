@@ -210,7 +210,7 @@ class BatchEngine:
                                seed=seed, stop=stop, spec=spec)
         if drafter is None and spec is not None and spec.drafters is not None:
             drafter = e.drafter_for(spec.drafters)   # here, not in a step: a head that cannot load fails the call
-        off = "batch budget policy 'off'" if self.budget == "off" else None
+        off = "batch budget policy 'off'" if self.budget == "off" else getattr(e, "spec_off_reason", None)
         seq = self.decoder.sequence(v["ids"], max_tokens=max_tokens, temperature=v["temperature"], top_p=v["top_p"],
                                     top_k=top_k, seed=seed, stops=v["stops"], spec=spec,
                                     drafter=drafter if drafter is not None else e.drafter, tenant=tenant,

@@ -27,6 +27,7 @@ from ...decode.results import Generation
 from ..engine import DEFAULT_SPEC, Engine
 from .model import KVCache, Transformer, round_up
 from .prefix_cache import CHUNK_TOKENS, PrefixCache
+from .spec_device import spec_off_reason
 from ...decode.step import Decoder, run_single
 from .threads import ThreadGovernor
 from .tokenizer import Tokenizer
@@ -86,6 +87,10 @@ class EmbeddedEngine(Engine):
       eagle3_gate: whether the head's per-request break-even gate runs (default True, or
         ``$AGENTSPEC_EAGLE3_GATE=0``: off, the head drafts whenever it is asked: a machine where
         it is known to pay, or a test that needs it to draft).
+      speculate_on_cuda: speculate on CUDA although verification is not row-invariant there
+        (greedy output may then differ from plain decoding where the top two logits nearly tie).
+        Default ``$AGENTSPEC_CUDA_SPECULATION``, else off on CUDA unless ``deterministic``;
+        each request's ``spec_reason`` says so (``spec_device``). No effect on CPU.
     """
 
     # the canonical prefill chunk (``prefix_cache.CHUNK_TOKENS``): prompts are prefilled in chunks at
@@ -112,6 +117,7 @@ class EmbeddedEngine(Engine):
         eagle3_gate: bool | None = None,
         prefix_cache_bytes: int | None = None,
         prefix_cache_shared: bool = False,
+        speculate_on_cuda: bool | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -177,6 +183,10 @@ class EmbeddedEngine(Engine):
         self.max_context = min(max_context or min(ckpt.args.max_seq_len, 8192), ckpt.args.max_seq_len)
         self.deterministic = deterministic
         self.deterministic_width = deterministic_width
+        # speculation's default on this device: off on CUDA unless exact or opted in (spec_device)
+        self.spec_off_reason = spec_off_reason(self.device.type, deterministic=deterministic, opt_in=speculate_on_cuda)
+        if self.spec_off_reason and not quiet:
+            print(f"[agentspec] speculation {self.spec_off_reason}", file=sys.stderr, flush=True)
         self.prefix_cache: PrefixCache | None = None
         self.configure_prefix_cache(prefix_cache_bytes, shared=prefix_cache_shared)   # ConfigError: before warm-up
         if drafter is not None and workspace is not None:
@@ -489,7 +499,8 @@ class EmbeddedEngine(Engine):
     def _run(self, ids: list[int], *, max_tokens, temperature, top_p, top_k, seed, stops, spec, drafter,
              tenant, should_stop=None) -> Iterator[list[int]]:
         seq = self.decoder.sequence(ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    seed=seed, stops=stops, spec=spec, drafter=drafter, tenant=tenant)
+                                    seed=seed, stops=stops, spec=spec, drafter=drafter, tenant=tenant,
+                                    off_reason=self.spec_off_reason)
         with self._lock:
             need = self.decoder.cache_need(seq)
             seq.cache = self._ensure_cache(need)
