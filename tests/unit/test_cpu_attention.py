@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from agentspec.kernels import cpu_attention
+from agentspec.kernels import cpu_attention, cpu_linear
 from agentspec.kernels.tree import tree_mask
 
 from helpers.models import packed_cache, random_model
@@ -239,12 +239,18 @@ def test_fused_attention_matches_float_attention_and_keeps_packed_copies(monkeyp
     assert torch.equal(caches[True].k[0, :, :310], caches[False].k[0, :, :310])
 
 
-@pytest.mark.parametrize("packed_linears", [False, True])
-def test_fused_tree_node_equals_plain_decoding_row_bitwise(packed_linears):
+# the packed linears' decode kernels: "vector" everywhere, "amx" where the tiles run (else it is "vector" again)
+LINEAR_CASES = [(False, "vector"), (True, "vector"), (True, "amx")]
+
+
+@pytest.mark.parametrize("packed_linears,decode_linears", LINEAR_CASES)
+def test_fused_tree_node_equals_plain_decoding_row_bitwise(packed_linears, decode_linears, monkeypatch):
     """The exactness property on the fused path: a chain decoded one token per forward (as the
     engine runs plain decoding: two rows with torch's linears, one row with the native
     row-invariant ones) and the same chain inside a draft tree, among siblings at other slots,
-    give bit-identical logits; with an odd and an even prefix length."""
+    give bit-identical logits; with an odd and an even prefix length; with the packed linears on
+    vector units and on AMX tiles."""
+    monkeypatch.setattr(cpu_linear, "_DECODE_LINEARS", decode_linears)
     args, model = random_model(packed_linears)
     n = 1 if packed_linears else 2
     for P in (257, 300):
@@ -285,9 +291,11 @@ def test_every_isa_level_gives_the_same_bits(restore_isa, monkeypatch):
     AVX-512 / AVX2 / NEON / scalar emulations) computes the same logits and cache, bit for bit.
     (The prompt's prefill runs through SDPA at every level and decode through the VDPBF16PS
     kernels: the AMX kernels run only at the top level, with their own bits, and
-    test_prefill_amx.py / test_amx_decode_* test them.)"""
+    test_prefill_amx.py / test_amx_decode_* test them.) With the defaults (AMX where it runs),
+    every level below the top computes the VDPBF16PS bits."""
     monkeypatch.setattr(cpu_attention, "_PREFILL_AMX", False)
     monkeypatch.setattr(cpu_attention, "_DECODE_MODE", "rows")  # the AMX decode kernel: its own bits
+    monkeypatch.setattr(cpu_linear, "_DECODE_LINEARS", "vector")  # the AMX decode linears: theirs
     cpu_isa = restore_isa
     levels = cpu_isa.supported()
     args, model = random_model(packed_linears=True)
@@ -315,12 +323,13 @@ def test_isa_cap_and_bad_names(restore_isa):
     assert cpu_isa.set_isa(None) == cpu_isa.best() == cpu_isa.active()
 
 
-@pytest.mark.parametrize("packed_linears", [False, True])
-def test_fused_segments_equal_each_request_alone(packed_linears):
+@pytest.mark.parametrize("packed_linears,decode_linears", LINEAR_CASES)
+def test_fused_segments_equal_each_request_alone(packed_linears, decode_linears, monkeypatch):
     """forward_segments with the fused attention: each request's logits and cache as when it
-    runs alone through forward."""
+    runs alone through forward (packed linears on vector units and on AMX tiles)."""
     from agentspec.decode.step import Segment
 
+    monkeypatch.setattr(cpu_linear, "_DECODE_LINEARS", decode_linears)
     args, model = random_model(packed_linears)
     lens, rows = [40, 257, 130], [3, 1, 6]
 
@@ -439,3 +448,46 @@ def test_amx_decode_rows_are_invariant_to_their_company(monkeypatch):
                                                  n_kv_heads=HKV, head_dim=D)(qkv[r].contiguous(), 1)
                 assert torch.equal(one[0], together[off + t]), (P, T, t)
         off += T
+
+
+@amx_decode
+def test_amx_decode_linears_run_and_match_the_vector_ones_closely(monkeypatch):
+    """Where the tiles run, decode / verify rows project on them (``PackedLinear.prefill``, the
+    head included; ``__call__`` not at all), and their logits agree with the VDPBF16PS linears'
+    up to rounding (the tiles sum in another order). AGENTSPEC_DECODE_LINEARS=vector (and an
+    ISA cap) keep the vector ones."""
+    from agentspec.kernels import cpu_isa
+
+    args, model = random_model(packed_linears=True)
+    ids = torch.randint(0, args.vocab_size, (300,), generator=torch.Generator().manual_seed(3))
+    calls = {"amx": 0, "vector": 0}
+    prefill, call = cpu_linear.PackedLinear.prefill, cpu_linear.PackedLinear.__call__
+
+    def count(kind, fn):
+        def wrapped(self, *a, **k):
+            calls[kind] += 1
+            return fn(self, *a, **k)
+        return wrapped
+
+    monkeypatch.setattr(cpu_linear.PackedLinear, "prefill", count("amx", prefill))
+    monkeypatch.setattr(cpu_linear.PackedLinear, "__call__", count("vector", call))
+    logits = {}
+    for mode in ("vector", "amx"):
+        monkeypatch.setattr(cpu_linear, "_DECODE_LINEARS", mode)
+        assert model.decode_linears_amx() == (mode == "amx")
+        c = packed_cache(args, 320)
+        model(ids[:290], torch.arange(290), c, logits_rows=slice(-1, None))
+        c.commit(list(range(290)))
+        for k in calls:
+            calls[k] = 0
+        logits[mode] = model(ids[290:], torch.arange(290, 300), c, torch.ones(10, 300, dtype=torch.bool).tril(290))
+        n_lin = 4 * args.n_layers + 1
+        assert calls == ({"amx": n_lin, "vector": 0} if mode == "amx" else {"amx": 0, "vector": n_lin})
+    torch.testing.assert_close(logits["amx"], logits["vector"], rtol=0.05, atol=0.05)
+    assert not torch.equal(logits["amx"], logits["vector"])   # the tiles' own bits, so the switch matters
+    prev = cpu_isa.active()
+    try:
+        cpu_isa.set_isa("avx512")
+        assert not model.decode_linears_amx()
+    finally:
+        cpu_isa.set_isa(prev)

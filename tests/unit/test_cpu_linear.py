@@ -111,9 +111,13 @@ def test_bad_input():
 def test_model_decode_rows_use_packed_linears(monkeypatch):
     """Dispatch: after pack_linears a bfloat16 model's decode / verify forwards (and segments)
     run every projection and the head natively, and need no padding row; prefill keeps torch's
-    GEMM for the projections. A float32 model is not packed."""
+    GEMM for the projections. A float32 model is not packed. (Here the vector kernels'
+    ``__call__``; where AMX runs, decode rows take ``PackedLinear.prefill`` by default:
+    test_cpu_attention.py::test_amx_decode_linears_run_and_match_the_vector_ones_closely.)"""
     from agentspec.backends.embedded.model import KVCache, ModelArgs, Transformer
     from agentspec.decode.step import Segment
+
+    monkeypatch.setattr(cpu_linear, "_DECODE_LINEARS", "vector")
 
     args = ModelArgs(dim=576, n_layers=2, n_heads=9, n_kv_heads=3, hidden_dim=64, vocab_size=50, max_seq_len=256)
     assert not Transformer(args).eval().pack_linears()  # float32

@@ -180,6 +180,10 @@ class EmbeddedEngine(Engine):
         fused = (cpu_attention.packed_supported(self.kv_dtype, self.device, self.args.head_dim)
                  and cpu_attention.fused_runs(dtype, self.args.n_heads, self.args.n_kv_heads))
         self.decode_attention = cpu_attention.decode_attention_kernel() if fused else "torch"
+        # decode / verify rows' projections: "amx" (tiles), "vector" (the packed VDPBF16PS
+        # linears) or "torch" (nothing packed)
+        self.decode_linears = (("amx" if self.model.decode_linears_amx() else "vector") if fused and
+                               self.model.head_packed is not None else "torch")
         self.max_context = min(max_context or min(ckpt.args.max_seq_len, 8192), ckpt.args.max_seq_len)
         self.deterministic = deterministic
         self.deterministic_width = deterministic_width
@@ -264,7 +268,7 @@ class EmbeddedEngine(Engine):
         gov = "adaptive" if self.governor.enabled else "fixed"
         return (f"{info['cpu']}, {self.governor.max_threads} threads ({gov}), decode kernels {self.kernels}, "
                 f"prefill GEMM {self.prefill_gemm} ({self.prefill_linears}), prefill attention {self.prefill_attention}, "
-                f"decode attention {self.decode_attention}"
+                f"decode attention {self.decode_attention}, decode linears {self.decode_linears}"
                 + (", one weight copy" if self.model.weight_copies == 1 else ""))
 
     def kernel_info(self) -> dict:
@@ -275,6 +279,7 @@ class EmbeddedEngine(Engine):
                 "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "decode_kernels": self.kernels,
                 "prefill_gemm": self.prefill_gemm, "prefill_linears": self.prefill_linears,
                 "prefill_attention": self.prefill_attention, "decode_attention": self.decode_attention,
+                "decode_linears": self.decode_linears,
                 "row_invariant_linears": self.model.head_packed is not None,
                 "weight_copies": self.model.weight_copies}
 

@@ -314,14 +314,24 @@ class Block(nn.Module):
         h = cpu_attention.rms_norm(x, self.ffn_norm.weight, self.ffn_norm.eps)
         return w_down.prefill(w_gate_up.prefill(h, silu=True), residual=x)
 
-    def forward_native(self, x, layer: int, attn: "cpu_attention.QKVAttention", native_norm: bool = False):
+    def forward_native(self, x, layer: int, attn: "cpu_attention.QKVAttention", native_norm: bool = False,
+                       amx: bool = False):
         """Decode / verify rows with the native attention (rotary, cache writes and attention in
         one call per layer): the same bits as ``forward``, with a few torch calls per layer. The
         projections are the native row-invariant linears once ``Transformer.pack_linears`` set
         them (a row's bits then do not depend on the other rows), else torch's. ``native_norm``:
         the norms natively (``cpu_attention.rms_norm``, row-wise; ``Transformer.forward`` sets it
         where the AMX decode attention runs: ~0.2 ms of torch dispatch per call saved, twice per
-        layer)."""
+        layer). ``amx``: the projections on AMX tiles (``Transformer.decode_linears_amx``), the
+        residual adds and ``silu(gate) * up`` in their epilogues (rounded as the torch ops
+        below round them), the norms native; every step row-wise or row-invariant."""
+        if amx:
+            wqkv, wo, w_gate_up, w_down = self.packed
+            an, fn = self.attn_norm, self.ffn_norm
+            qkv = self._qkv_post(wqkv.prefill(cpu_attention.rms_norm(x, an.weight, an.eps)))
+            x = wo.prefill(attn(qkv, layer), residual=x)
+            h = cpu_attention.rms_norm(x, fn.weight, fn.eps)
+            return w_down.prefill(w_gate_up.prefill(h, silu=True), residual=x)
         wqkv, wo, w_gate_up, w_down = self.packed or tuple(partial(F.linear, weight=self.weight(i)) for i in range(4))
         a, n = self.attn_norm, self.ffn_norm
         if native_norm:
@@ -580,9 +590,10 @@ class Transformer(nn.Module):
         if fused:
             attn = cpu_attention.QKVAttention([(cache, start, key_len, mask, T)], cos, sin, n_heads=a.n_heads,
                                               n_kv_heads=a.n_kv_heads, head_dim=a.head_dim)
-            nn_ = self.native_decode_norm()
-            x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_native(x, i, attn, nn_))
+            nn_, lin_amx = self.native_decode_norm(), self.decode_linears_amx()
+            x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_native(x, i, attn, nn_, lin_amx))
         else:
+            lin_amx = False
             x = self._layers(x, want, hidden,
                              lambda layer, x, i: layer(x, i, cache, start, cos, sin, mask, causal, key_len, chunk,
                                                        amx))
@@ -590,7 +601,7 @@ class Transformer(nn.Module):
                 cache.sync(range(start, start + T))
         if logits_rows is not None:
             x = x[logits_rows]
-        logits = self._logits(x, native=fused)
+        logits = self._logits(x, native=fused, amx=lin_amx)
         return (logits, hidden) if want else logits
 
     def _layers(self, x: torch.Tensor, want: frozenset[int], hidden: dict[int, torch.Tensor], run) -> torch.Tensor:
@@ -601,9 +612,12 @@ class Transformer(nn.Module):
                 hidden[i] = x
         return x
 
-    def _logits(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, native: bool = False, amx: bool = False) -> torch.Tensor:
         """Final norm and output projection (tied embeddings unless lm_head), in float32;
-        ``native``: rows of the fused decode path, which use the packed head where there is one."""
+        ``native``: rows of the fused decode path, which use the packed head where there is one;
+        ``amx``: that head on AMX tiles, after the native norm (``decode_linears_amx``)."""
+        if amx:
+            return self.head_packed.prefill(cpu_attention.rms_norm(x, self.norm.weight, self.norm.eps)).float()
         if self.head_packed is not None and (native or x.shape[0] <= SMALL_T):
             return self.head_packed(self.norm(x)).float()
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
@@ -618,6 +632,15 @@ class Transformer(nn.Module):
         """Whether the fused decode / verify rows (``Block.forward_native``) take their norms
         natively: where the AMX decode attention runs (those rows' bits are that path's own)."""
         return cpu_attention.decode_attention_kernel() == "amx"
+
+    def decode_linears_amx(self) -> bool:
+        """Whether the fused decode / verify rows (``Block.forward_native``) project on AMX tiles
+        now (``cpu_linear.decode_linears_kernel``): every projection packed and AMX-capable, the
+        head included, and a bfloat16 GEMM. Decided per forward, so every row of a forward (and
+        every forward while the ISA level stays) takes the same kernel."""
+        return (self.head_packed is not None and self.layers[0].amx_linears and not self.layers[0].gemm_f32
+                and self.head_packed.K % 32 == 0
+                and cpu_linear.decode_linears_kernel() == "amx")
 
     def prefill_row_invariant(self, cache: KVCache) -> bool:
         """Whether prompt chunks over ``cache`` run the AMX path end to end (``Block.forward_amx``:
@@ -713,13 +736,14 @@ class Transformer(nn.Module):
             attn = cpu_attention.QKVAttention(
                 [(sg.cache, sg.cache.length, sg.cache.length + sg.rows, sg.mask, sg.rows) for sg in segs], cos, sin,
                 n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim)
-            nn_ = self.native_decode_norm()
-            x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_native(x, i, attn, nn_))
+            nn_, lin_amx = self.native_decode_norm(), self.decode_linears_amx()
+            x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_native(x, i, attn, nn_, lin_amx))
         else:
+            lin_amx = False
             x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_segments(x, i, segs, cos, sin))
             for sg in segs:
                 sg.cache.sync(range(sg.cache.length, sg.cache.length + sg.rows))
-        logits = self._logits(x, native=fused)
+        logits = self._logits(x, native=fused, amx=lin_amx)
         return (logits, hidden) if want else logits
 
     def param_count(self) -> int:

@@ -140,6 +140,7 @@ def engine_key(kind: str, engine: Any, **params: Any) -> dict:
         "prefill_attention": getattr(engine, "prefill_attention", None),  # "amx", "sdpa", ...
         "prefill_linears": getattr(engine, "prefill_linears", None),  # "amx" or "torch"
         "decode_attention": getattr(engine, "decode_attention", None),  # "amx", "rows" or "torch"
+        "decode_linears": getattr(engine, "decode_linears", None),  # "amx", "vector" or "torch"
         "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
         **_device(engine.device),
     }
