@@ -114,6 +114,23 @@ def test_cancel_and_bad_input(engine, prompts, step_costs):
     assert g.finish_reason == "cancelled" and 0 < len(g.token_ids) < 500
 
 
+def test_the_step_cost_model_learns_from_the_steps_it_runs(engine, prompts, reference, step_costs):
+    """Every decode step the scheduler runs is told to the cost model (rows, context, seconds):
+    the budget then weighs slots with the corrected curve at the step's context. With
+    ``live_costs=False`` the profile alone decides, whatever ran."""
+    with BatchEngine(engine, step_costs=step_costs, background=False) as be:
+        out = be.generate_many(prompts[:4], max_tokens=24)
+        assert be.steps > 0 and be.costs.observed == be.steps
+        ctx = len(prompts[0])
+        learnt = [be.step_cost(n, ctx) for n in (4, 16, 33)]
+        assert learnt != [be.step_cost(n) for n in (4, 16, 33)]
+        assert all(x > 0 for x in learnt)
+    assert [g.token_ids for g in out] == [r.token_ids[:24] for r in reference[:4]]
+    with BatchEngine(engine, step_costs=step_costs, background=False, live_costs=False) as be:
+        be.generate_many(prompts[:2], max_tokens=8)
+        assert [be.step_cost(n, len(prompts[0])) for n in (4, 16)] == [be.step_cost(n) for n in (4, 16)]
+
+
 def test_select_slots_keeps_global_top_b():
     costs = {2: 1.0, 64: 1.0 + 62 * 0.01}
 

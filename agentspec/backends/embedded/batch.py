@@ -11,8 +11,10 @@ Load-aware budget (DESIGN.md section 7): every draft slot has a survival estimat
 of the drafter's per-token confidences along its path, scaled by the request's observed
 accepted/estimated ratio). Across running requests the scheduler keeps the global top-B slots,
 B maximising expected tokens per second under a step-cost curve profiled at start-up
-(``step_cost(rows)``: the time of one forward with that many rows). B = 0 (plain batched
-decoding) is always a candidate, so in expectation speculation never costs throughput.
+(``step_cost(rows)``: the time of one forward with that many rows) and corrected by the steps
+the scheduler times (``decode.costs.StepCostModel``: per rows and context, robust to outliers).
+B = 0 (plain batched decoding) is always a candidate, so in expectation speculation never costs
+throughput.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from ...config import SpecConfig
 from ...drafting import Drafter
 from ...errors import BackendClosedError, InvalidRequestError
 from ...kernels.tree import tree_mask
+from ...decode.costs import StepCostModel, lower_convex_hull
 from ...decode.results import Generation, GenerationStats
 from ..engine import DEFAULT_SPEC
 from .model import round_up
 from ...decode.step import Segment, SeqState
 
-__all__ = ["BatchEngine", "BudgetPolicy", "select_slots"]
+__all__ = ["BatchEngine", "BudgetPolicy", "lower_convex_hull", "select_slots"]
 
 BudgetPolicy = str  # "load_aware" | "fixed" | "off"
 
@@ -84,33 +87,6 @@ def stand_in_step_costs(row_cost: float, grid: Sequence[int]) -> dict[int, float
     return {n: (1.0 + rc * (n - 1)) if n <= 33 else c33 * n / 33.0 for n in grid}
 
 
-def lower_convex_hull(costs: dict[int, float]) -> dict[int, float]:
-    """A step-cost profile with each point lowered onto the profile's lower convex hull.
-
-    Timing noise on a shared machine only ever adds time, and a forward's cost is convex in its
-    row count (fixed weight streaming, then compute-bound rows), so a point above the hull of
-    its neighbours is noise. Left in, such a point makes the rows just past it look cheap and
-    the load-aware budget over-drafts (seen: 16 rows profiled at 39.5 ms between 8 rows at 18.2
-    and 33 rows at 51.3; the hull puts it at 27.8, and a same-process measurement gave 29.5)."""
-    pts = sorted(costs.items())
-    hull: list[tuple[int, float]] = []
-    for x, y in pts:
-        # pop while the last hull point lies on or above the segment from its predecessor to (x, y)
-        while len(hull) >= 2 and (hull[-1][1] - hull[-2][1]) * (x - hull[-2][0]) >= (y - hull[-2][1]) * (
-                hull[-1][0] - hull[-2][0]):
-            hull.pop()
-        hull.append((x, y))
-    out = {}
-    for x, y in pts:
-        for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
-            if x0 <= x <= x1:
-                out[x] = min(y, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
-                break
-        else:
-            out[x] = y
-    return out
-
-
 @dataclass(eq=False)
 class _Request:
     """A queued or running request: its decoding state and the caller's callbacks."""
@@ -141,6 +117,11 @@ class BatchEngine:
       budget: "load_aware" (global top-B slots, default), "fixed" (each request's own
         ``cut_for_cost`` as in single-request decoding) or "off" (plain batched decoding).
       step_costs: {rows: seconds} to use instead of the profile (see ``step_costs``).
+      live_costs: refresh the step-cost model from the steps this engine times (default): the
+        profile is the prior, each step's (rows, context, seconds) corrects it
+        (``decode.costs.StepCostModel``), so the budget follows when rows get cheaper or dearer
+        than profiled (other contexts, a busier machine, drafting's own cost). False: the
+        profile alone.
       verify: "auto" (batched verification of the greedy requests with ``agentspec.kernels`` on
         CUDA; the per-request reference on CPU), "batched" or "reference".
       background: run the scheduler on its own thread (default). False: steps run in the
@@ -151,7 +132,7 @@ class BatchEngine:
 
     def __init__(self, engine, *, max_batch: int = 16, budget: BudgetPolicy = "load_aware",
                  step_costs: dict[int, float] | None = None, background: bool = True,
-                 verify: str = "auto") -> None:
+                 verify: str = "auto", live_costs: bool = True) -> None:
         if engine.deterministic:
             raise InvalidRequestError("continuous batching does not support the deterministic mode", param="engine")
         if budget not in ("load_aware", "fixed", "off"):
@@ -168,6 +149,8 @@ class BatchEngine:
         self._profile_lock = threading.Lock()
         self._profile: Any = None  # a cache miss: the profile's measurement, run one forward at a time
         self._profile_key: dict | None = None
+        self.live_costs = bool(live_costs)
+        self.costs: StepCostModel | None = None   # set with the profile (_set_step_costs)
         if step_costs:
             self._set_step_costs(dict(step_costs), "given")
         else:
@@ -278,16 +261,11 @@ class BatchEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def step_cost(self, rows: int) -> float:
-        """Seconds for one forward of ``rows`` rows (linear interpolation of the profile)."""
-        g, c = self._grid, self._step_costs
-        if rows <= g[0]:
-            return c[g[0]]
-        for a, b in zip(g, g[1:]):
-            if rows <= b:
-                return c[a] + (c[b] - c[a]) * (rows - a) / (b - a)
-        a, b = g[-2], g[-1]  # extrapolate linearly past the grid
-        return c[b] + (c[b] - c[a]) * (rows - b) / (b - a)
+    def step_cost(self, rows: int, context: float | None = None) -> float:
+        """Seconds for one step of ``rows`` rows: the profile, linearly interpolated (and
+        extrapolated past its grid); with ``context`` (tokens cached per request) and
+        ``live_costs``, as corrected by the steps observed so far (``StepCostModel.cost``)."""
+        return self.costs.cost(rows, context if self.live_costs else None)
 
     # ---- the step-cost profile ---------------------------------------------------------------
 
@@ -317,6 +295,10 @@ class BatchEngine:
         hull = lower_convex_hull(costs) if source != "given" else costs
         self._grid = sorted(hull)
         self._step_costs = hull
+        if self.costs is None:
+            self.costs = StepCostModel(hull)
+        else:
+            self.costs.set_prior(hull)
         self.step_costs_source = source  # "given" | "cached" | "measured" | "stand-in"
 
     def _start_profile(self) -> None:
@@ -522,16 +504,22 @@ class BatchEngine:
             req.done(self.decoder.result(seq), None)
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         reqs = self._running
         seqs = [r.seq for r in reqs]
         dec = self.decoder
+        context = sum(s.cache.length for s in seqs) / len(seqs)   # tokens cached per request
         drafts = dec.propose_many(seqs, cost_cut=self.budget == "fixed")
         if self.budget == "load_aware" and any(d.token_ids for d in drafts):
             surv = [[x * s.tracker.trust for x in d.survival()] for s, d in zip(seqs, drafts)]
-            keep = select_slots(surv, max(len(seqs), 2), float(len(seqs)), self.step_cost)
+            keep = select_slots(surv, max(len(seqs), 2), float(len(seqs)),
+                                lambda rows: self.step_cost(rows, context))
             drafts = [d.prefix(k) for d, k in zip(drafts, keep)]
         news = dec.step(seqs, drafts, batched_verify=self._batched_verify)
         self.steps += 1
         for r, new in zip(reqs, news):
             self._guard(r, lambda r, new=new: self._commit(r, new))   # one request's failure is its own
         self._running = [r for r in self._running if r.seq.cache is not None]
+        # the whole step (drafting, policy, forward, verification, commits): what a step's
+        # tokens cost, so what the budget weighs them against
+        self.costs.observe(sum(1 + len(d.token_ids) for d in drafts), context, time.perf_counter() - t0)
