@@ -22,6 +22,15 @@ stand-in for its compiled kernels (tests/sglang/standin): absolute speeds mean l
 acceptance lengths are what carry over.
 
     .venv-sglang/bin/python -m benchmarks.bench_sglang --out benchmarks/results/sglang_hybrid_cpu.json
+
+On a GPU (integrations/sglang/gpu_kit runs it so): ``--device cuda --attention-backend triton
+--deterministic --disable-cuda-graph --concurrency 1,16 --reference-logprobs``. ``--concurrency``
+runs the prompts once per level c: one at a time for c = 1 (per workload, as above), and for c > 1
+every workload's prompts together in batches of c requests sent at once (tokens/s over the whole
+batch, keys ``WORKLOAD@cC``). With ``--reference-logprobs`` the ``none`` run also returns its top-2
+log-probabilities, and every output that differs from ``none``'s is reported at its first differing
+token with ``none``'s margin there (top-1 minus top-2 logit): ``divergences`` in the report.
+``--sampled N`` adds N sampled requests (temperature 0.7, seeded) per method, which must complete.
 """
 
 from __future__ import annotations
@@ -55,11 +64,18 @@ log = logger("bench_sglang")
 
 
 def engine_kwargs(method: str, model: str, draft_tokens: int, device: str, eagle3: str | None,
-                  dtype: str = "bfloat16") -> dict:
-    kw: dict = dict(model_path=model, device=device, dtype=dtype, max_running_requests=4,
-                    mem_fraction_static=0.3, max_total_tokens=8192, log_level="error")
+                  dtype: str = "bfloat16", *, max_running: int = 4, attention_backend: str | None = None,
+                  deterministic: bool = False, disable_cuda_graph: bool = False) -> dict:
+    kw: dict = dict(model_path=model, device=device, dtype=dtype, max_running_requests=max(4, max_running),
+                    mem_fraction_static=0.3, max_total_tokens=max(8192, 2048 * max_running), log_level="error")
     if device == "cpu":
         kw["attention_backend"] = "intel_amx"
+    if attention_backend:
+        kw["attention_backend"] = attention_backend
+    if deterministic:
+        kw["enable_deterministic_inference"] = True
+    if disable_cuda_graph:
+        kw["disable_cuda_graph"] = True
     if method == "ngram":
         kw.update(speculative_algorithm="NGRAM", speculative_num_draft_tokens=draft_tokens)
     elif method == "agentspec":
@@ -80,33 +96,134 @@ def run_method(method: str, sets: dict, args) -> dict:
 
     from agentspec.integrations.sglang.config import SOURCE_KEY, read_source_records, request_params
 
+    levels = concurrency_levels(args.concurrency)
     t0 = time.perf_counter()
-    engine = sglang.Engine(**engine_kwargs(method, args.model, args.draft_tokens, args.device, args.eagle3, args.dtype))
+    engine = sglang.Engine(**engine_kwargs(method, args.model, args.draft_tokens, args.device, args.eagle3, args.dtype,
+                                           max_running=max(levels), attention_backend=args.attention_backend,
+                                           deterministic=args.deterministic,
+                                           disable_cuda_graph=args.disable_cuda_graph))
     startup = time.perf_counter() - t0
     log(f"{method}: engine up in {startup:.1f}s")
-    out: dict = {"startup_s": round(startup, 1), "workloads": {}}
+    out: dict = {"startup_s": round(startup, 1), "workloads": {}, "batches": {}}
+    logprobs = args.reference_logprobs and method == "none"
+
+    def params(wl: str, i: int) -> dict:
+        sp: dict = {"temperature": 0, "max_new_tokens": args.max_tokens}
+        if method in ("agentspec", "hybrid"):
+            sp["custom_params"] = request_params(tenant=f"{wl}-{i}")
+        return sp
+
+    def row(r: dict, dt: float) -> dict:
+        meta = r["meta_info"]
+        x = {"output_ids": list(r.get("output_ids") or []), "seconds": dt,
+             "completion_tokens": meta.get("completion_tokens"),
+             "spec": {k: v for k, v in meta.items() if k.startswith("spec_")},
+             "by_source": read_source_records(meta.get(SOURCE_KEY))}
+        if logprobs:
+            x["top_logprobs"] = [[[lp, tok] for lp, tok, *_ in (pos or [])] for pos in meta.get("output_top_logprobs") or []]
+        return x
+
+    extra = dict(return_logprob=True, top_logprobs_num=2) if logprobs else {}
     try:
         # warm-up: the first forward of each shape pays one-time costs
         engine.generate(input_ids=next(iter(sets.values()))[0][:64], sampling_params={"temperature": 0, "max_new_tokens": 4})
-        for wl, prompts in sets.items():
-            rows = []
-            for i, ids in enumerate(prompts):
-                sp = {"temperature": 0, "max_new_tokens": args.max_tokens}
-                if method in ("agentspec", "hybrid"):
-                    sp["custom_params"] = request_params(tenant=f"{wl}-{i}")
+        for c in levels:
+            if c == 1:
+                for wl, prompts in sets.items():
+                    rows = []
+                    for i, ids in enumerate(prompts):
+                        t = time.perf_counter()
+                        r = engine.generate(input_ids=ids, sampling_params=params(wl, i), **extra)
+                        rows.append(row(r, time.perf_counter() - t))
+                        log(f"{method} {wl}[{i}]: {rows[-1]['completion_tokens']} tokens in {rows[-1]['seconds']:.1f}s, "
+                            f"accept length {rows[-1]['spec'].get('spec_accept_length')}")
+                    out["workloads"][wl] = rows
+                continue
+            # c > 1: every workload's prompts together, c at a time
+            jobs = [(wl, i, ids) for wl, prompts in sets.items() for i, ids in enumerate(prompts)]
+            keyed: dict = {f"{wl}@c{c}": [None] * len(prompts) for wl, prompts in sets.items()}
+            tokens, seconds = 0, 0.0
+            for k in range(0, len(jobs), c):
+                chunk = jobs[k:k + c]
                 t = time.perf_counter()
-                r = engine.generate(input_ids=ids, sampling_params=sp)
+                rs = engine.generate(input_ids=[ids for _, _, ids in chunk],
+                                     sampling_params=[params(wl, i) for wl, i, _ in chunk], **extra)
                 dt = time.perf_counter() - t
-                meta = r["meta_info"]
-                rows.append({"output_ids": list(r.get("output_ids") or []), "seconds": dt,
-                             "completion_tokens": meta.get("completion_tokens"),
-                             "spec": {k: v for k, v in meta.items() if k.startswith("spec_")},
-                             "by_source": read_source_records(meta.get(SOURCE_KEY))})
-                log(f"{method} {wl}[{i}]: {meta.get('completion_tokens')} tokens in {dt:.1f}s, "
-                    f"accept length {meta.get('spec_accept_length')}")
-            out["workloads"][wl] = rows
+                seconds += dt
+                for (wl, i, _), r in zip(chunk, rs):
+                    keyed[f"{wl}@c{c}"][i] = row(r, dt)
+                    tokens += keyed[f"{wl}@c{c}"][i]["completion_tokens"] or 0
+            out["workloads"].update(keyed)
+            out["batches"][f"c{c}"] = {"requests": len(jobs), "tokens": tokens, "seconds": round(seconds, 3),
+                                      "tokens_per_s": round(tokens / seconds, 2) if seconds else None}
+            log(f"{method} c={c}: {tokens} tokens in {seconds:.1f}s")
+        if args.sampled:
+            ids = next(iter(sets.values()))[0]
+            done = []
+            for k in range(args.sampled):
+                sp = {"temperature": 0.7, "top_p": 0.95, "max_new_tokens": args.max_tokens, "sampling_seed": 1234 + k}
+                if method in ("agentspec", "hybrid"):
+                    sp["custom_params"] = request_params(tenant=f"sampled-{k}")
+                r = engine.generate(input_ids=ids, sampling_params=sp)
+                done.append({"completion_tokens": r["meta_info"].get("completion_tokens"),
+                             "spec_accept_length": r["meta_info"].get("spec_accept_length"),
+                             "output_ids": list(r.get("output_ids") or [])})
+            out["sampled"] = done
     finally:
         engine.shutdown()
+    return out
+
+
+def concurrency_levels(text: str) -> list[int]:
+    levels = sorted({int(x) for x in str(text).split(",") if x.strip()})
+    if not levels or levels[0] < 1:
+        raise SystemExit(f"--concurrency must be positive integers, got {text!r}")
+    return levels
+
+
+def first_divergence(ref_ids: list[int], got_ids: list[int], ref_top: list | None = None) -> dict | None:
+    """Where ``got_ids`` first leaves ``ref_ids`` (None when equal): the position, both tokens and,
+    with the reference's top log-probabilities there (``[[logprob, token], ...]``), its top two
+    and their margin (top-1 minus top-2 log-probability, which is the logit margin), and whether
+    the diverging token was the reference's second choice (a near tie, not a wrong verify)."""
+    if list(ref_ids) == list(got_ids):
+        return None
+    n = min(len(ref_ids), len(got_ids))
+    j = next((i for i in range(n) if ref_ids[i] != got_ids[i]), n)
+    entry: dict = {"position": j, "none_token": ref_ids[j] if j < len(ref_ids) else None,
+                   "token": got_ids[j] if j < len(got_ids) else None}
+    top = sorted(ref_top[j], key=lambda t: -t[0]) if ref_top and j < len(ref_top) and ref_top[j] else []
+    if top:
+        entry["none_top2"] = [[int(tok), round(float(lp), 6)] for lp, tok in top[:2]]
+        if len(top) >= 2:
+            entry["margin"] = round(float(top[0][0]) - float(top[1][0]), 6)
+            entry["token_is_none_second_choice"] = int(top[1][1]) == entry["token"]
+    return entry
+
+
+def divergences(raw: dict) -> list[dict]:
+    """Every output that differs from ``none``'s for the same prompt and concurrency, at its first
+    differing token (later tokens follow from a different context, so only the first is news)."""
+    ref = raw.get("none")
+    out = []
+    if ref is None:
+        return out
+    for method, r in raw.items():
+        if method == "none":
+            continue
+        for key, rows in r["workloads"].items():
+            for i, (a, b) in enumerate(zip(ref["workloads"].get(key, []), rows)):
+                d = first_divergence(a["output_ids"], b["output_ids"], a.get("top_logprobs"))
+                if d is not None:
+                    out.append({"method": method, "workload": key, "prompt": i, **d})
+    # plain decoding against itself: the same prompts one at a time and batched
+    for key, rows in ref["workloads"].items():
+        if "@c" in key:
+            base = ref["workloads"].get(key.split("@")[0], [])
+            for i, (a, b) in enumerate(zip(base, rows)):
+                d = first_divergence(a["output_ids"], b["output_ids"], a.get("top_logprobs"))
+                if d is not None:
+                    out.append({"method": "none", "workload": key, "prompt": i, "against": "none@c1", **d})
     return out
 
 
@@ -115,12 +232,19 @@ def summarize(raw: dict) -> dict:
     res: dict = {}
     for method, r in raw.items():
         res[method] = {"startup_s": r["startup_s"]}
+        if r.get("batches"):
+            res[method]["batches"] = r["batches"]
+        if r.get("sampled") is not None:
+            res[method]["sampled"] = {"requests": len(r["sampled"]),
+                                      "tokens": sum(x["completion_tokens"] or 0 for x in r["sampled"])}
         for wl, rows in r["workloads"].items():
             toks = sum(x["completion_tokens"] or 0 for x in rows)
             secs = sum(x["seconds"] for x in rows)
             verify = sum(x["spec"].get("spec_verify_ct") or 0 for x in rows)
             accept = [x["spec"]["spec_accept_length"] for x in rows if x["spec"].get("spec_accept_length") is not None]
-            entry = {"prompts": len(rows), "tokens": toks, "tokens_per_s": round(toks / secs, 2) if secs else None,
+            batched = "@c" in wl   # tokens/s of a batch is in "batches" (its rows share its time)
+            entry = {"prompts": len(rows), "tokens": toks,
+                     "tokens_per_s": round(toks / secs, 2) if secs and not batched else None,
                      "accept_length_mean": round(statistics.fmean(accept), 3) if accept else None,
                      "accept_length_tokens_per_verify": round(toks / verify, 3) if verify else None}
             if ref is not None and method != "none":
@@ -137,6 +261,11 @@ def summarize(raw: dict) -> dict:
             if by:
                 entry["by_source"] = by
             res[method][wl] = entry
+    if ref is not None:   # plain decoding batched against one at a time
+        for key, rows in ref["workloads"].items():
+            if "@c" in key and key.split("@")[0] in ref["workloads"]:
+                same = [a["output_ids"] == b["output_ids"] for a, b in zip(ref["workloads"][key.split("@")[0]], rows)]
+                res["none"][key]["identical_to_c1"] = f"{sum(same)}/{len(same)}"
     ratios: dict = {}
     for wl in next(iter(raw.values()))["workloads"]:
         al = {m: res.get(m, {}).get(wl, {}).get("accept_length_tokens_per_verify") for m in res}
@@ -164,11 +293,22 @@ def bars(res: dict) -> dict:
     return out
 
 
-def machine() -> dict:
-    """The CPU as lscpu names it, its core count and its SIMD flags (avx*, amx*)."""
+def machine(device: str = "cpu") -> dict:
+    """The CPU as lscpu names it, its core count and its SIMD flags (avx*, amx*); on CUDA also the
+    GPU, its driver and memory as nvidia-smi reports them, and the CUDA torch was built for."""
     import subprocess
 
     info: dict = {"cores": os.cpu_count()}
+    if device.startswith("cuda"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,compute_cap",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout
+            info["gpus"] = [line.strip() for line in out.splitlines() if line.strip()]
+        except (OSError, subprocess.SubprocessError) as e:
+            info["gpus"] = f"nvidia-smi: {e}"
+        import torch
+
+        info["torch_cuda"] = torch.version.cuda
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
         for line in out.splitlines():
@@ -180,6 +320,19 @@ def machine() -> dict:
     except (OSError, subprocess.SubprocessError):
         info["cpu"] = platform.processor() or platform.machine()
     return info
+
+
+def kernels_note(device: str) -> str:
+    try:
+        import sgl_kernel
+    except ImportError:
+        return "no sgl_kernel"
+    if getattr(sgl_kernel, "AGENTSPEC_CUDA_STANDIN", False):
+        return ("torch/Triton sgl_kernel stand-in (tests/sglang/standin_cuda): tree ops and renorm in the wheel's "
+                "Triton, sampled verification and RMSNorm in torch")
+    if getattr(sgl_kernel, "AGENTSPEC_STANDIN", False):
+        return "pure-torch sgl_kernel stand-in (tests/sglang/standin), intel_amx attention backend"
+    return f"sgl_kernel {getattr(sgl_kernel, '__version__', '?')}"
 
 
 def main() -> int:
@@ -197,6 +350,14 @@ def main() -> int:
     ap.add_argument("--max-prompt", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--prompts-file", type=Path, help="tokenized prompts (JSON {workload: [[ids]]})")
+    ap.add_argument("--concurrency", default="1", help="comma-separated levels, e.g. 1,16 (see above)")
+    ap.add_argument("--attention-backend", help="SGLang's attention backend (default: intel_amx on CPU, SGLang's choice else)")
+    ap.add_argument("--deterministic", action="store_true", help="SGLang's --enable-deterministic-inference "
+                    "(batch-invariant kernels; on CUDA with the triton, fa3 or flashinfer attention backend)")
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--reference-logprobs", action="store_true",
+                    help="none returns its top-2 log-probabilities: divergences carry the margin at the first differing token")
+    ap.add_argument("--sampled", type=int, default=0, help="sampled requests per method (temperature 0.7), after the greedy ones")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.dtype is None:
@@ -226,13 +387,21 @@ def main() -> int:
     import torch
 
     results = summarize(ok) if ok else {}
-    report = {"machine": machine(),
+    report = {"machine": machine(args.device),
               "sglang": sglang.__version__, "torch": torch.__version__, "device": args.device, "dtype": args.dtype,
-              "kernels": "pure-torch sgl_kernel stand-in (tests/sglang/standin), intel_amx attention backend"
-              if args.device == "cpu" else "sgl_kernel",
+              "kernels": kernels_note(args.device),
+              "engine": {k: v for k, v in engine_kwargs("none", args.model, args.draft_tokens, args.device, None,
+                                                         args.dtype, max_running=max(concurrency_levels(args.concurrency)),
+                                                         attention_backend=args.attention_backend,
+                                                         deterministic=args.deterministic,
+                                                         disable_cuda_graph=args.disable_cuda_graph).items()
+                         if k not in ("model_path", "log_level")},
               "draft_tokens": args.draft_tokens, "max_tokens": args.max_tokens,
+              "concurrency": concurrency_levels(args.concurrency),
               "prompts": {k: len(v) for k, v in sets.items()},
               "results": results, "bars": bars(results),
+              "divergences": divergences(ok),
+              "reference_logprobs": bool(args.reference_logprobs),
               "errors": {m: r["error"] for m, r in raw.items() if "error" in r}}
     emit_report(report, args.out)
     return 0
