@@ -131,7 +131,7 @@ def run_method(method: str, sets: dict, args) -> dict:
             if c == 1:
                 for wl, prompts in sets.items():
                     rows = []
-                    for i, ids in enumerate(prompts):
+                    for i, ids in enumerate(prompts[:args.c1_prompts or None]):
                         t = time.perf_counter()
                         r = engine.generate(input_ids=ids, sampling_params=params(wl, i), **extra)
                         rows.append(row(r, time.perf_counter() - t))
@@ -351,6 +351,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--prompts-file", type=Path, help="tokenized prompts (JSON {workload: [[ids]]})")
     ap.add_argument("--concurrency", default="1", help="comma-separated levels, e.g. 1,16 (see above)")
+    ap.add_argument("--c1-prompts", type=int, default=0, help="at c = 1 only the first N prompts of each workload "
+                    "(default: all; c > 1 always runs all)")
     ap.add_argument("--attention-backend", help="SGLang's attention backend (default: intel_amx on CPU, SGLang's choice else)")
     ap.add_argument("--deterministic", action="store_true", help="SGLang's --enable-deterministic-inference "
                     "(batch-invariant kernels; on CUDA with the triton, fa3 or flashinfer attention backend)")

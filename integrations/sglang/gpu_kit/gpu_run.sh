@@ -23,7 +23,7 @@
 # (machine, versions, each step's result), smoke.json / bench_sglang_gpu.json, serve.json, serve.log.
 # Exit status: non-zero when a step failed.
 #   KIT=build/gpu_kit STATE=build/gpu_state PYTHON=python3   METHODS=none,ngram,agentspec,eagle3,hybrid
-#   MAX_TOKENS=128 CONCURRENCY=1,16 DRAFT_TOKENS=8
+#   MAX_TOKENS=96 CONCURRENCY=1,16 C1_PROMPTS=4 (per workload at c=1; c=16 runs all 16) DRAFT_TOKENS=8
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 MODE="${1:-smoke}"
@@ -135,7 +135,7 @@ json.dump({k: v[:1] for k, v in sets.items()}, open(sys.argv[2], "w"))
 PY
     say "smoke: one greedy request per workload (c=1, then both at once) and one sampled, per method"
     "$PY" benchmarks/bench_sglang.py "${SGL_ARGS[@]}" --model "$STATE/smoke_model" --methods "$METHODS" \
-        --prompts-file "$STATE/prompts_smoke.json" --max-tokens 32 --concurrency 1,2 --sampled 1 \
+        --prompts-file "$STATE/prompts_smoke.json" --max-tokens 24 --concurrency 1,2 --sampled 1 \
         --reference-logprobs --out "$OUT/smoke.json" > /dev/null
     local rc=$?
     "$PY" - "$OUT/smoke.json" "$METHODS" <<'PY'
@@ -165,7 +165,8 @@ measure() {
     step "converted to a Hugging Face folder" $? "$(cat "$STATE/model.json")" || return 1
     say "measure: ${METHODS} at concurrency ${CONCURRENCY:-1,16}"
     "$PY" benchmarks/bench_sglang.py "${SGL_ARGS[@]}" --model "$STATE/model" --methods "$METHODS" \
-        --prompts-file "$STATE/prompts.json" --max-tokens "${MAX_TOKENS:-128}" --concurrency "${CONCURRENCY:-1,16}" \
+        --prompts-file "$STATE/prompts.json" --max-tokens "${MAX_TOKENS:-96}" --concurrency "${CONCURRENCY:-1,16}" \
+        --c1-prompts "${C1_PROMPTS:-4}" \
         --reference-logprobs --sampled 2 --out "$OUT/bench_sglang_gpu.json" > /dev/null
     step "bench_sglang ran" $?
     "$PY" - "$OUT/bench_sglang_gpu.json" <<'PY'
