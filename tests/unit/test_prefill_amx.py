@@ -1,7 +1,7 @@
 """The AMX prefill attention (kernels/csrc/prefill_amx.cpp): accuracy against a float32
 reference, a row's bits independent of the chunk it is computed in and of the thread count, the
-packed cache it writes, bad arguments, and the engine taking it for prompts (skipped on CPUs
-without AMX-BF16)."""
+packed cache it writes, bad arguments (skipped on CPUs without AMX-BF16); the bundled
+model's prefill on it is tested in tests/integration/test_prefill_amx_engine.py."""
 
 from __future__ import annotations
 
@@ -258,31 +258,3 @@ def test_qkv_attention_is_rotary_then_prefill_attention_bit_for_bit():
     assert torch.equal(a.k[:, :, :n], b.k[:, :, :n]) and torch.equal(a.v[:, :, :n], b.v[:, :, :n])
     assert torch.equal(a.kt2[..., :n, :], b.kt2[..., :n, :])
     assert torch.equal(a.vp[:, :, : n // 2], b.vp[:, :, : n // 2])
-
-
-def test_the_bundled_models_prefill_does_not_depend_on_how_the_prompt_is_split(engine, rewrite_prompts):
-    """On the AMX path end to end (Block.forward_amx) every prefill row is split-invariant: one
-    forward over the prompt, the canonical 256-token chunks, 1024-token forwards (what
-    Decoder.prefill takes here) and odd 16-aligned pieces give the same logits and the same KV
-    bits, so the prefix cache's chunks are the same whichever way a prompt was prefilled."""
-    _skip_unless_prompts_take_amx()
-    assert engine.kernel_info()["prefill_linears"] == "amx"
-    ids = torch.tensor([t for p in sorted(rewrite_prompts, key=len, reverse=True) for t in p][:1100])
-    n = len(ids)
-    assert n == 1100
-    assert engine.model.prefill_row_invariant(engine.new_cache(n + 16))
-
-    def run(bounds):
-        cache = engine.new_cache(n + 16)
-        with torch.inference_mode():
-            for s, e in zip(bounds, bounds[1:]):
-                out = engine.model(ids[s:e], torch.arange(s, e), cache, logits_rows=slice(-1, None), prefill=True)
-                cache.commit(list(range(e - s)))
-        return out, cache
-
-    ref, rc = run(list(range(0, n, 256)) + [n])
-    for bounds in ([0, n], [0, 1024, n], [0, 16, 400, 528, 1040, n]):
-        out, c = run(bounds)
-        assert torch.equal(out, ref), bounds
-        assert torch.equal(c.k[:, :, :n], rc.k[:, :, :n]) and torch.equal(c.v[:, :, :n], rc.v[:, :, :n]), bounds
-        assert torch.equal(c.kt2[..., :n, :], rc.kt2[..., :n, :]), bounds
