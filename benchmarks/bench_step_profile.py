@@ -45,12 +45,10 @@ if not __package__:  # run as a file, not with -m: the repository root, for `ben
 from benchmarks.harness import (  # noqa: E402
     DATA,
     DATA_HELP,
-    agent_prompts,
     emit_report,
-    first_record,
     logger,
     machine_record,
-    rewrite_prompts,
+    workload_prompts,
 )
 
 log = logger("bench_step_profile")
@@ -269,14 +267,7 @@ def main() -> int:
         step_costs = be.step_costs
         cost_source = be.step_costs_source
     n_max = max(max(cs), args.requests)
-    sets = {}
-    for wl in args.workloads.split(","):
-        if wl == "rewrites":
-            sets[wl] = rewrite_prompts(engine, args.data, n_max, args.max_prompt, first_record(args.data, 200))
-        elif wl == "agent_turns":
-            sets[wl] = agent_prompts(engine, args.data, n_max, args.max_prompt, first_record(args.data, 150))
-        else:
-            raise SystemExit(f"unknown workload {wl!r}: rewrites or agent_turns")
+    sets = workload_prompts(engine, args.data, args.workloads, n_max, args.max_prompt)
     variants = parse_variants(args.variants)
     probe = Probe()
     call_cost = wrapper_cost(probe)

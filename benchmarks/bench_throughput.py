@@ -34,13 +34,13 @@ from benchmarks.harness import (  # noqa: E402
     DATA_HELP,
     agent_prompts,  # with rewrite_prompts, still importable from here (tests/sglang imports them so)
     emit_report,
-    first_record,
     logger,
     machine_record,
     pyplot,
     rewrite_prompts,
     run_peer,
     save_figure,
+    workload_prompts,
 )
 
 log = logger("bench_throughput")
@@ -126,14 +126,7 @@ def main() -> int:
         step_costs = be.step_costs
     log(f"step costs (ms): { {k: round(v * 1e3, 1) for k, v in step_costs.items()} }")
     n_max = max(max(cs), args.requests)
-    sets = {}
-    for wl in args.workloads.split(","):
-        if wl == "rewrites":
-            sets[wl] = rewrite_prompts(engine, args.data, n_max, args.max_prompt, first_record(args.data, 200))
-        elif wl == "agent_turns":
-            sets[wl] = agent_prompts(engine, args.data, n_max, args.max_prompt, first_record(args.data, 150))
-        else:
-            raise SystemExit(f"unknown workload {wl!r}: rewrites or agent_turns")
+    sets = workload_prompts(engine, args.data, args.workloads, n_max, args.max_prompt)
     have_vllm = Path(args.vllm_python).exists() and Path(args.vllm_model).exists()
     results: dict = {}
     for wl, prompts in sets.items():

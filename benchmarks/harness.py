@@ -272,6 +272,20 @@ def agent_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> li
     return [engine.encode(it["messages"]) for it in agent_items(data, n, max_prompt, start, engine.tokenizer)]
 
 
+def workload_prompts(engine, data: Path, workloads: str, n: int, max_prompt: int) -> dict[str, list[list[int]]]:
+    """``{workload: token ids}`` for a comma-separated list of ``rewrites`` / ``agent_turns``, ``n``
+    prompts each from their held-out records (``first_record``); SystemExit names a bad one."""
+    sets: dict[str, list[list[int]]] = {}
+    for wl in workloads.split(","):
+        if wl == "rewrites":
+            sets[wl] = rewrite_prompts(engine, data, n, max_prompt, first_record(data, 200))
+        elif wl == "agent_turns":
+            sets[wl] = agent_prompts(engine, data, n, max_prompt, first_record(data, 150))
+        else:
+            raise SystemExit(f"unknown workload {wl!r}: rewrites or agent_turns")
+    return sets
+
+
 def conversations(path: Path, engine, *, tasks: int, turns: int, max_prompt: int) -> list[tuple[str, list]]:
     """The first ``tasks`` trajectories with ``turns`` turns whose prompts stay under ``max_prompt``
     (``engine.encode(messages)`` gives a turn's token ids): a recorded history split into its

@@ -80,7 +80,6 @@ def test_python_block(server):
     assert int(cached) > 0, lines   # the session's second turn starts with the first turn's prompt
     assert float(session_mat) >= 1.0, lines
     assert "--- " in out.stdout or lines[2:] == [""], lines   # a unified diff, or none if nothing changed
-    assert not (ROOT / "agentspec" / "text.py.tmp").exists()
     assert subprocess.run(["git", "diff", "--quiet", "--", "agentspec/text.py"], cwd=ROOT).returncode == 0
 
 

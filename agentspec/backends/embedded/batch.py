@@ -293,7 +293,6 @@ class BatchEngine:
 
     def _set_step_costs(self, costs: dict[int, float], source: str) -> None:
         hull = lower_convex_hull(costs) if source != "given" else costs
-        self._grid = sorted(hull)
         self._step_costs = hull
         if self.costs is None:
             self.costs = StepCostModel(hull)

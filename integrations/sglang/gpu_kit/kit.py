@@ -46,11 +46,8 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def tree_size(path: Path) -> int:
