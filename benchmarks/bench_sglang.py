@@ -110,7 +110,8 @@ def run_method(method: str, sets: dict, args) -> dict:
     def params(wl: str, i: int) -> dict:
         sp: dict = {"temperature": 0, "max_new_tokens": args.max_tokens}
         if method in ("agentspec", "hybrid"):
-            sp["custom_params"] = request_params(tenant=f"{wl}-{i}")
+            drafters = args.hybrid_drafters if method == "hybrid" else None
+            sp["custom_params"] = request_params(tenant=f"{wl}-{i}", drafters=drafters)
         return sp
 
     def row(r: dict, dt: float) -> dict:
@@ -360,6 +361,9 @@ def main() -> int:
     ap.add_argument("--reference-logprobs", action="store_true",
                     help="none returns its top-2 log-probabilities: divergences carry the margin at the first differing token")
     ap.add_argument("--sampled", type=int, default=0, help="sampled requests per method (temperature 0.7), after the greedy ones")
+    ap.add_argument("--hybrid-drafters", type=lambda t: [x for x in t.split(",") if x], default=None,
+                    help="the hybrid's drafter list per request, e.g. 'suffix>eagle3' (switch, the default) or "
+                         "'suffix,eagle3' (both trees as siblings)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.dtype is None:
@@ -377,6 +381,9 @@ def main() -> int:
                                             first_record(args.data, 200)),
                 "agent": agent_prompts(tok_engine, args.data, args.agent, args.max_prompt, first_record(args.data, 150))}
         del tok_engine
+    sets = {wl: prompts for wl, prompts in sets.items() if prompts}   # --rewrites 0: agent turns only
+    if not sets:
+        raise SystemExit("bench_sglang: no prompts (--agent and --rewrites are both 0)")
     raw = {}
     for m in args.methods.split(","):
         try:

@@ -365,7 +365,7 @@ class SGLangBackend:
                 tenant=request.tenant, route=request.route, spec=spec is not None,
                 budget=spec.budget if spec is not None else None, prediction=prediction,
                 # the hybrid: the route's own list; the default list ("suffix") leaves the
-                # worker's default, both drafters (suffix first, the head when it expects more)
+                # worker's default: both drafters, merged as siblings
                 drafters=names if self.speculative == "hybrid" and names != ("suffix",) else None)
         # NGRAM and EAGLE3 cannot be turned off per request: they draft for every one
         spec_on = self.algorithm is not None and (spec is not None or self.speculative not in _POLICY)

@@ -6,18 +6,21 @@ the head's draft extend, the head's multi-step draft, the TARGET_VERIFY forward,
 the draft extend over the accepted tokens), except that each decode step's verify tree is chosen
 per request by agentspec's drafters through the embedded engine's ``Drafter`` and ``DraftPolicy``:
 
-- ``"suffix>eagle3"`` (the default): ``FallbackDrafter(suffix, head)`` in "switch" mode, i.e. the
-  suffix draft when its expected accepted length (``Draft.expected()``) is at least the head's,
-  else the head's (ArcticInference's hybrid rule). The head's greedy chain carries no confidence of
-  its own (SGLang's top-1 draft has probability 1 per node), so its expected accepted length is
-  measured: a decayed mean of the head's accepted tokens per step, per request (``HeadEstimate``;
-  new requests start from the mean over all requests), spread over the chain as a geometric
-  survival. A step whose every request has a suffix draft at least that good skips the head's
-  draft forwards;
-- ``["suffix", "eagle3"]``: both trees as siblings under the root within the verify width (the
-  registry's merge: the head asked when the suffix draft expects fewer than
-  ``FALLBACK_MIN_EXPECTED`` tokens);
+- ``["suffix", "eagle3"]`` (the default): both trees merged as siblings under the root within the
+  verify width, best first by each node's survival (``merge_drafts``, the registry's merge): the
+  head is asked when the suffix draft expects fewer than ``FALLBACK_MIN_EXPECTED`` tokens;
+- ``"suffix>eagle3"``: ``FallbackDrafter(suffix, head)`` in "switch" mode, i.e. the suffix draft
+  when its expected accepted length (``Draft.expected()``) is at least the head's, else the head's
+  (ArcticInference's hybrid rule); the head is asked when the suffix draft expects fewer than
+  ``FALLBACK_MIN_EXPECTED`` tokens or than the head has been giving the request;
 - ``["suffix"]`` / ``["eagle3"]``: one drafter; a request with speculation off gets a root-only row.
+
+The head's confidence per node is its own: the softmax probability of each argmax token of its
+top-1 chain (SGLang's topk 1 drafting keeps 1.0 there; the worker reads the draft forwards'
+logits, and the draft extend's for the chain's first token, kept in ``topk_p``). Where a forward
+was not seen (a CUDA graph ran it), the chain's confidence is the measured one: a decayed mean of
+the head's accepted tokens per step, per request (``HeadEstimate``), spread as a geometric
+survival.
 
 The head stays in step whichever drafter proposed: SGLang's draft extend after verify runs the
 head over the accepted path's tokens with the target's hidden states of those rows (the accepted
@@ -44,6 +47,7 @@ sampling``) run SGLang's EAGLE-3 step unchanged (head drafts only).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -68,7 +72,7 @@ logger = logging.getLogger(__name__)
 _is_cpu = is_cpu()
 
 HEAD_SOURCE = "eagle3"
-DEFAULT_DRAFTERS = ("suffix>eagle3",)
+DEFAULT_DRAFTERS = ("suffix", "eagle3")
 
 
 class TreeVerifyInput(EagleVerifyInput):
@@ -117,11 +121,55 @@ def geometric_probs(expected: float, length: int) -> list[float]:
     return [lo] * length
 
 
-def head_drafts(verify: EagleVerifyInput, bs: int, width: int) -> list[Draft]:
+def top_probs(logits: torch.Tensor) -> list[float]:
+    """Each row's largest softmax probability (the head's confidence in its argmax token)."""
+    return torch.softmax(logits.float(), dim=-1).amax(dim=-1).reshape(-1).tolist()
+
+
+class _Capture:
+    """Records what ``runner.forward`` returns while active (the head's logits of each draft
+    forward), then puts the runner's own ``forward`` back."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner, self.outputs = runner, []
+
+    def __enter__(self) -> "_Capture":
+        runner = self.runner
+        self._own = "forward" in vars(runner)
+        original = runner.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            self.outputs.append(result.logits_output)
+            return result
+
+        runner.forward = forward
+        self._original = original
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._own:
+            self.runner.forward = self._original
+        else:
+            del self.runner.forward
+
+
+def chain_probs(first: list[float] | None, steps: list[list[float]], bs: int, length: int) -> list[list[float]] | None:
+    """Per request, the head's confidence in each node of its top-1 chain of ``length`` nodes:
+    node 0's from the draft extend that chose it (``first``), node k's from draft forward k - 1
+    (``steps``). None when a forward ran outside what was captured (e.g. a CUDA graph)."""
+    if first is None or len(first) != bs or len(steps) != length - 1 or any(len(s) != bs for s in steps):
+        return None
+    return [[first[b], *(s[b] for s in steps)] for b in range(bs)]
+
+
+def head_drafts(verify: EagleVerifyInput, bs: int, width: int,
+                confidences: list[list[float]] | None = None) -> list[Draft]:
     """The head's draft tree of each request from SGLang's EAGLE verify input (row 0 the root;
     children by ``retrieve_next_token``, then ``retrieve_next_sibling``), as ``Draft``s: the chain
-    of first children has probability 1 per node (the head's top-1 path), side branches 0 (kept
-    only where the budget leaves room). ``calibrated`` gives them the measured confidence."""
+    of first children (the head's top-1 path) has the head's own softmax confidence per node when
+    ``confidences`` gives it (per request, per depth), else probability 1 (``calibrated`` then
+    gives it the measured mean); side branches 0 (kept only where the budget leaves room)."""
     tokens = verify.draft_token.view(bs, width).tolist()
     nxt = verify.retrieve_next_token.view(bs, width).tolist()
     sib = verify.retrieve_next_sibling.view(bs, width).tolist()
@@ -130,19 +178,24 @@ def head_drafts(verify: EagleVerifyInput, bs: int, width: int) -> list[Draft]:
         ids: list[int] = []
         parents: list[int] = []
         probs: list[float] = []
-        queue = [(0, -1, True)]   # (local node, its index in the draft, on the main chain)
+        conf = confidences[b] if confidences is not None else None
+        queue = [(0, -1, True, 0)]   # (local node, its index in the draft, on the main chain, depth)
         while queue:
-            node, at, main = queue.pop(0)
+            node, at, main, depth = queue.pop(0)
             child, first = nxt[b][node], True
             while child != -1 and len(ids) < width - 1:
                 ids.append(int(tokens[b][child]))
                 parents.append(at)
                 on_main = main and first
-                probs.append(1.0 if on_main else 0.0)
-                queue.append((child, len(ids) - 1, on_main))
+                if not on_main:
+                    probs.append(0.0)
+                elif conf is not None and depth < len(conf):
+                    probs.append(min(max(float(conf[depth]), 0.0), 1.0))
+                else:
+                    probs.append(1.0)
+                queue.append((child, len(ids) - 1, on_main, depth + 1))
                 child, first = sib[b][child], False
-        score = float(sum(1 for p in probs if p == 1.0))
-        out.append(Draft(ids, parents, probs, score, HEAD_SOURCE) if ids else EMPTY_DRAFT)
+        out.append(Draft(ids, parents, probs, 0.0, HEAD_SOURCE) if ids else EMPTY_DRAFT)
     return out
 
 
@@ -173,13 +226,19 @@ class _HeadProposals:
         self.worker, self.batch = worker, batch
         self.verify: EagleVerifyInput | None = None
         self.drafts: dict[str, Draft] = {}
+        self.measured = False   # the drafts carry the head's own per-node confidence
 
     def _run(self) -> None:
         if self.verify is None:
             w, batch = self.worker, self.batch
-            with w.draft_contexts():
+            bs = len(batch.reqs)
+            first = w.first_confidence(batch)
+            with w.draft_contexts(), _Capture(w.draft_worker.draft_runner) as cap:
                 self.verify = w.draft_worker.draft(batch)
-            by_row = head_drafts(self.verify, len(batch.reqs), w.speculative_num_draft_tokens)
+            steps = [top_probs(o.next_token_logits) for o in cap.outputs]
+            conf = chain_probs(first, steps, bs, w.speculative_num_steps) if w.head_confidence else None
+            self.measured = conf is not None
+            by_row = head_drafts(self.verify, bs, w.speculative_num_draft_tokens, conf)
             self.drafts = {req.rid: d for req, d in zip(batch.reqs, by_row)}
 
     def start(self, req_id: str, prompt: Sequence[int], *, tenant: str = "default") -> None:
@@ -194,7 +253,7 @@ class _HeadProposals:
     def propose(self, req_id: str, budget: int) -> Draft:
         self._run()
         d = self.drafts.get(req_id, EMPTY_DRAFT).prefix(budget)
-        return calibrated(d, self.worker.head_estimate.get(req_id))
+        return d if self.measured else calibrated(d, self.worker.head_estimate.get(req_id))
 
     def propose_batch(self, req_ids: Sequence[str], budgets: Sequence[int]) -> list[Draft]:
         return [self.propose(r, b) for r, b in zip(req_ids, budgets)]
@@ -223,13 +282,14 @@ def compose(names: Sequence[str], suffix: Any, head: Any, head_expected: float) 
     has_s, has_h = "suffix" in flat, HEAD_SOURCE in flat
     if has_s and has_h:
         if any(">" in entry for entry in names):
-            # switch: the head wins only with a larger expected length than the suffix draft's,
-            # which is head_expected: a suffix draft expecting that much is final (the head's
-            # forwards are skipped for it)
+            # switch: the head wins only with a larger expected length than the suffix draft's.
+            # A suffix draft expecting at least FALLBACK_MIN_EXPECTED and at least what the head
+            # has been giving this request (head_expected) is final: the head's forwards are
+            # skipped for it. Otherwise both are drafted and compared node by node.
             first_is_suffix = flat.index("suffix") < flat.index(HEAD_SOURCE)
             primary, fallback = (suffix, head) if first_is_suffix else (head, suffix)
             return FallbackDrafter(primary, fallback, mode="switch",
-                                   min_expected=max(head_expected, 1e-6) if first_is_suffix else None)
+                                   min_expected=max(head_expected, FALLBACK_MIN_EXPECTED) if first_is_suffix else None)
         return FallbackDrafter(suffix, head, mode="merge", min_expected=FALLBACK_MIN_EXPECTED)
     if has_s:
         return suffix
@@ -283,6 +343,8 @@ class AgentSpecEagle3Worker(SuffixState, EAGLEWorkerV2):
         self.head_steps = 0          # steps that ran the head's draft forwards
         self.head_estimate = HeadEstimate()
         self.last_plan: list[Draft] = []
+        # the head's softmax confidence per draft node (else its measured mean per request)
+        self.head_confidence = os.environ.get("AGENTSPEC_HEAD_CONFIDENCE", "1") != "0"
         if self._tp is not None:
             raise ValueError("AGENTSPEC_EAGLE3 runs with tensor parallelism 1 (use AGENTSPEC or EAGLE3 with --tp > 1)")
 
@@ -320,10 +382,35 @@ class AgentSpecEagle3Worker(SuffixState, EAGLEWorkerV2):
             self._front_accepted_path(batch, out)
         if on_publish is not None:
             on_publish(out.new_seq_lens)
-        with self.draft_contexts():
+        with self.draft_contexts(), _Capture(self.draft_worker.draft_runner) as cap:
             self.draft_worker._draft_extend_for_decode(batch, out, kv_loc_plan=verify_input.kv_loc_plan)
+        self._keep_first_confidence(out, cap.outputs)
         self._record(batch, plan, out)
         return out
+
+    def _keep_first_confidence(self, out: Any, outputs: list) -> None:
+        """The head's confidence in the next step's first draft token (the argmax of the draft
+        extend's selected row), kept in ``next_draft_input.topk_p`` where SGLang keeps 1.0 for
+        topk 1 (SGLang slices and merges it with the batch; topk 1 drafting reads it only as a
+        score, and every chain node is verified, so the head's draft is the same)."""
+        nxt = getattr(out, "next_draft_input", None)
+        if nxt is None or nxt.topk_index is None or nxt.topk_p is None or len(outputs) != 1:
+            return
+        logits = outputs[0].next_token_logits
+        if logits is None or logits.shape[0] != nxt.topk_index.shape[0]:
+            return   # the rows were not selected in place (a CUDA graph's path)
+        p = torch.tensor(top_probs(logits), dtype=nxt.topk_p.dtype, device=nxt.topk_p.device)
+        nxt.topk_p = p.view(nxt.topk_p.shape)
+
+    @staticmethod
+    def first_confidence(batch: Any) -> list[float] | None:
+        """The head's confidence in each request's first draft token this step (``topk_p`` of the
+        draft input: the softmax of the prefill's or the last draft extend's selected row)."""
+        info = batch.spec_info
+        p = getattr(info, "topk_p", None)
+        if p is None or p.dim() == 0 or p.shape[-1] != 1:
+            return None
+        return p.reshape(-1).tolist()
 
     def _plan(self, batch: Any) -> tuple[EagleVerifyInput, list[Draft], bool]:
         """Each request's draft for this step and the verify input over them. ``depth_ok``: every
@@ -481,4 +568,5 @@ class AgentSpecEagle3Worker(SuffixState, EAGLEWorkerV2):
 
 
 __all__ = ["AgentSpecEagle3Worker", "DEFAULT_DRAFTERS", "HEAD_SOURCE", "HeadEstimate", "TreeVerifyInput", "calibrated",
+           "chain_probs", "top_probs",
            "compose", "geometric_probs", "head_drafts", "tree_links", "tree_rows"]

@@ -15,8 +15,11 @@ from agentspec.integrations.sglang.config import read_source_records, source_rec
 from agentspec.integrations.sglang.hybrid import (  # noqa: E402
     HeadEstimate,
     calibrated,
+    chain_probs,
     compose,
     geometric_probs,
+    head_drafts,
+    top_probs,
     tree_links,
     tree_rows,
 )
@@ -65,7 +68,8 @@ def test_compose_follows_the_registry_meaning_of_drafter_lists():
     assert compose(["eagle3"], s, h, 1.0) is h
     assert compose(["lookahead"], s, h, 1.0) is None
     switch = compose(["suffix>eagle3"], s, h, 2.5)
-    assert isinstance(switch, FallbackDrafter) and switch.mode == "switch" and switch.min_expected == 2.5
+    assert isinstance(switch, FallbackDrafter) and switch.mode == "switch" and switch.min_expected == 3.0
+    assert compose(["suffix>eagle3"], s, h, 4.5).min_expected == 4.5
     merged = compose(["suffix", "eagle3"], s, h, 2.5)
     assert merged.mode == "merge"
     # switch: the suffix draft (expects 0.9 + 0.81) loses to a head expecting 2.5 ...
@@ -98,3 +102,51 @@ def test_source_records_round_trip_and_skip_junk():
               source_record({"suffix": (2, 0), "eagle3": (4, 1)}), None, "garbage", 7, "x:y:z"]
     assert read_source_records(values) == {"suffix": [2, 7, 3], "eagle3": [1, 4, 1]}
     assert read_source_records(None) == {}
+
+
+def _verify(tokens, nxt, sib):
+    import torch
+    from types import SimpleNamespace
+
+    return SimpleNamespace(draft_token=torch.tensor(tokens), retrieve_next_token=torch.tensor(nxt),
+                           retrieve_next_sibling=torch.tensor(sib))
+
+
+def test_head_drafts_carry_the_heads_own_confidence_per_depth():
+    # two requests, width 4: request 0 a chain 7 -> 8 -> 9, request 1 a chain 5 -> 6 (row 3 unused)
+    v = _verify([0, 7, 8, 9, 0, 5, 6, 0], [1, 2, 3, -1, 1, 2, -1, -1], [-1] * 8)
+    conf = [[0.9, 0.5, 0.2], [0.99, 0.1, 0.3]]
+    d0, d1 = head_drafts(v, 2, 4, conf)
+    assert d0.token_ids == [7, 8, 9] and d0.parents == [-1, 0, 1] and d0.probs == pytest.approx([0.9, 0.5, 0.2])
+    assert d0.expected() == pytest.approx(0.9 + 0.45 + 0.09)
+    assert d1.token_ids == [5, 6] and d1.probs == pytest.approx([0.99, 0.1])
+    # without confidences the chain has probability 1 and calibrated() sets the measured mean
+    plain = head_drafts(v, 2, 4)[0]
+    assert plain.probs == [1.0, 1.0, 1.0]
+    assert calibrated(plain, 1.5).expected() == pytest.approx(1.5, abs=1e-3)
+
+
+def test_chain_probs_refuse_what_was_not_measured_for_every_node():
+    assert chain_probs([0.5, 0.6], [[0.1, 0.2], [0.3, 0.4]], 2, 3) == [[0.5, 0.1, 0.3], [0.6, 0.2, 0.4]]
+    assert chain_probs(None, [[0.1, 0.2]], 2, 2) is None            # no first-node confidence
+    assert chain_probs([0.5, 0.6], [[0.1, 0.2]], 2, 3) is None      # a forward not captured (CUDA graph)
+    assert chain_probs([0.5], [[0.1, 0.2]], 2, 2) is None           # batch sizes disagree
+
+
+def test_top_probs_are_each_rows_softmax_maximum():
+    import torch
+
+    logits = torch.tensor([[0.0, 0.0], [10.0, 0.0], [0.0, 0.0]], dtype=torch.bfloat16)
+    p = top_probs(logits)
+    assert p[0] == pytest.approx(0.5) and p[1] == pytest.approx(1 / (1 + 2.718281828 ** -10), rel=1e-4)
+
+
+def test_switch_follows_the_heads_confidence_node_by_node():
+    suffix = _Stub(Draft.chain([1, 2, 3], 0.7, source="suffix"))      # expects 0.7 + 0.49 + 0.343
+    sure = _Stub(Draft([4, 5, 6], [-1, 0, 1], [0.95, 0.9, 0.9], 0.0, "eagle3"))
+    unsure = _Stub(Draft([4, 5, 6], [-1, 0, 1], [0.6, 0.3, 0.3], 0.0, "eagle3"))
+    assert compose(["suffix>eagle3"], suffix, sure, 0.0).propose("r", 7).source == "eagle3"
+    assert compose(["suffix>eagle3"], suffix, unsure, 0.0).propose("r", 7).source == "suffix"
+    # merged as siblings, the budget goes to the nodes most likely to survive, whichever drafter
+    m = compose(["suffix", "eagle3"], suffix, sure, 0.0).propose("r", 4)
+    assert m.token_ids == [4, 5, 6, 1]
