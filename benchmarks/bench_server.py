@@ -8,6 +8,16 @@ the files being rewritten, then sends each rewrite prompt from ``--data``'s file
 each once with speculation on (the default route) and once with `"speculation": false`, streamed,
 greedy, one request at a time. Reports tokens/s (completion tokens / request wall time, prefill
 included), time to first token (first streamed text), and whether both modes produced the same text.
+Then a concurrent phase: distinct rewrite prompts and agent turns through chat completions, at most
+``--concurrency`` in flight, spec then plain.
+
+Every timed series starts in a fresh server (the same workspace files): each of the four
+(endpoint x mode) series of a round, and each (workload x mode) of the concurrent phase. Nothing is
+cached from another series: the prefix cache and the suffix index are per tenant and every request
+uses the default one, so in a shared server the second mode would take its prefill from the cache
+and have the first mode's answers (or apply's, for chat) drafted verbatim. For the same reason no
+prompt is sent twice in a series (the concurrent phase runs fewer requests when fewer distinct
+prompts exist), and the warm-up request is none of the timed prompts.
 
     python -m benchmarks.bench_server --prompts 6 --out benchmarks/results/server_2026-11-30_native-linear.json
 """
@@ -15,12 +25,15 @@ included), time to first token (first streamed text), and whether both modes pro
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,11 +50,19 @@ from benchmarks.harness import (  # noqa: E402
     start_server,
 )
 
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    import openai
+
 _INSTR = re.compile(r"Apply this change to `([^`]+)`:\n\n(.*?)\n\nCurrent contents of `[^`]+`:\n```[^\n]*\n(.*)\n```\n\n"
                     r"Reply with the complete updated file and nothing else\.", re.S)
 
 
 log = logger("bench_server")
+
+SERIES = ("apply_spec", "apply_plain", "chat_spec", "chat_plain")
+WARM_UP = [{"role": "user", "content": "Say hello."}]   # none of the timed prompts: nothing of theirs cached
 
 
 def select(data: Path, n: int, max_prompt: int, start: int, tokenizer) -> list[dict]:
@@ -62,6 +83,48 @@ def select(data: Path, n: int, max_prompt: int, start: int, tokenizer) -> list[d
         if len(out) == n:
             break
     return out
+
+
+def distinct(items: list[dict], n: int, what: str) -> list[dict]:
+    """The first ``n`` of ``items`` whose messages differ: a prompt sent twice in one server would
+    have its answer drafted from the first copy's output (the suffix index keeps the tenant's
+    outputs) and its prefill taken from the cache. Fewer when fewer exist (logged)."""
+    seen, out = set(), []
+    for it in items:
+        key = json.dumps(it["messages"], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(it)
+    if len(out) < n:
+        log(f"{what}: {n} requests asked, {len(out)} distinct prompts: running {len(out)}")
+    return out[:n]
+
+
+def workspace(repo: Path, items: list[dict]) -> Path:
+    """``repo`` holding each rewrite item's file at its ``path``."""
+    for it in items:
+        f = repo / it["path"]
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(it["code"])
+    return repo
+
+
+@contextmanager
+def fresh_server(repo: Path, tmp: Path, name: str, spec: bool) -> Iterator[tuple[str, openai.OpenAI, str]]:
+    """``(base, client, model)`` of a new ``agentspec serve`` over ``repo``, warmed up (``spec``'s
+    mode, on ``WARM_UP``), stopped on leaving: a series timed in it finds nothing of another's."""
+    import openai
+
+    t0 = time.monotonic()
+    server = start_server(["--repo", str(repo)], log_path=tmp / f"server_{name}.log", cwd=tmp)
+    try:
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=600)
+        model = client.models.list().data[0].id
+        stream_chat(client, model, {"messages": WARM_UP}, spec, 8)  # first-call costs, not timed
+        log(f"{name}: fresh server up in {time.monotonic() - t0:.1f}s")
+        yield server.base, client, model
+    finally:
+        server.stop()
 
 
 def stream_apply(base: str, item: dict, spec: bool, max_tokens: int) -> dict:
@@ -145,68 +208,59 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
-    import openai
-
     from agentspec.backends.embedded.weights import load_checkpoint
 
     tok = load_checkpoint(quiet=True).tokenizer
-    items = select(args.data, args.prompts, args.max_prompt, first_record(args.data, 200, args.start), tok)
+    rewrites = select(args.data, max(args.prompts, args.concurrent_requests if args.concurrency else 0),
+                      args.max_prompt, first_record(args.data, 200, args.start), tok)
+    items = distinct(rewrites, args.prompts, "sequential rounds")
     if not items:
         raise SystemExit(f"no rewrite prompts found in {args.data}")
+    for k, it in enumerate(rewrites):  # one folder per record: two records may share a path
+        it["path"] = f"r{k}/{it['path']}"
     with tempfile.TemporaryDirectory() as tmp:
-        repo = Path(tmp) / "repo"
-        for k, it in enumerate(items):  # one folder per record: two records may share a path
-            it["path"] = f"r{k}/{it['path']}"
-            f = repo / it["path"]
-            f.parent.mkdir(parents=True, exist_ok=True)
-            f.write_text(it["code"])
-        t0 = time.monotonic()
-        server = start_server(["--repo", str(repo)], log_path=Path(tmp) / "server.log", cwd=Path(tmp))
-        base = server.base
-        try:
-            log(f"server up in {time.monotonic() - t0:.1f}s; {len(items)} prompts x 2 endpoints x 2 modes")
-            client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
-            model = client.models.list().data[0].id
-            stream_chat(client, model, items[0], True, 8)  # warm up
-            rounds = []
-            for rep in range(args.repeats):
-                res = {k: [] for k in ("apply_spec", "apply_plain", "chat_spec", "chat_plain")}
-                same = {"apply": 0, "chat": 0}
-                for it in items:
-                    a_on = stream_apply(base, it, True, args.max_tokens)
-                    a_off = stream_apply(base, it, False, args.max_tokens)
-                    c_on = stream_chat(client, model, it, True, args.max_tokens)
-                    c_off = stream_chat(client, model, it, False, args.max_tokens)
-                    res["apply_spec"].append(a_on)
-                    res["apply_plain"].append(a_off)
-                    res["chat_spec"].append(c_on)
-                    res["chat_plain"].append(c_off)
-                    same["apply"] += a_on["text"] == a_off["text"]
-                    same["chat"] += c_on["text"] == c_off["text"]
-                    log(f"{it['id']}: apply {a_on['tokens'] / a_on['wall_s']:.1f} vs {a_off['tokens'] / a_off['wall_s']:.1f} "
-                        f"tok/s, chat {c_on['tokens'] / c_on['wall_s']:.1f} vs {c_off['tokens'] / c_off['wall_s']:.1f}")
-                rounds.append(({k: summarize(v) for k, v in res.items()}, same))
-            concurrent = {}
-            if args.concurrency:
-                n = args.concurrent_requests
-                workloads = {"rewrites": (items * (n // len(items) + 1))[:n],
-                             "agent_turns": agent_items(args.data, n, args.max_prompt, first_record(args.data, 150), tok)}
-                for wl, its in workloads.items():
-                    on = concurrent_chat(client, model, its, True, args.max_tokens, args.concurrency)
-                    off = concurrent_chat(client, model, its, False, args.max_tokens, args.concurrency)
-                    same_n = sum(a == b for a, b in zip(on.pop("texts"), off.pop("texts")))
-                    concurrent[wl] = {"spec": on, "plain": off, "identical": f"{same_n}/{len(its)}",
-                                      "speedup": round(on["tokens_per_s"] / off["tokens_per_s"], 3)}
-                    log(f"concurrency {args.concurrency}, {wl}: spec {on['tokens_per_s']} vs plain {off['tokens_per_s']} "
-                        f"tok/s, identical {same_n}/{len(its)}")
-        finally:
-            server.stop()
+        tmp = Path(tmp)
+        repo = workspace(tmp / "repo", items)   # just files: each fresh server indexes the same workspace
+        log(f"{len(items)} prompts x 2 endpoints x 2 modes, a fresh server per series")
+        rounds = []
+        for rep in range(args.repeats):
+            res: dict[str, list[dict]] = {}
+            for key in SERIES:
+                ep, spec = key.split("_")[0], key.endswith("_spec")
+                with fresh_server(repo, tmp, f"round{rep}_{key}", spec) as (base, client, model):
+                    res[key] = [stream_apply(base, it, spec, args.max_tokens) if ep == "apply"
+                                else stream_chat(client, model, it, spec, args.max_tokens) for it in items]
+            same = {ep: sum(a["text"] == b["text"] for a, b in zip(res[f"{ep}_spec"], res[f"{ep}_plain"]))
+                    for ep in ("apply", "chat")}
+            for k, it in enumerate(items):
+                a_on, a_off, c_on, c_off = (res[key][k] for key in SERIES)
+                log(f"{it['id']}: apply {a_on['tokens'] / a_on['wall_s']:.1f} vs {a_off['tokens'] / a_off['wall_s']:.1f} "
+                    f"tok/s, chat {c_on['tokens'] / c_on['wall_s']:.1f} vs {c_off['tokens'] / c_off['wall_s']:.1f}")
+            rounds.append(({k: summarize(v) for k, v in res.items()}, same))
+        concurrent = {}
+        if args.concurrency:
+            n = args.concurrent_requests
+            workloads = {"rewrites": distinct(rewrites, n, "concurrent rewrites"),
+                         "agent_turns": distinct(agent_items(args.data, n, args.max_prompt, first_record(args.data, 150),
+                                                             tok), n, "concurrent agent_turns")}
+            repo = workspace(tmp / "repo_concurrent", workloads["rewrites"])
+            for wl, its in workloads.items():
+                runs = {}
+                for mode, spec in (("spec", True), ("plain", False)):
+                    with fresh_server(repo, tmp, f"concurrent_{wl}_{mode}", spec) as (_, client, model):
+                        runs[mode] = concurrent_chat(client, model, its, spec, args.max_tokens, args.concurrency)
+                on, off = runs["spec"], runs["plain"]
+                same_n = sum(a == b for a, b in zip(on.pop("texts"), off.pop("texts")))
+                concurrent[wl] = {"spec": on, "plain": off, "identical": f"{same_n}/{len(its)}",
+                                  "speedup": round(on["tokens_per_s"] / off["tokens_per_s"], 3)}
+                log(f"concurrency {args.concurrency}, {wl}: spec {on['tokens_per_s']} vs plain {off['tokens_per_s']} "
+                    f"tok/s, identical {same_n}/{len(its)}")
 
     def med(key: str, field: str):
         return statistics.median(r[0][key][field] for r in rounds)
 
     summary = {}
-    for k in ("apply_spec", "apply_plain", "chat_spec", "chat_plain"):
+    for k in SERIES:
         summary[k] = {f: (med(k, f) if rounds[0][0][k][f] is not None else None)
                       for f in ("tokens_per_s", "ttft_ms_p50", "mat_mean")} | {
             "completion_tokens": rounds[0][0][k]["completion_tokens"]}
@@ -215,7 +269,8 @@ def main() -> int:
         summary[f"{ep}_identical"] = f"{min(r[1][ep] for r in rounds)}/{len(items)}"
     report = {"benchmark": "bench_server", "machine": machine_record(),
               "config": {"prompts": [it["id"] for it in items], "max_tokens": args.max_tokens, "repeats": args.repeats,
-                         "streamed": True, "greedy": True, "one_request_at_a_time": True},
+                         "streamed": True, "greedy": True, "one_request_at_a_time": True,
+                         "fresh_server_per_run": True, "distinct_prompts": True},
               "summary": summary, "concurrent": {"concurrency": args.concurrency, **concurrent},
               "rounds": [r[0] for r in rounds]}
     emit_report(report, args.out)
