@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from agentspec.backends.embedded import profile_cache
-from agentspec.backends.embedded.batch import BatchEngine, lower_convex_hull, stand_in_step_costs
+from agentspec.backends.embedded.batch import BatchEngine, lower_convex_hull, select_slots, stand_in_step_costs
 from agentspec.backends.embedded.engine import EmbeddedEngine
 
 REPO = Path(__file__).resolve().parents[2]
@@ -255,10 +255,49 @@ def test_step_costs_miss_then_cached(cache_env, fake_engine, fake_profile):
     be2 = BatchEngine(fake_engine, background=False)
     assert be2.step_costs_source == "cached" and len(fake_profile) == 1
     assert be2.step_costs == lower_convex_hull(MEASURED)
+    # reading it ran the check: two points timed again, in agreement, so the cached one stands
+    assert fake_profile[1:] == [(BatchEngine.PROFILE_CHECK, 1024, 2)] and be2.step_costs_source == "cached"
     be2.close()
     given = BatchEngine(fake_engine, background=False, step_costs={2: 1.0, 264: 2.0})
     assert given.step_costs_source == "given" and given.step_costs == {2: 1.0, 264: 2.0}
     given.close()
+
+
+def test_a_cached_profile_that_the_machine_no_longer_matches_is_measured_again(cache_env, fake_engine,
+                                                                                fake_profile):
+    """A profile cached while other work shared the cores (every point ~18x slow, the small row
+    counts worst) is found out by the start-up check and replaced, on disk too."""
+    be = BatchEngine(fake_engine, background=False)
+    key = be._profile_key
+    be.close()
+    stale = {2: 0.482, 8: 0.461, 16: 0.434, 33: 2.34, 66: 2.74, 132: 2.89, 264: 6.57}
+    profile_cache.store(key, [[n, c] for n, c in sorted(stale.items())])
+    be = BatchEngine(fake_engine, background=False)
+    assert be.step_costs_source == "cached" and be._step_costs == lower_convex_hull(stale)
+    assert be.step_costs == lower_convex_hull(MEASURED) and be.step_costs_source == "measured"
+    assert fake_profile == [(BatchEngine.PROFILE_CHECK, 1024, 2), (BatchEngine.PROFILE_GRID, 1024, 2)]
+    assert profile_cache.load(key, profile_cache.valid_step_costs) == MEASURED
+    be.close()
+
+
+def test_draft_rows_cost_what_the_profile_says_on_top_of_the_observed_step(fake_engine):
+    """At high batch a step costs ~3x its profiled rows (each request's KV read, which a profile
+    over one cache does not pay); a verified row still costs only its compute. The slots' cost
+    is the observed step plus the profile's rows, not the profile scaled by the correction."""
+    prior = {2: 0.010, 16: 0.018, 33: 0.027, 66: 0.045}
+    be = BatchEngine(fake_engine, background=False, step_costs=prior)
+    for _ in range(60):
+        be.costs.observe(16, 900, 0.054)       # 16 requests, no drafts: 54 ms where 18 was profiled
+    assert be.step_cost(16, 900) > 0.045                                  # learnt: ~3x the profile
+    cost = be.slot_costs(16, 900)
+    assert cost(16) == pytest.approx(be.step_cost(16, 900))
+    assert cost(33) == pytest.approx(be.step_cost(16, 900) + 0.009)     # + the profile's 17 rows
+    assert be.step_cost(33, 900) > cost(33) + 0.010                    # the scaled curve: dearer
+    # a draft row expected to survive with 0.3 pays against the observed step, not the scaled one
+    surv = [[0.3] * 2 for _ in range(16)]
+    assert sum(select_slots(surv, 16, 16.0, cost)) == 32
+    assert sum(select_slots(surv, 16, 16.0, lambda rows: be.step_cost(rows, 900))) < 32
+    be.close()
 
 
 def test_step_costs_measured_by_the_idle_scheduler(cache_env, fake_engine, fake_profile):

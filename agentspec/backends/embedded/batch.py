@@ -267,10 +267,28 @@ class BatchEngine:
         ``live_costs``, as corrected by the steps observed so far (``StepCostModel.cost``)."""
         return self.costs.cost(rows, context if self.live_costs else None)
 
+    def slot_costs(self, base_rows: int, context: float) -> Callable[[int], float]:
+        """The cost ``select_slots`` weighs a step's draft rows with: the step without drafts as
+        observed (``step_cost(base_rows, context)``, corrected by live steps) plus what the
+        profile says ``rows - base_rows`` more rows add.
+
+        The live corrections learn what the profile leaves out, and at high batch that is mostly
+        the requests' KV read (each running request's keys and values, read once per step however
+        many rows it verifies: 16 requests at ~900 tokens spend 36 of a 53 ms step there, where
+        the profile, timing its rows over one cache, has 18 ms for the whole step). Scaling the
+        whole curve by that correction would make each verified row look ~3x dearer than it is
+        and the budget draft too little; a row's own cost is the forward's compute, which the
+        profile measures."""
+        base = self.step_cost(base_rows, context)
+        prior_base = self.costs.cost(base_rows)
+        return lambda rows: base + max(self.costs.cost(rows) - prior_base, 0.0)
+
     # ---- the step-cost profile ---------------------------------------------------------------
 
     PROFILE_GRID = (2, 8, 16, 33, 66, 132, 264)
     PROFILE_AFTER_IDLE_S = 1.0  # a pending profile runs once nothing ran for this long
+    PROFILE_CHECK = (2, 33)     # a cached profile's points timed again at start (_check_cached)
+    PROFILE_CHECK_TOLERANCE = 1.5
 
     @property
     def step_costs(self) -> dict[int, float]:
@@ -308,12 +326,29 @@ class BatchEngine:
         key = profile_cache.engine_key("step_costs", e, grid=list(self.PROFILE_GRID),
                                        context=min(1024, e.max_context - 64), repeat=2)
         cached = profile_cache.load(key, profile_cache.valid_step_costs)
+        self._profile_key = key
         if cached is not None:
             self._set_step_costs(cached, "cached")
+            self._profile = self._check_cached(cached)
             return
         self._set_step_costs(stand_in_step_costs(e.row_cost, self.PROFILE_GRID), "stand-in")
-        self._profile_key = key
         self._profile = self._profile_runs(self.PROFILE_GRID, 1024, 2)
+
+    def _check_cached(self, cached: dict[int, float]):
+        """A cached profile checked against two of its points timed now (``PROFILE_CHECK``, run
+        like a pending measurement: one forward at a time, in idle time). A profile measured
+        while other work shared the cores is too slow everywhere and in the wrong shape (seen:
+        2 rows at 482 ms where an idle machine takes 27), and its marginal row looks dear, so
+        the load-aware budget drafts too little; the live corrections rescale a profile but
+        learn its shape only where steps land. When a point is off by more than
+        ``PROFILE_CHECK_TOLERANCE`` either way, the whole profile is measured again (and
+        stored); else it returns None and the cached one stands."""
+        grid = [n for n in self.PROFILE_CHECK if n in cached]
+        now = yield from self._profile_runs(grid, 1024, 2)
+        tol = self.PROFILE_CHECK_TOLERANCE
+        if all(1.0 / tol <= now[n] / cached[n] <= tol for n in grid):
+            return None
+        return (yield from self._profile_runs(self.PROFILE_GRID, 1024, 2))
 
     def _profile_piece(self) -> bool:
         """Run one forward of the pending measurement (False when another thread runs it or
@@ -331,6 +366,9 @@ class BatchEngine:
                 return True
             except StopIteration as done:
                 self._profile = None
+                if done.value is None:   # a cached profile that the check confirmed
+                    self.step_costs_source = "cached"
+                    return True
                 self._set_step_costs(done.value, "measured")
                 if self._profile_key is not None:
                     profile_cache.store(self._profile_key, [[n, c] for n, c in sorted(done.value.items())])
@@ -511,8 +549,8 @@ class BatchEngine:
         drafts = dec.propose_many(seqs, cost_cut=self.budget == "fixed")
         if self.budget == "load_aware" and any(d.token_ids for d in drafts):
             surv = [[x * s.tracker.trust for x in d.survival()] for s, d in zip(seqs, drafts)]
-            keep = select_slots(surv, max(len(seqs), 2), float(len(seqs)),
-                                lambda rows: self.step_cost(rows, context))
+            base_rows = max(len(seqs), 2)
+            keep = select_slots(surv, base_rows, float(len(seqs)), self.slot_costs(base_rows, context))
             drafts = [d.prefix(k) for d, k in zip(drafts, keep)]
         news = dec.step(seqs, drafts, batched_verify=self._batched_verify)
         self.steps += 1
