@@ -42,6 +42,7 @@ from benchmarks.harness import (  # noqa: E402
     DATA,
     DATA_HELP,
     agent_items,
+    distinct,
     emit_report,
     first_record,
     logger,
@@ -60,6 +61,14 @@ _INSTR = re.compile(r"Apply this change to `([^`]+)`:\n\n(.*?)\n\nCurrent conten
 
 
 log = logger("bench_server")
+
+def _messages(item: dict) -> str:
+    return json.dumps(item["messages"], sort_keys=True)
+
+
+def _said(what: str):
+    return lambda msg: log(f"{what}: {msg}")
+
 
 SERIES = ("apply_spec", "apply_plain", "chat_spec", "chat_plain")
 WARM_UP = [{"role": "user", "content": "Say hello."}]   # none of the timed prompts: nothing of theirs cached
@@ -83,21 +92,6 @@ def select(data: Path, n: int, max_prompt: int, start: int, tokenizer) -> list[d
         if len(out) == n:
             break
     return out
-
-
-def distinct(items: list[dict], n: int, what: str) -> list[dict]:
-    """The first ``n`` of ``items`` whose messages differ: a prompt sent twice in one server would
-    have its answer drafted from the first copy's output (the suffix index keeps the tenant's
-    outputs) and its prefill taken from the cache. Fewer when fewer exist (logged)."""
-    seen, out = set(), []
-    for it in items:
-        key = json.dumps(it["messages"], sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            out.append(it)
-    if len(out) < n:
-        log(f"{what}: {n} requests asked, {len(out)} distinct prompts: running {len(out)}")
-    return out[:n]
 
 
 def workspace(repo: Path, items: list[dict]) -> Path:
@@ -213,7 +207,7 @@ def main() -> int:
     tok = load_checkpoint(quiet=True).tokenizer
     rewrites = select(args.data, max(args.prompts, args.concurrent_requests if args.concurrency else 0),
                       args.max_prompt, first_record(args.data, 200, args.start), tok)
-    items = distinct(rewrites, args.prompts, "sequential rounds")
+    items = distinct(rewrites, args.prompts, _said("sequential rounds"), key=_messages)
     if not items:
         raise SystemExit(f"no rewrite prompts found in {args.data}")
     for k, it in enumerate(rewrites):  # one folder per record: two records may share a path
@@ -240,9 +234,9 @@ def main() -> int:
         concurrent = {}
         if args.concurrency:
             n = args.concurrent_requests
-            workloads = {"rewrites": distinct(rewrites, n, "concurrent rewrites"),
+            workloads = {"rewrites": distinct(rewrites, n, _said("concurrent rewrites"), key=_messages),
                          "agent_turns": distinct(agent_items(args.data, n, args.max_prompt, first_record(args.data, 150),
-                                                             tok), n, "concurrent agent_turns")}
+                                                             tok), n, _said("concurrent agent_turns"), key=_messages)}
             repo = workspace(tmp / "repo_concurrent", workloads["rewrites"])
             for wl, its in workloads.items():
                 runs = {}

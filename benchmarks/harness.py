@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "benchmarks" / "data"                             # a small held-out sample, shipped (its README)
@@ -249,13 +250,22 @@ def cold(engine) -> None:
         pc.clear()
 
 
-def distinct(prompts: list, n: int, log: Callable[[str], None] | None = None) -> list:
-    """The first ``n`` prompts, never one twice: a prompt repeated in a run would have its
-    answer drafted from its first copy's output (the suffix index keeps the tenant's outputs).
-    Fewer when fewer exist (said through ``log``)."""
-    if n > len(prompts) and log is not None:
-        log(f"{n} requests asked, {len(prompts)} distinct prompts: running {len(prompts)}")
-    return prompts[:n]
+def distinct(prompts: list, n: int, log: Callable[[str], None] | None = None, *,
+             key: Callable[[Any], Any] | None = None) -> list:
+    """The first ``n`` prompts whose ``key`` differs (default: the prompt itself, as a tuple when a
+    list of token ids), never one twice: a prompt repeated in a run would have its answer drafted
+    from its first copy's output (the suffix index keeps the tenant's outputs) and its prefill
+    taken from the cache. Fewer when fewer exist (said through ``log``)."""
+    key = key or (lambda p: tuple(p) if isinstance(p, list) else p)
+    seen, out = set(), []
+    for p in prompts:
+        k = key(p)
+        if k not in seen:
+            seen.add(k)
+            out.append(p)
+    if n > len(out) and log is not None:
+        log(f"{n} requests asked, {len(out)} distinct prompts: running {len(out)}")
+    return out[:n]
 
 
 def rewrite_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> list[list[int]]:
