@@ -300,6 +300,24 @@ def test_draft_rows_cost_what_the_profile_says_on_top_of_the_observed_step(fake_
     be.close()
 
 
+def test_the_stand_in_prices_draft_rows_in_seconds_too(cache_env, fake_engine, fake_profile):
+    """Until the profile is measured (a cache miss) the stand-in curve is in units of a one-row
+    step while the observed steps are seconds: its rows are scaled to the observed step, so
+    likely drafts are still verified (unscaled, one extra row would cost ~'0.1 s' and the
+    budget never drafted on a fresh machine's first requests)."""
+    be = BatchEngine(fake_engine, background=False)
+    assert be.step_costs_source == "stand-in"
+    for _ in range(60):
+        be.costs.observe(8, 900, 0.040)        # 8 requests, no drafts: 40 ms
+    cost = be.slot_costs(8, 900)
+    assert cost(8) == pytest.approx(be.step_cost(8, 900))
+    marginal = (be.costs.cost(16) - be.costs.cost(8)) / be.costs.cost(8)
+    assert cost(16) == pytest.approx(cost(8) * (1 + marginal))
+    surv = [[0.9, 0.8] for _ in range(8)]
+    assert sum(select_slots(surv, 8, 8.0, cost)) > 0
+    be.close()
+
+
 def test_step_costs_measured_by_the_idle_scheduler(cache_env, fake_engine, fake_profile):
     with BatchEngine(fake_engine) as be:  # background scheduler: measures while idle
         deadline = time.monotonic() + 30

@@ -278,10 +278,16 @@ class BatchEngine:
         the profile, timing its rows over one cache, has 18 ms for the whole step). Scaling the
         whole curve by that correction would make each verified row look ~3x dearer than it is
         and the budget draft too little; a row's own cost is the forward's compute, which the
-        profile measures."""
+        profile measures.
+
+        The stand-in curve (a cache miss, until the profile is measured) is in units of a one-row
+        step, not seconds: there its rows are scaled by the observed step over the stand-in's
+        (conservative: the live correction's KV read makes them look dearer, so the budget drafts
+        less, never more)."""
         base = self.step_cost(base_rows, context)
         prior_base = self.costs.cost(base_rows)
-        return lambda rows: base + max(self.costs.cost(rows) - prior_base, 0.0)
+        scale = base / prior_base if self.step_costs_source == "stand-in" and prior_base > 0 else 1.0
+        return lambda rows: base + max(self.costs.cost(rows) - prior_base, 0.0) * scale
 
     # ---- the step-cost profile ---------------------------------------------------------------
 
