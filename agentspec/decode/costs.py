@@ -22,6 +22,14 @@ steps it is told about (``observe``):
 - ``cost(rows, context)`` is the prior's curve times the corrections, lowered onto its lower
   convex hull (``lower_convex_hull``), interpolated linearly between grid points and past them.
 
+It also keeps ``offset``: what the latest steps took beyond the prior at their row counts, in
+seconds (an exponentially weighted mean, each observation clipped as above). At high batch that
+is mostly the requests' KV read, once per request per step however many rows each verifies, so
+it adds to a step whatever its rows: ``extra_cost(rows)`` = the prior + the offset is what the
+load-aware budget weighs draft rows with. (The per-cell factors cannot say it: at a batch whose
+steps always carry drafts the draft-free row count is never observed, and the hull pulls its
+cell down towards the small row counts the batch never runs.)
+
 Torch-free and clock-free: the caller times its steps and passes seconds in, so tests feed it
 synthetic timings.
 """
@@ -109,6 +117,7 @@ class StepCostModel:
         self._buckets: dict[int, _Mean] = {}                # context bucket -> mean
         self._curves: dict[int, dict[int, float]] = {}      # context bucket -> corrected, hulled curve
         self.observed = 0                                   # observations since the prior was set
+        self.offset = 0.0                                   # seconds beyond the prior, recent steps
         self.set_prior(prior)
 
     def set_prior(self, prior: Mapping[int, float]) -> None:
@@ -121,6 +130,7 @@ class StepCostModel:
         self._buckets.clear()
         self._curves.clear()
         self.observed = 0
+        self.offset = 0.0
 
     @classmethod
     def bucket(cls, context: float) -> int:
@@ -155,6 +165,10 @@ class StepCostModel:
             c.mean += self.alpha * w * e
             c.n += w
         self._curves.pop(b, None)
+        # the additive offset: the same rate, an error clipped to what ``clip`` allows at these rows
+        p = interpolate(self.grid, self.prior, rows)
+        lim = p * (math.exp(clip) - 1.0)
+        self.offset = max(self.offset + self.alpha * max(-lim, min(lim, seconds - p - self.offset)), -p)
         self.observed += 1
 
     def cost(self, rows: float, context: float | None = None) -> float:
@@ -175,6 +189,11 @@ class StepCostModel:
                 raw[g] = self.prior[g] * math.exp(base if cell is None else cell.mean)
             c = self._curves[b] = lower_convex_hull(raw)
         return c
+
+    def extra_cost(self, rows: float) -> float:
+        """Seconds of a step of ``rows`` rows as the latest steps say: the prior at ``rows`` plus
+        ``offset`` (what those steps took beyond the prior at theirs)."""
+        return max(interpolate(self.grid, self.prior, rows) + self.offset, 1e-9)
 
     def correction(self, rows: int, context: float) -> float:
         """The learnt factor at (``rows``, ``context``): ``cost`` over the prior's (1.0: none)."""

@@ -290,13 +290,31 @@ def test_draft_rows_cost_what_the_profile_says_on_top_of_the_observed_step(fake_
         be.costs.observe(16, 900, 0.054)       # 16 requests, no drafts: 54 ms where 18 was profiled
     assert be.step_cost(16, 900) > 0.045                                  # learnt: ~3x the profile
     cost = be.slot_costs(16, 900)
-    assert cost(16) == pytest.approx(be.step_cost(16, 900))
-    assert cost(33) == pytest.approx(be.step_cost(16, 900) + 0.009)     # + the profile's 17 rows
+    assert cost(16) == pytest.approx(0.054, rel=1e-3)                   # the observed step
+    assert cost(33) == pytest.approx(0.054 + 0.009, rel=1e-3)           # + the profile's 17 rows
     assert be.step_cost(33, 900) > cost(33) + 0.010                    # the scaled curve: dearer
     # a draft row expected to survive with 0.3 pays against the observed step, not the scaled one
     surv = [[0.3] * 2 for _ in range(16)]
     assert sum(select_slots(surv, 16, 16.0, cost)) == 32
     assert sum(select_slots(surv, 16, 16.0, lambda rows: be.step_cost(rows, 900))) < 32
+    be.close()
+
+
+def test_a_batch_that_always_drafts_still_knows_its_draft_free_step(fake_engine):
+    """16 requests whose steps all carry ~30 draft rows (46 rows, 65 ms where the profile says
+    ~35): the draft-free step is never observed. The excess is added to every row count (the
+    requests' KV read does not depend on the rows), so the 16-row step is priced at what the
+    batch pays (~48 ms), not at the hulled per-cell curve's guess between the uncorrected small
+    row counts and the corrected large ones (which made the budget draft about half as much)."""
+    prior = {2: 0.0144, 8: 0.0166, 16: 0.0194, 33: 0.0298, 66: 0.0500}
+    be = BatchEngine(fake_engine, background=False, step_costs=prior)
+    for _ in range(80):
+        be.costs.observe(46, 900, 0.065)
+    p46 = 0.0298 + (0.0500 - 0.0298) * 13 / 33
+    cost = be.slot_costs(16, 900)
+    assert cost(46) == pytest.approx(0.065, rel=1e-3)
+    assert cost(16) == pytest.approx(0.0194 + 0.065 - p46, rel=1e-3)
+    assert be.step_cost(16, 900) < 0.8 * cost(16)                      # the per-cell curve: too cheap
     be.close()
 
 

@@ -152,3 +152,17 @@ def test_every_curve_is_convex_and_positive(observations):
         xs = sorted(c)
         slopes = [(c[b] - c[a]) / (b - a) for a, b in zip(xs, xs[1:])]
         assert all(s2 >= s1 - 1e-9 * max(1.0, abs(s1)) for s1, s2 in zip(slopes, slopes[1:]))
+
+
+def test_offset_adds_what_the_steps_take_beyond_the_prior_whatever_their_rows():
+    m = StepCostModel(PRIOR)
+    assert m.offset == 0.0 and m.extra_cost(16) == pytest.approx(PRIOR[16])
+    feed(m, lambda n: interpolate(sorted(PRIOR), PRIOR, n) + 5.0, context=900, steps=100, rows=range(30, 60))
+    assert m.offset == pytest.approx(5.0, rel=0.02)                     # learnt where the steps ran ...
+    assert m.extra_cost(2) == pytest.approx(PRIOR[2] + 5.0, rel=0.02)   # ... and added at every row count
+    assert m.extra_cost(66) - m.extra_cost(33) == pytest.approx(PRIOR[66] - PRIOR[33])
+    before = m.offset
+    m.observe(40, 900, 1000.0)          # one step stretched ~100x moves it by at most alpha * (clip - 1) * prior
+    assert m.offset - before <= m.alpha * interpolate(sorted(PRIOR), PRIOR, 40) + 1e-9
+    m.set_prior(PRIOR)
+    assert m.offset == 0.0

@@ -268,26 +268,28 @@ class BatchEngine:
         return self.costs.cost(rows, context if self.live_costs else None)
 
     def slot_costs(self, base_rows: int, context: float) -> Callable[[int], float]:
-        """The cost ``select_slots`` weighs a step's draft rows with: the step without drafts as
-        observed (``step_cost(base_rows, context)``, corrected by live steps) plus what the
-        profile says ``rows - base_rows`` more rows add.
+        """The cost ``select_slots`` weighs a step's draft rows with: the profile's curve plus what
+        the latest steps took beyond it (``StepCostModel.extra_cost``).
 
-        The live corrections learn what the profile leaves out, and at high batch that is mostly
-        the requests' KV read (each running request's keys and values, read once per step however
-        many rows it verifies: 16 requests at ~900 tokens spend 36 of a 53 ms step there, where
-        the profile, timing its rows over one cache, has 18 ms for the whole step). Scaling the
-        whole curve by that correction would make each verified row look ~3x dearer than it is
-        and the budget draft too little; a row's own cost is the forward's compute, which the
-        profile measures.
+        At high batch the steps take far more than the profile says (each running request's
+        keys and values, read once per step however many rows it verifies: 16 requests at ~900
+        tokens spend 36 of a 53 ms step there, where the profile, timing its rows over one
+        cache, has 18 ms for the whole step). That excess is the same whatever the rows, so it
+        is added, not multiplied: a verified row still costs only its compute, which the profile
+        measures. (Scaling the curve by the excess made each row look ~3x dearer; the per-cell
+        corrections, hulled, put the draft-free step of a batch that always drafts at half its
+        cost. Either way the budget drafted too little.)
 
         The stand-in curve (a cache miss, until the profile is measured) is in units of a one-row
-        step, not seconds: there its rows are scaled by the observed step over the stand-in's
-        (conservative: the live correction's KV read makes them look dearer, so the budget drafts
-        less, never more)."""
-        base = self.step_cost(base_rows, context)
-        prior_base = self.costs.cost(base_rows)
-        scale = base / prior_base if self.step_costs_source == "stand-in" and prior_base > 0 else 1.0
-        return lambda rows: base + max(self.costs.cost(rows) - prior_base, 0.0) * scale
+        step, not seconds: there the rows are the live step (``step_cost``) scaled by the
+        stand-in's shape (conservative: the budget drafts less, never more)."""
+        c = self.costs
+        if self.step_costs_source == "stand-in" or not self.live_costs:
+            base = self.step_cost(base_rows, context)
+            prior_base = c.cost(base_rows)
+            scale = base / prior_base if self.step_costs_source == "stand-in" and prior_base > 0 else 1.0
+            return lambda rows: base + max(c.cost(rows) - prior_base, 0.0) * scale
+        return c.extra_cost
 
     # ---- the step-cost profile ---------------------------------------------------------------
 
