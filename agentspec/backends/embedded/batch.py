@@ -157,6 +157,7 @@ class BatchEngine:
             self._start_profile()
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
+        self._free_caches: list = []   # finished requests' KV caches, for the next ones (``_cache_for``)
         self._cv = threading.Condition()
         self._closed = False
         self.steps = 0
@@ -467,8 +468,10 @@ class BatchEngine:
         busy = time.monotonic()  # last time there was work (or the loop started)
         while True:
             with self._cv:
-                if until_idle and not self._waiting and not self._running:
-                    return
+                if not self._waiting and not self._running:
+                    self._free_caches.clear()   # idle: give the pooled caches' memory back
+                    if until_idle:
+                        return
                 while not self._waiting and not self._running and not self._closed:
                     quiet = time.monotonic() - busy
                     if self._profile is not None and not until_idle and quiet >= self.PROFILE_AFTER_IDLE_S:
@@ -516,10 +519,36 @@ class BatchEngine:
         if req.finished:
             return
         try:
-            self.decoder.release(req.seq)
+            self._release(req.seq)
         except Exception:  # noqa: BLE001
             pass
         req.done(None, err)
+
+    # a new request's KV cache: a finished one's where one is large enough (``KVCache.reset``, as
+    # the single-request path reuses its cache: slots past a request's own are masked, weighted
+    # exactly 0, and what a finished request left there is finite, so it reaches no result's bits). A fresh one costs ~10-45 ms at ~1.2k
+    # tokens: ~90 MB of zeroed pages (keys, values and their packed copies), page-faulted in
+    # again every time (glibc maps allocations that large anew), with every other request waiting.
+    CACHE_ROUND = 512
+
+    def _cache_for(self, need: int):
+        free = self._free_caches
+        fits = [i for i, c in enumerate(free) if c.capacity >= need]
+        if fits:
+            cache = free.pop(min(fits, key=lambda i: free[i].capacity))
+            cache.reset()
+            return cache
+        return self.engine.new_cache(round_up(need, self.CACHE_ROUND))
+
+    def _release(self, seq) -> None:
+        """``decoder.release``, keeping the cache for the next request (at most ``max_batch`` kept,
+        the largest; all dropped when the scheduler goes idle)."""
+        cache = seq.cache
+        self.decoder.release(seq)
+        if cache is not None and not self._closed:
+            self._free_caches.append(cache)
+            if len(self._free_caches) > self.max_batch:
+                self._free_caches.remove(min(self._free_caches, key=lambda c: c.capacity))
 
     def _admit(self, req: _Request) -> None:
         seq = req.seq
@@ -527,7 +556,7 @@ class BatchEngine:
             req.done(Generation(text="", token_ids=[], finish_reason="cancelled",
                                 stats=GenerationStats(prompt_tokens=len(seq.ids))), None)
             return
-        seq.cache = self.engine.new_cache(round_up(self.decoder.cache_need(seq), 256))
+        seq.cache = self._cache_for(self.decoder.cache_need(seq))
         first = self.decoder.prefill(seq)
         self._commit(req, first)
         if seq.cache is not None:
@@ -545,7 +574,7 @@ class BatchEngine:
         if not done and req.should_stop is not None and req.should_stop():
             seq.finish, done = "cancelled", True
         if done:
-            self.decoder.release(seq)
+            self._release(seq)
             req.done(self.decoder.result(seq), None)
 
     def _step(self) -> None:
