@@ -41,8 +41,10 @@ from .verify import greedy_verify, seeded_target
 if TYPE_CHECKING:   # the embedded engine's model runs the step's forwards; the step does not import it
     from ..backends.embedded.model import KVCache
 
-# canonical prefix-cache chunks per prefill forward where prefill rows are split-invariant
-PREFILL_CHUNKS = 4
+# canonical prefix-cache chunks per prefill forward where prefill rows are split-invariant (8:
+# 2048 rows, a 1.5k-token prompt in one forward; ~5% faster prefill than 4 on the AMX path: fewer
+# passes over the weights and fewer forwards' set-up)
+PREFILL_CHUNKS = 8
 
 __all__ = ["MAX_STEP_ROWS", "Decoder", "Segment", "SeqState", "run_single", "spec_decision"]
 
