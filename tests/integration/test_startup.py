@@ -460,3 +460,34 @@ def test_old_profiles_are_pruned(cache_env, fake_engine, monkeypatch):
     profile_cache.store(profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=9), 0.5)
     left = sorted(p.name for p in cache_env.iterdir())
     assert len(left) == 3 and paths[0].name not in left and paths[4].name in left
+
+
+def test_a_profile_that_no_idle_machine_gives_is_measured_again_and_never_kept(cache_env, fake_engine,
+                                                                              monkeypatch):
+    """Other work on the cores made the measurement non-monotone (2 rows 317 ms, 8 rows 230): it is
+    measured again; kept from disk, it counts as a miss; measured so every time, it is used for
+    this process but not stored."""
+    bad = {2: 0.317, 8: 0.230, 16: 0.235, 33: 0.375, 66: 0.351, 132: 0.411, 264: 0.337}
+    seq = [bad, MEASURED]
+    runs = []
+
+    def profile_runs(self, grid, context, repeat):
+        runs.append(tuple(grid))
+        yield
+        got = seq.pop(0) if seq else bad
+        return {n: got[n] for n in grid}
+
+    monkeypatch.setattr(BatchEngine, "_profile_runs", profile_runs)
+    assert not BatchEngine.plausible(bad) and BatchEngine.plausible(MEASURED)
+    be = BatchEngine(fake_engine, background=False)
+    assert be.step_costs == lower_convex_hull(MEASURED) and len(runs) == 2   # the bad one measured again
+    key = be._profile_key
+    be.close()
+    profile_cache.store(key, [[n, c] for n, c in sorted(bad.items())])     # an older start kept a bad one
+    runs.clear()
+    be = BatchEngine(fake_engine, background=False)
+    assert be.step_costs_source == "stand-in"                               # not trusted: a miss
+    assert be.step_costs == lower_convex_hull(bad)                          # every attempt bad: used ...
+    assert len(runs) == BatchEngine.PROFILE_ATTEMPTS
+    assert profile_cache.load(key, profile_cache.valid_step_costs) == bad   # ... and not stored over
+    be.close()

@@ -149,6 +149,7 @@ class BatchEngine:
         self._profile_lock = threading.Lock()
         self._profile: Any = None  # a cache miss: the profile's measurement, run one forward at a time
         self._profile_key: dict | None = None
+        self._profile_attempts = 0   # measurements taken (``plausible``)
         self.live_costs = bool(live_costs)
         self.costs: StepCostModel | None = None   # set with the profile (_set_step_costs)
         if step_costs:
@@ -298,6 +299,17 @@ class BatchEngine:
     PROFILE_AFTER_IDLE_S = 1.0  # a pending profile runs once nothing ran for this long
     PROFILE_CHECK = (2, 33)     # a cached profile's points timed again at start (_check_cached)
     PROFILE_CHECK_TOLERANCE = 1.5
+    PROFILE_ATTEMPTS = 3        # measurements before an implausible one is used (never stored)
+
+    @staticmethod
+    def plausible(costs: Mapping[int, float], slack: float = 1.25) -> bool:
+        """Whether a measured profile can be this machine's idle curve: a forward with more rows
+        never runs much faster (each point at least 1/``slack`` of the one before). Other work on
+        the cores makes some points several times too slow (seen: 317 ms at 2 rows, 230 at 8; 36,
+        135, 248 then 59 ms at 33), a shape no idle machine gives; kept, it sets the draft rows'
+        price for every later start."""
+        pts = [costs[n] for n in sorted(costs)]
+        return all(b >= a / slack for a, b in zip(pts, pts[1:]))
 
     @property
     def step_costs(self) -> dict[int, float]:
@@ -336,7 +348,8 @@ class BatchEngine:
                                        context=min(1024, e.max_context - 64), repeat=2)
         cached = profile_cache.load(key, profile_cache.valid_step_costs)
         self._profile_key = key
-        if cached is not None:
+        self._profile_attempts = 0
+        if cached is not None and self.plausible(cached):
             self._set_step_costs(cached, "cached")
             self._profile = self._check_cached(cached)
             return
@@ -378,8 +391,13 @@ class BatchEngine:
                 if done.value is None:   # a cached profile that the check confirmed
                     self.step_costs_source = "cached"
                     return True
+                self._profile_attempts += 1
+                ok = self.plausible(done.value)
+                if not ok and self._profile_attempts < self.PROFILE_ATTEMPTS:   # other work interfered
+                    self._profile = self._profile_runs(self.PROFILE_GRID, 1024, 2)
+                    return True
                 self._set_step_costs(done.value, "measured")
-                if self._profile_key is not None:
+                if ok and self._profile_key is not None:
                     profile_cache.store(self._profile_key, [[n, c] for n, c in sorted(done.value.items())])
                 return True
             except BaseException:
