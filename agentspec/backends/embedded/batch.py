@@ -348,7 +348,6 @@ class BatchEngine:
                                        context=min(1024, e.max_context - 64), repeat=2)
         cached = profile_cache.load(key, profile_cache.valid_step_costs)
         self._profile_key = key
-        self._profile_attempts = 0
         if cached is not None and self.plausible(cached):
             self._set_step_costs(cached, "cached")
             self._profile = self._check_cached(cached)
@@ -544,9 +543,10 @@ class BatchEngine:
 
     # a new request's KV cache: a finished one's where one is large enough (``KVCache.reset``, as
     # the single-request path reuses its cache: slots past a request's own are masked, weighted
-    # exactly 0, and what a finished request left there is finite, so it reaches no result's bits). A fresh one costs ~10-45 ms at ~1.2k
-    # tokens: ~90 MB of zeroed pages (keys, values and their packed copies), page-faulted in
-    # again every time (glibc maps allocations that large anew), with every other request waiting.
+    # exactly 0, and what a finished request left there is finite, so it reaches no result's
+    # bits). A fresh one costs ~10-45 ms at ~1.2k tokens: ~90 MB of zeroed pages (keys, values
+    # and their packed copies), page-faulted in again every time (glibc maps allocations that
+    # large anew), with every other request waiting.
     CACHE_ROUND = 512
 
     def _cache_for(self, need: int):
