@@ -330,14 +330,18 @@ class Decoder:
         layers = self._layers(seqs)
         # [R] int64 each: R = sum of the requests' rows, request after request (segs[i].offset)
         tok_t, pos_t = torch.tensor(toks, device=dev), torch.tensor(poss, device=dev)
+        # an all-greedy step reads only argmaxes: the head's own dtype, the same indices
+        sampled = any(s.temperature > 0 for s in seqs)
         if single:
             s = seqs[0]
             out = model(tok_t, pos_t, s.cache, segs[0].mask, key_len=s.key_len if s.width else None,
-                        logits_rows=slice(0, layout[0][3]) if s.width else None, hidden_layers=layers)
+                        logits_rows=slice(0, layout[0][3]) if s.width else None, hidden_layers=layers,
+                        float_logits=sampled)
             segs[0].offset = 0
         else:
-            out = model.forward_segments(tok_t, pos_t, segs, hidden_layers=layers)
-        # logits [R, vocab] float32; hidden: {layer: [R, dim]} for the layers a draft head reads
+            out = model.forward_segments(tok_t, pos_t, segs, hidden_layers=layers, float_logits=sampled)
+        # logits [R, vocab] (float32 where a request samples); hidden: {layer: [R, dim]} for the
+        # layers a draft head reads
         logits, hidden = out if layers else (out, None)
         verified = self._verify_greedy_batch(seqs, segs, layout, logits) if batched_verify else {}
         news = []
@@ -432,7 +436,7 @@ class Decoder:
             pars += parents
             lengths.append(T)
         offsets = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(dev)
-        target = logits[torch.tensor(rows, device=dev)].argmax(dim=-1)
+        target = logits.argmax(dim=-1)[torch.tensor(rows, device=dev)]   # no copy of the rows' logits
         paths, n, bonus = greedy_verify_batch(torch.tensor(toks, device=dev), torch.tensor(pars, device=dev),
                                               target, offsets)
         paths, n, bonus = paths.tolist(), n.tolist(), bonus.tolist()

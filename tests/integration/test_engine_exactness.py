@@ -252,6 +252,36 @@ def test_verification_logits_equal_plain_logits_bitwise(engine, rewrite_prompts,
     assert mismatched == 0, f"{mismatched} of {checked} verification rows differ from plain decoding"
 
 
+def test_greedy_steps_logits_in_the_heads_dtype_are_the_float32_ones(engine, rewrite_prompts):
+    """An all-greedy step asks for the head's own dtype (``float_logits=False``: no float32 copy
+    of [rows, vocab]); those are the very float32 logits before conversion, so every argmax, and
+    every token, is the same. Both forward paths: one request's rows and several requests' segments."""
+    from agentspec.decode.step import Segment
+
+    model = engine.model
+    caches = []
+    for ids in rewrite_prompts[:2]:
+        cache = engine.new_cache(len(ids) + 16)
+        model(torch.tensor(ids), torch.arange(len(ids)), cache, prefill=True)
+        cache.commit(list(range(len(ids))))
+        caches.append(cache)
+    rows = torch.tensor(rewrite_prompts[0][-5:])
+    P = caches[0].length
+    mask = torch.ones(5, P + 5, dtype=torch.bool)
+    mask[:, P:] = torch.ones(5, 5, dtype=torch.bool).tril()
+    single = [model(rows, torch.arange(P, P + 5), caches[0], mask, float_logits=f) for f in (True, False)]
+    segs = lambda: [Segment(cache=c, rows=3, mask=torch.cat([torch.ones(3, c.length, dtype=torch.bool),  # noqa: E731
+                                                             torch.ones(3, 3, dtype=torch.bool).tril()], 1))
+                    for c in caches]
+    toks = torch.tensor(rewrite_prompts[0][-3:] + rewrite_prompts[1][-3:])
+    pos = torch.tensor([caches[0].length + i for i in range(3)] + [caches[1].length + i for i in range(3)])
+    multi = [model.forward_segments(toks, pos, segs(), float_logits=f) for f in (True, False)]
+    for full, own in (single, multi):
+        assert full.dtype == torch.float32 and own.dtype == model.embed.weight.dtype
+        assert torch.equal(own.float(), full)
+        assert torch.equal(own.argmax(dim=-1), full.argmax(dim=-1))
+
+
 def test_one_weight_copy_same_bits(engine, plain_greedy, rewrite_prompts, chat_prompts, monkeypatch):
     """AGENTSPEC_WEIGHT_COPIES=1 (what a model too large to hold twice gets): the torch weights
     are freed once packed and prompt chunks unpack them per forward. Prompt logits are the same

@@ -542,6 +542,7 @@ class Transformer(nn.Module):
         key_len: int | None = None,  # attend over cache slots [0, key_len) (default: start + T)
         hidden_layers: Sequence[int] = (),  # also return these layers' outputs (see below)
         prefill: bool = False,     # prompt tokens (causal, ``mask`` None): the prefill kernels at any T
+        float_logits: bool = True,  # False: the logits in the head's own dtype (see ``_logits``)
     ) -> torch.Tensor | tuple[torch.Tensor, dict[int, torch.Tensor]]:  # [rows, vocab] float32
         """Logits of ``logits_rows``. With ``hidden_layers`` (layer indices), returns
         ``(logits, {layer: [T, dim]})``: each named layer's output (the residual stream after the
@@ -601,7 +602,7 @@ class Transformer(nn.Module):
                 cache.sync(range(start, start + T))
         if logits_rows is not None:
             x = x[logits_rows]
-        logits = self._logits(x, native=fused, amx=lin_amx)
+        logits = self._logits(x, native=fused, amx=lin_amx, to_float=float_logits)
         return (logits, hidden) if want else logits
 
     def _layers(self, x: torch.Tensor, want: frozenset[int], hidden: dict[int, torch.Tensor], run) -> torch.Tensor:
@@ -612,20 +613,26 @@ class Transformer(nn.Module):
                 hidden[i] = x
         return x
 
-    def _logits(self, x: torch.Tensor, native: bool = False, amx: bool = False) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, native: bool = False, amx: bool = False,
+                to_float: bool = True) -> torch.Tensor:
         """Final norm and output projection (tied embeddings unless lm_head), in float32;
         ``native``: rows of the fused decode path, which use the packed head where there is one;
-        ``amx``: that head on AMX tiles, after the native norm (``decode_linears_amx``)."""
+        ``amx``: that head on AMX tiles, after the native norm (``decode_linears_amx``).
+        ``to_float`` False: the projection's own output (bfloat16 for a bfloat16 model), not
+        converted. The values are the same (float32 holds every bfloat16 exactly), so an argmax
+        is the same index; a greedy step skips the conversion (at a batch's rows, [R, vocab]
+        float32 is tens of MB written and freed every step)."""
+        cast = (lambda t: t.float()) if to_float else (lambda t: t)
         if amx:
-            return self.head_packed.prefill(cpu_attention.rms_norm(x, self.norm.weight, self.norm.eps)).float()
+            return cast(self.head_packed.prefill(cpu_attention.rms_norm(x, self.norm.weight, self.norm.eps)))
         if self.head_packed is not None and (native or x.shape[0] <= SMALL_T):
-            return self.head_packed(self.norm(x)).float()
+            return cast(self.head_packed(self.norm(x)))
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if w.numel() == 0:   # pack_linears(keep_weights=False) kept only the packed head
             w = self.head_packed.weight()
         if self.layers[0].gemm_f32 and x.dtype == torch.bfloat16:
             return F.linear(self.norm(x).float(), w.float())
-        return F.linear(self.norm(x), w).float()
+        return cast(F.linear(self.norm(x), w))
 
     @staticmethod
     def native_decode_norm() -> bool:
@@ -711,9 +718,10 @@ class Transformer(nn.Module):
         positions: torch.Tensor,   # [R] int64
         segs: list[Segment],
         hidden_layers: Sequence[int] = (),
+        float_logits: bool = True,
     ) -> torch.Tensor | tuple[torch.Tensor, dict[int, torch.Tensor]]:  # [R, vocab] float32
         """Decode/verify rows of several requests, each with its own KV cache, in one forward.
-        ``hidden_layers``: as in ``forward`` (then ``(logits, {layer: [R, dim]})``)."""
+        ``hidden_layers``, ``float_logits``: as in ``forward`` (then ``(logits, {layer: [R, dim]})``)."""
         off = 0
         for sg in segs:
             if sg.cache.length + sg.rows > sg.cache.capacity:
@@ -743,7 +751,7 @@ class Transformer(nn.Module):
             x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_segments(x, i, segs, cos, sin))
             for sg in segs:
                 sg.cache.sync(range(sg.cache.length, sg.cache.length + sg.rows))
-        logits = self._logits(x, native=fused, amx=lin_amx)
+        logits = self._logits(x, native=fused, amx=lin_amx, to_float=float_logits)
         return (logits, hidden) if want else logits
 
     def param_count(self) -> int:
