@@ -216,7 +216,9 @@ def run_cell(engine, probe: Probe, prompts, c: int, budget: str, max_tokens: int
     stepped = sum(v for (ph, _), v in tot.items() if ph == "sched_other")
     per["sched_other"] += max(wall - admit - stepped, 0.0) / max(steps, 1)   # the loop outside _step
     tokens = sum(len(g.token_ids) for g in gens)
+    admit_parts = {p: tot.get(("admit", p), 0.0) for p in PARTS + ("admit",)}
     return {"per_step_s": per, "steps": steps, "wall_s": wall, "admit_s": admit, "tokens": tokens,
+            "admit_parts_s": admit_parts,
             "calls": probe.calls, "rows_per_step": sum(rows) / max(len(rows), 1),
             "context_per_step": sum(ctx) / max(len(ctx), 1), "tokens_per_step": tokens / max(steps, 1),
             "outputs": [g.token_ids for g in gens]}
@@ -240,6 +242,8 @@ def summarise(runs: list[dict], call_cost: float) -> dict:
         "context_per_step": round(med("context_per_step")),
         "steps": steps,
         "admit_s": round(med("admit_s"), 3),
+        "admit_parts_s": {p: round(statistics.median(r["admit_parts_s"][p] for r in runs), 3)
+                          for p in PARTS + ("admit",) if any(r["admit_parts_s"][p] for r in runs)},
         "wall_s": round(med("wall_s"), 3),
         "tokens_per_s": round(statistics.median(r["tokens"] / r["wall_s"] for r in runs), 2),
         "wrapper_ms_per_step": round(statistics.median(r["calls"] for r in runs) / max(steps, 1) * call_cost * 1e3, 3),
