@@ -11,8 +11,9 @@ concurrency c in --concurrency, N = max(--waves * c, --requests) distinct reques
                              (benchmarks/peers/vllm_runner.py in /work/venvs/vllm; skipped if absent)
 
   server_plain / server_spec  with --server: the same requests through `agentspec serve` (a fresh
-                             server per run, the openai client's completions, c threads), with
-                             `"speculation": false` and with the default route (load-aware)
+                             server per run, warmed up by c requests of another tenant; the openai
+                             client's completions, c threads), with `"speculation": false` and with
+                             the default route (load-aware)
 
 plus `ours_sequential`: the same N requests one at a time, plain (the baseline that batching must
 beat 2x). Every run of ours gets a fresh suffix index (no memory of earlier runs); vLLM builds a
@@ -103,13 +104,21 @@ def run_server(prompts, c: int, spec: bool, max_tokens: int) -> dict:
     from openai import OpenAI
 
     with tempfile.TemporaryDirectory() as ws:
-        server = start_server([], log_path=Path(ws) / "server.log", cwd=Path(ws))
+        config = Path(ws) / "agentspec.toml"
+        config.write_text("".join(f'[[tenants]]\nname = "{t}"\napi_keys = ["sk-{t}-0123456789"]\n'
+                                  for t in ("bench", "warmup")))
+        server = start_server(["--config", str(config)], log_path=Path(ws) / "server.log", cwd=Path(ws))
         try:
-            client = OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=600)
+            client = OpenAI(base_url=server.base + "/v1", api_key="sk-bench-0123456789", max_retries=0, timeout=600)
             model = client.models.list().data[0].id
             extra = {} if spec else {"speculation": False}
-            client.completions.create(model=model, prompt=prompts[0][:32], max_tokens=2, temperature=0,
-                                      extra_body=extra)   # warm-up: first-call costs, not timed
+            # warm-up, not timed: c requests at once as another tenant (its own prefix cache,
+            # suffix index and outputs: nothing of it reaches the timed tenant's drafts), so the
+            # timed run meets a server whose first-call costs and first touches of KV memory are paid
+            warm = OpenAI(base_url=server.base + "/v1", api_key="sk-warmup-0123456789", max_retries=0, timeout=600)
+            with ThreadPoolExecutor(c) as pool:
+                list(pool.map(lambda ids: warm.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0,
+                                                                  extra_body=extra), prompts[:c]))
 
             def one(ids: list[int]) -> tuple[str, int]:
                 text, n = [], 0
