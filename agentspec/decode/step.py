@@ -32,6 +32,7 @@ from ..config import SpecConfig
 from ..drafting import EMPTY_DRAFT, Draft, Drafter
 from ..drafting.draft import AcceptanceTracker
 from ..drafting.protocols import hidden_wanted, propose_all, wants_hidden_states
+from ..kernels.cpu_linear import argmax_rows
 from ..kernels.tree import greedy_verify_batch, tree_depths, tree_mask, with_root
 from ..text import stop_index
 from .policy import MAX_STEP_ROWS, DraftPolicy
@@ -330,7 +331,8 @@ class Decoder:
         layers = self._layers(seqs)
         # [R] int64 each: R = sum of the requests' rows, request after request (segs[i].offset)
         tok_t, pos_t = torch.tensor(toks, device=dev), torch.tensor(poss, device=dev)
-        # an all-greedy step reads only argmaxes: the head's own dtype, the same indices
+        # an all-greedy step reads only argmaxes: the logits in the head's own dtype (no float32
+        # copy), read by ``argmax_rows`` (native for bfloat16 on CPU): the same indices
         sampled = any(s.temperature > 0 for s in seqs)
         if single:
             s = seqs[0]
@@ -355,7 +357,7 @@ class Decoder:
                                        self._target(s, lg[i], start + depths[i] + 1))
                 path, bonus = greedy_verify(tokens, parents, targets)
             else:
-                path, bonus = greedy_verify(tokens, parents, lg.argmax(dim=-1).tolist())   # argmax: [T]
+                path, bonus = greedy_verify(tokens, parents, argmax_rows(lg).tolist())   # argmax: [T]
             s.cache.commit(path)
             if s.hidden_layers and hidden is not None:
                 self._observe(s, [tokens[i] for i in path], hidden,
@@ -436,7 +438,7 @@ class Decoder:
             pars += parents
             lengths.append(T)
         offsets = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(dev)
-        target = logits.argmax(dim=-1)[torch.tensor(rows, device=dev)]   # no copy of the rows' logits
+        target = argmax_rows(logits)[torch.tensor(rows, device=dev)]   # no copy of the rows' logits
         paths, n, bonus = greedy_verify_batch(torch.tensor(toks, device=dev), torch.tensor(pars, device=dev),
                                               target, offsets)
         paths, n, bonus = paths.tolist(), n.tolist(), bonus.tolist()

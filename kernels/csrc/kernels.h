@@ -45,3 +45,6 @@ void rms_norm_rows(uintptr_t x, int64_t x_st, int64_t M, uintptr_t w, int64_t di
                    int64_t o_st, int threads);
 void linear_amx(uintptr_t x, int64_t x_st, int64_t M, uintptr_t wp, int64_t N, int64_t K, uintptr_t out,
                 int64_t o_st, int threads, int mode, uintptr_t res, int64_t r_st);
+
+// argmax.cpp: the first index of each bfloat16 row's maximum (torch.argmax's), per ISA level
+void argmax_bf16(uintptr_t x, int64_t x_st, int64_t M, int64_t N, uintptr_t out, int threads);

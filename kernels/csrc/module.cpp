@@ -9,10 +9,12 @@ namespace nb = nanobind;
 
 NB_MODULE(_cpu, m) {
     m.doc() = "agentspec CPU kernels: exact decode / tree-verification attention, row-invariant bf16 linears";
-    m.def("abi_version", []() { return 9; });
+    m.def("abi_version", []() { return 10; });
     m.def("linear_bf16", &linear_bf16, nb::arg("x"), nb::arg("x_stride"), nb::arg("M"), nb::arg("w_packed"),
           nb::arg("N"), nb::arg("K"), nb::arg("out"), nb::arg("out_stride"), nb::arg("threads") = 0,
           "Raw-pointer entry point; call agentspec.kernels.cpu_linear.PackedLinear instead.");
+    m.def("argmax_bf16", &argmax_bf16, nb::arg("x"), nb::arg("x_stride"), nb::arg("M"), nb::arg("N"), nb::arg("out"),
+          nb::arg("threads") = 0, "Raw-pointer entry point; call agentspec.kernels.cpu_linear.argmax_rows instead.");
     m.def("prefill_amx_available", &prefill_amx_available,
           "whether this CPU (and OS) runs the AMX prefill attention");
     m.def("prefill_attention", &prefill_attention, nb::arg("q"), nb::arg("q_stride_h"), nb::arg("q_stride_t"),

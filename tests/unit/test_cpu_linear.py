@@ -141,3 +141,43 @@ def test_model_decode_rows_use_packed_linears(monkeypatch):
     assert calls == [2] * (4 * args.n_layers + 1)
     unpacked = KVCache(args, 64, dtype=torch.float32, device=torch.device("cpu"))
     assert not model.row_invariant(unpacked)  # torch attention path: rows are padded
+
+
+def _argmax_cases():
+    g = torch.Generator().manual_seed(11)
+    cases = {f"random {M}x{N}": torch.randn(M, N, generator=g).to(torch.bfloat16)
+             for M, N in [(1, 49152), (7, 49152), (5, 1000), (3, 17), (4, 7), (2, 1), (9, 33)]}
+    # few distinct values: ties everywhere, the first index must win (within a lane, across lanes, in the tail)
+    cases["ties"] = torch.randint(0, 3, (6, 1037), generator=g).to(torch.bfloat16)
+    ties_late = torch.zeros(3, 100, dtype=torch.bfloat16)
+    ties_late[:, [37, 53, 99]] = 1.0   # lanes 5 and 5 of later blocks, and the tail
+    cases["tie in later blocks"] = ties_late
+    cases["all -inf"] = torch.full((2, 40), float("-inf"), dtype=torch.bfloat16)
+    signed_zero = torch.full((2, 40), float("-inf"), dtype=torch.bfloat16)
+    signed_zero[0, 20], signed_zero[0, 5] = 0.0, -0.0
+    signed_zero[1, 3], signed_zero[1, 30] = 0.0, -0.0
+    cases["-0 and +0 tie"] = signed_zero
+    nan = torch.randn(4, 300, generator=g).to(torch.bfloat16)
+    nan[0, 250] = float("nan")
+    nan[1, 2] = float("nan")
+    nan[1, 200] = float("nan")
+    nan[2, 299] = float("nan")
+    cases["NaN counts as the maximum"] = nan
+    cases["strided rows"] = torch.randn(5, 2 * 4099, generator=g).to(torch.bfloat16)[:, :4099]
+    return cases
+
+
+def test_argmax_rows_is_torchs_argmax_at_every_isa_level(restore_isa):
+    """The native bfloat16 argmax (a greedy step's targets) returns torch's index, the first of
+    the maximum, for ties, infinities, signed zeros, NaNs, rows shorter than a vector, tails and
+    strided rows, at every ISA level (vector bodies, and the scalar one they fall back to)."""
+    cpu_isa = restore_isa
+    for isa in cpu_isa.supported():
+        cpu_isa.set_isa(isa)
+        for name, x in _argmax_cases().items():
+            got = cpu_linear.argmax_rows(x)
+            assert got.dtype == torch.int64 and got.shape == (x.shape[0],)
+            assert torch.equal(got, x.float().argmax(dim=-1)), (isa, name)
+    # other dtypes and devices: torch's own
+    f = torch.randn(3, 50)
+    assert torch.equal(cpu_linear.argmax_rows(f), f.argmax(dim=-1))
