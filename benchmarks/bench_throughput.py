@@ -84,17 +84,24 @@ def run_sequential(engine, prompts, max_tokens: int) -> dict:
             "outputs": [g.token_ids for g in gens]}
 
 
-def median_run(run, repeat: int) -> dict:
-    """``run()`` ``repeat`` times (each from fresh state): the run with the median tokens/s, with
-    every run's tokens/s in ``tokens_per_s_runs``."""
-    runs = sorted((run() for _ in range(max(repeat, 1))), key=lambda r: r["tokens_per_s"])
-    out = runs[(len(runs) - 1) // 2]
-    if len(runs) > 1:
-        out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+def median_runs(runs: dict, repeat: int) -> dict:
+    """Each of ``runs`` (name: ``run()``) ``repeat`` times, interleaved (a, b, c, a, b, c, ...: a
+    shared machine's drift touches every method alike): per name the run with the median tokens/s,
+    with every run's tokens/s in ``tokens_per_s_runs``."""
+    done: dict[str, list[dict]] = {name: [] for name in runs}
+    for _ in range(max(repeat, 1)):
+        for name, run in runs.items():
+            done[name].append(run())
+    out = {}
+    for name, rs in done.items():
+        rs.sort(key=lambda r: r["tokens_per_s"])
+        out[name] = rs[(len(rs) - 1) // 2]
+        if len(rs) > 1:
+            out[name]["tokens_per_s_runs"] = [r["tokens_per_s"] for r in rs]
     return out
 
 
-def run_server(prompts, c: int, spec: bool, max_tokens: int) -> dict:
+def run_server(prompts, c: int, spec: bool, max_tokens: int, warmup: bool = True) -> dict:
     """The N prompts (token ids) through a fresh ``agentspec serve`` (embedded engine, an empty
     workspace: nothing of earlier runs) with the official ``openai`` client's
     ``completions.create``, streamed, at most ``c`` in flight; ``spec`` False sends
@@ -116,9 +123,9 @@ def run_server(prompts, c: int, spec: bool, max_tokens: int) -> dict:
             # suffix index and outputs: nothing of it reaches the timed tenant's drafts), so the
             # timed run meets a server whose first-call costs and first touches of KV memory are paid
             warm = OpenAI(base_url=server.base + "/v1", api_key="sk-warmup-0123456789", max_retries=0, timeout=600)
-            with ThreadPoolExecutor(c) as pool:
+            with ThreadPoolExecutor(c if warmup else 1) as pool:
                 list(pool.map(lambda ids: warm.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0,
-                                                                  extra_body=extra), prompts[:c]))
+                                                                  extra_body=extra), prompts[:c] if warmup else [prompts[0][:32]]))
 
             def one(ids: list[int]) -> tuple[str, int]:
                 text, n = [], 0
@@ -171,6 +178,23 @@ def plot(report: dict, path: Path) -> None:
     save_figure(fig, path, dpi=110)
 
 
+def merge_reports(paths: list[Path]) -> dict:
+    """Saved reports' results merged cell by cell (a later file's cell replaces an earlier one's)."""
+    import json
+
+    results: dict = {}
+    for path in paths:
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--replot {path}: not a saved bench_throughput report ({e})") from None
+        if report.get("benchmark") != "bench_throughput":
+            raise SystemExit(f"--replot {path}: not a bench_throughput report")
+        for wl, rows in report["results"].items():
+            results.setdefault(wl, {}).update(rows)
+    return {"results": results}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
@@ -188,13 +212,22 @@ def main() -> int:
     ap.add_argument("--peer-timeout", type=int, default=1800)
     ap.add_argument("--no-sequential", action="store_true")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="runs of each of ours per cell, the median reported (vLLM runs once: a fresh engine each)")
+                    help="runs of each of ours per cell, interleaved with the other methods' runs, the median "
+                         "reported (vLLM runs once: a fresh engine each)")
     ap.add_argument("--server", action="store_true",
                     help="also through `agentspec serve` (a fresh server per run, the openai client, c threads): "
                          "speculation on vs `\"speculation\": false`")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
+    ap.add_argument("--replot", type=Path, nargs="+", metavar="JSON",
+                    help="only draw --plot from saved --out files (their cells merged: e.g. one run at c = 1,4 "
+                         "and one at c = 8,16)")
     args = ap.parse_args()
+    if args.replot:
+        if not args.plot:
+            raise SystemExit("--replot needs --plot PNG (where to draw)")
+        plot(merge_reports(args.replot), args.plot)
+        return 0
 
     from agentspec import Engine
     from agentspec.backends.embedded.batch import BatchEngine
@@ -214,9 +247,9 @@ def main() -> int:
             ps = distinct(prompts, max(c * args.waves, args.requests), log)
             n = len(ps)
             row: dict = {}
-            for policy in ("off", "fixed", "load_aware"):
-                r = median_run(lambda: run_ours(engine, ps, c, policy, args.max_tokens, step_costs), args.repeat)
-                row[{"off": "ours_plain"}.get(policy, f"ours_{policy}")] = r
+            row.update(median_runs({{"off": "ours_plain"}.get(p, f"ours_{p}"):
+                                    (lambda p=p: run_ours(engine, ps, c, p, args.max_tokens, step_costs))
+                                    for p in ("off", "fixed", "load_aware")}, args.repeat))
             base = row["ours_plain"]["outputs"]
             for k in ("ours_fixed", "ours_load_aware"):
                 row[k]["identical_to_plain"] = f"{sum(a == b for a, b in zip(row[k]['outputs'], base))}/{n}"
@@ -225,8 +258,8 @@ def main() -> int:
                 row["ours_sequential"]["identical_to_batched_plain"] = \
                     f"{sum(a == b for a, b in zip(row['ours_sequential']['outputs'], base))}/{n}"
             if args.server:
-                row["server_plain"] = median_run(lambda: run_server(ps, c, False, args.max_tokens), args.repeat)
-                row["server_spec"] = median_run(lambda: run_server(ps, c, True, args.max_tokens), args.repeat)
+                row.update(median_runs({"server_plain": lambda: run_server(ps, c, False, args.max_tokens),
+                                        "server_spec": lambda: run_server(ps, c, True, args.max_tokens)}, args.repeat))
                 row["server_spec"]["identical_to_plain"] = \
                     f"{sum(a == b for a, b in zip(row['server_spec']['outputs'], row['server_plain']['outputs']))}/{n}"
             if have_vllm:
