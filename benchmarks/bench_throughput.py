@@ -101,7 +101,7 @@ def median_runs(runs: dict, repeat: int) -> dict:
     return out
 
 
-def run_server(prompts, c: int, spec: bool, max_tokens: int, warmup: bool = True) -> dict:
+def run_server(prompts, c: int, spec: bool, max_tokens: int) -> dict:
     """The N prompts (token ids) through a fresh ``agentspec serve`` (embedded engine, an empty
     workspace: nothing of earlier runs) with the official ``openai`` client's
     ``completions.create``, streamed, at most ``c`` in flight; ``spec`` False sends
@@ -123,9 +123,9 @@ def run_server(prompts, c: int, spec: bool, max_tokens: int, warmup: bool = True
             # suffix index and outputs: nothing of it reaches the timed tenant's drafts), so the
             # timed run meets a server whose first-call costs and first touches of KV memory are paid
             warm = OpenAI(base_url=server.base + "/v1", api_key="sk-warmup-0123456789", max_retries=0, timeout=600)
-            with ThreadPoolExecutor(c if warmup else 1) as pool:
+            with ThreadPoolExecutor(c) as pool:
                 list(pool.map(lambda ids: warm.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0,
-                                                                  extra_body=extra), prompts[:c] if warmup else [prompts[0][:32]]))
+                                                                  extra_body=extra), prompts[:c]))
 
             def one(ids: list[int]) -> tuple[str, int]:
                 text, n = [], 0

@@ -35,6 +35,16 @@ int64_t argmax_scalar(const uint16_t* x, int64_t n, int64_t i0 = 0, float best =
     return at;
 }
 
+// a vector body's lanes (each lane's maximum and its first index) merged by value, then by lowest
+// index; then the tail from index nv on
+int64_t merge_lanes(const float* bv, const int32_t* bi, int lanes, const uint16_t* x, int64_t n, int64_t nv) {
+    float m = bv[0];
+    int64_t a = bi[0];
+    for (int l = 1; l < lanes; ++l)
+        if (bv[l] > m || (bv[l] == m && bi[l] < a)) m = bv[l], a = bi[l];
+    return argmax_scalar(x, n, nv, m, a);
+}
+
 #if defined(AGENTSPEC_X86)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,bmi,bmi2,lzcnt,movbe,popcnt,avx512f,avx512bw,avx512vl,avx512dq,avx512cd")
@@ -60,11 +70,7 @@ int64_t argmax_avx512(const uint16_t* x, int64_t n) {
     alignas(64) int32_t bi[16];
     _mm512_store_ps(bv, best);
     _mm512_store_si512(reinterpret_cast<__m512i*>(bi), at);
-    float m = bv[0];
-    int64_t a = bi[0];
-    for (int l = 1; l < 16; ++l)
-        if (bv[l] > m || (bv[l] == m && bi[l] < a)) m = bv[l], a = bi[l];
-    return argmax_scalar(x, n, nv, m, a);
+    return merge_lanes(bv, bi, 16, x, n, nv);
 }
 #pragma GCC pop_options
 
@@ -92,11 +98,7 @@ int64_t argmax_avx2(const uint16_t* x, int64_t n) {
     alignas(32) int32_t bi[8];
     _mm256_store_ps(bv, best);
     _mm256_store_si256(reinterpret_cast<__m256i*>(bi), at);
-    float m = bv[0];
-    int64_t a = bi[0];
-    for (int l = 1; l < 8; ++l)
-        if (bv[l] > m || (bv[l] == m && bi[l] < a)) m = bv[l], a = bi[l];
-    return argmax_scalar(x, n, nv, m, a);
+    return merge_lanes(bv, bi, 8, x, n, nv);
 }
 #pragma GCC pop_options
 #endif
