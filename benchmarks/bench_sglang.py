@@ -44,8 +44,9 @@ import sys
 import time
 from pathlib import Path
 
-if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`; last, so that
+    # `agentspec` is the installed package (the source tree's has no `integrations`: it ships from the root)
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import (  # noqa: E402
     DATA,
@@ -56,6 +57,7 @@ from benchmarks.harness import (  # noqa: E402
     first_record,
     logger,
     rewrite_prompts,
+    write_json,
 )
 
 DEFAULT_MODEL = ROOT / ".venv-sglang" / "models" / "SmolLM2-135M-Instruct"
@@ -65,7 +67,7 @@ log = logger("bench_sglang")
 
 def engine_kwargs(method: str, model: str, draft_tokens: int, device: str, eagle3: str | None,
                   dtype: str = "bfloat16", *, max_running: int = 4, attention_backend: str | None = None,
-                  deterministic: bool = False, disable_cuda_graph: bool = False) -> dict:
+                  deterministic: bool = False, disable_cuda_graph: bool = False, fp32_lm_head: bool = False) -> dict:
     kw: dict = dict(model_path=model, device=device, dtype=dtype, max_running_requests=max(4, max_running),
                     mem_fraction_static=0.3, max_total_tokens=max(8192, 2048 * max_running), log_level="error")
     if device == "cpu":
@@ -76,6 +78,8 @@ def engine_kwargs(method: str, model: str, draft_tokens: int, device: str, eagle
         kw["enable_deterministic_inference"] = True
     if disable_cuda_graph:
         kw["disable_cuda_graph"] = True
+    if fp32_lm_head:
+        kw["enable_fp32_lm_head"] = True
     if method == "ngram":
         kw.update(speculative_algorithm="NGRAM", speculative_num_draft_tokens=draft_tokens)
     elif method == "agentspec":
@@ -101,7 +105,8 @@ def run_method(method: str, sets: dict, args) -> dict:
     engine = sglang.Engine(**engine_kwargs(method, args.model, args.draft_tokens, args.device, args.eagle3, args.dtype,
                                            max_running=max(levels), attention_backend=args.attention_backend,
                                            deterministic=args.deterministic,
-                                           disable_cuda_graph=args.disable_cuda_graph))
+                                           disable_cuda_graph=args.disable_cuda_graph,
+                                           fp32_lm_head=args.fp32_lm_head))
     startup = time.perf_counter() - t0
     log(f"{method}: engine up in {startup:.1f}s")
     out: dict = {"startup_s": round(startup, 1), "workloads": {}, "batches": {}}
@@ -358,6 +363,8 @@ def main() -> int:
     ap.add_argument("--deterministic", action="store_true", help="SGLang's --enable-deterministic-inference "
                     "(batch-invariant kernels; on CUDA with the triton, fa3 or flashinfer attention backend)")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--fp32-lm-head", action="store_true", help="SGLang's enable_fp32_lm_head: float32 logits, so "
+                    "that near ties are not rounded to bf16 steps (divergence margins read finer)")
     ap.add_argument("--reference-logprobs", action="store_true",
                     help="none returns its top-2 log-probabilities: divergences carry the margin at the first differing token")
     ap.add_argument("--sampled", type=int, default=0, help="sampled requests per method (temperature 0.7), after the greedy ones")
@@ -384,34 +391,41 @@ def main() -> int:
     sets = {wl: prompts for wl, prompts in sets.items() if prompts}   # --rewrites 0: agent turns only
     if not sets:
         raise SystemExit("bench_sglang: no prompts (--agent and --rewrites are both 0)")
-    raw = {}
+    import sglang
+    import torch
+
+    def report_of(raw: dict, done: bool) -> dict:
+        ok = {m: r for m, r in raw.items() if "error" not in r}
+        results = summarize(ok) if ok else {}
+        return {"machine": machine(args.device),
+                "sglang": sglang.__version__, "torch": torch.__version__, "device": args.device, "dtype": args.dtype,
+                "kernels": kernels_note(args.device),
+                "engine": {k: v for k, v in engine_kwargs("none", args.model, args.draft_tokens, args.device, None,
+                                                           args.dtype, max_running=max(concurrency_levels(args.concurrency)),
+                                                           attention_backend=args.attention_backend,
+                                                           deterministic=args.deterministic,
+                                                           disable_cuda_graph=args.disable_cuda_graph,
+                                                           fp32_lm_head=args.fp32_lm_head).items()
+                           if k not in ("model_path", "log_level")},
+                "draft_tokens": args.draft_tokens, "max_tokens": args.max_tokens,
+                "concurrency": concurrency_levels(args.concurrency),
+                "prompts": {k: len(v) for k, v in sets.items()},
+                "methods_asked": args.methods.split(","), "complete": done,
+                "results": results, "bars": bars(results),
+                "divergences": divergences(ok),
+                "reference_logprobs": bool(args.reference_logprobs),
+                "errors": {m: r["error"] for m, r in raw.items() if "error" in r}}
+
+    raw: dict = {}
     for m in args.methods.split(","):
         try:
             raw[m] = run_method(m, sets, args)
         except Exception as e:  # noqa: BLE001 - one failing method must not lose the others
             log(f"{m}: {type(e).__name__}: {e}")
             raw[m] = {"startup_s": None, "workloads": {}, "error": f"{type(e).__name__}: {e}"}
-    ok = {m: r for m, r in raw.items() if "error" not in r}
-    import sglang
-    import torch
-
-    results = summarize(ok) if ok else {}
-    report = {"machine": machine(args.device),
-              "sglang": sglang.__version__, "torch": torch.__version__, "device": args.device, "dtype": args.dtype,
-              "kernels": kernels_note(args.device),
-              "engine": {k: v for k, v in engine_kwargs("none", args.model, args.draft_tokens, args.device, None,
-                                                         args.dtype, max_running=max(concurrency_levels(args.concurrency)),
-                                                         attention_backend=args.attention_backend,
-                                                         deterministic=args.deterministic,
-                                                         disable_cuda_graph=args.disable_cuda_graph).items()
-                         if k not in ("model_path", "log_level")},
-              "draft_tokens": args.draft_tokens, "max_tokens": args.max_tokens,
-              "concurrency": concurrency_levels(args.concurrency),
-              "prompts": {k: len(v) for k, v in sets.items()},
-              "results": results, "bars": bars(results),
-              "divergences": divergences(ok),
-              "reference_logprobs": bool(args.reference_logprobs),
-              "errors": {m: r["error"] for m, r in raw.items() if "error" in r}}
+        if args.out:   # after every method: a run cut off by a time limit still leaves what finished
+            write_json(report_of(raw, False), args.out, indent=2)
+    report = report_of(raw, True)
     emit_report(report, args.out)
     return 0
 

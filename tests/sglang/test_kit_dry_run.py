@@ -46,7 +46,7 @@ def test_cuda_path_imports_with_the_standin(tmp_path):
     assert r.returncode == 0 and record.get("ok"), (record.get("error"), r.stderr[-3000:])
     checks = record["checks"]
     for name in ("imports", "SGLang takes its CUDA path", "tree ops -> Triton", "sampled verification -> torch",
-                 "top_k_renorm_prob -> Triton", "top_p_renorm_prob -> Triton", "store_cache off",
+                 "top_k_renorm_prob -> Triton", "top_p_renorm_prob -> Triton", "store_cache off", "dual GEMM off SM100",
                  "AGENTSPEC registers as NGRAM-like", "AGENTSPEC_EAGLE3 registers as EAGLE3-like"):
         assert checks[name]["ok"], name
     assert record["sgl_kernel"].startswith(str(ROOT / "tests" / "sglang" / "standin_cuda"))

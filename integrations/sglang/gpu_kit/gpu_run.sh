@@ -4,6 +4,7 @@
 # FlashInfer and no network. Everything else comes in the staged kit (kit.py stage, README.md).
 #
 #   bash integrations/sglang/gpu_kit/gpu_run.sh smoke     # run 1: carry build/gpu_kit/base + build/gpu_kit/model.1
+#   bash integrations/sglang/gpu_kit/gpu_run.sh setup     # run 1 without the smoke engines (install and keep the parts)
 #   bash integrations/sglang/gpu_kit/gpu_run.sh store     # run 2..k-1: carry the next build/gpu_kit/model.N
 #   bash integrations/sglang/gpu_kit/gpu_run.sh measure   # run k: carry the last build/gpu_kit/model.N
 #   bash integrations/sglang/gpu_kit/gpu_run.sh all       # one run, where the whole kit can be brought
@@ -24,6 +25,8 @@
 # Exit status: non-zero when a step failed.
 #   KIT=build/gpu_kit STATE=build/gpu_state PYTHON=python3   METHODS=none,ngram,agentspec,eagle3,hybrid
 #   MAX_TOKENS=96 CONCURRENCY=1,16 C1_PROMPTS=4 (per workload at c=1; c=16 runs all 16) DRAFT_TOKENS=8
+#   FP32_LM_HEAD=1 (SGLang's float32 logits)   SMOKE_TIMEOUT=330 BENCH_TIMEOUT=420 SERVE_TIMEOUT=150: seconds each step may take (a run has 600 in
+#   all); a step cut off is recorded as failed, and bench_sglang's report holds the methods it finished
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 MODE="${1:-smoke}"
@@ -47,6 +50,11 @@ step() {   # step NAME STATUS [DETAIL]: one line of summary.json's steps; return
     return 1
 }
 FAILED=0
+reap() {   # what a step cut off by its time limit left running (SGLang's scheduler and detokenizer)
+    pkill -9 -f 'sglang::' 2>/dev/null
+    pkill -9 -f 'agentspec serve' 2>/dev/null
+    return 0
+}
 
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1
 export SGLANG_FORCE_FUSED_OP_BACKEND=torch SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
@@ -54,6 +62,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 export PYTHONPATH="$PWD/$STATE/site${PYTHONPATH:+:$PYTHONPATH}"
 SGL_ARGS=(--device cuda --attention-backend triton --deterministic --disable-cuda-graph
           --draft-tokens "${DRAFT_TOKENS:-8}" --eagle3 "$HEAD_DIR")
+[ "${FP32_LM_HEAD:-0}" = 1 ] && SGL_ARGS+=(--fp32-lm-head)
 
 machine_record() {
     "$PY" - "$OUT/summary.json" "$STEPS" "$STATE" <<'PY'
@@ -93,7 +102,8 @@ install() {
     key="$( { cat "$KIT/base/MANIFEST.json" 2>/dev/null || cat "$STATE/MANIFEST.json"
               find agentspec suffix_index kernels integrations tests/sglang/standin_cuda CMakeLists.txt pyproject.toml \
                    -type f \( -name '*.py' -o -name '*.cpp' -o -name '*.h' -o -name '*.inc' -o -name '*.txt' -o -name '*.toml' \) \
-                   -not -path '*/__pycache__/*' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum; } | sha256sum | cut -d' ' -f1)"
+                   -not -path '*/__pycache__/*' -not -path '*/build/*' -not -path '*.egg-info/*' -print0 \
+                   | LC_ALL=C sort -z | xargs -0 sha256sum; } | sha256sum | cut -d' ' -f1)"
     if [ -f "$STATE/installed" ] && [ "$(cat "$STATE/installed")" = "$key" ]; then
         say "kit already installed on this machine"; return 0
     fi
@@ -108,8 +118,13 @@ install() {
     say "agentspec (its C++ extensions built here) and the CUDA stand-in"
     "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-build-isolation \
         --config-settings=build-dir="$STATE/cmake/{wheel_tag}" . || return 1
+    # from a copy: setuptools leaves build/ and *.egg-info beside the sources it builds, which would
+    # change this key and reinstall everything on the next run
+    local copy
+    copy="$(mktemp -d)" && cp -r tests/sglang/standin_cuda "$copy/" && rm -rf "$copy"/standin_cuda/build "$copy"/standin_cuda/*.egg-info
     "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-build-isolation \
-        tests/sglang/standin_cuda || return 1
+        "$copy/standin_cuda" || return 1
+    rm -rf "$copy"
     (cd /tmp && "$PY" -c 'import suffix_index._core, agentspec.kernels._cpu, sgl_kernel, sglang; assert sgl_kernel.AGENTSPEC_CUDA_STANDIN') || return 1
     echo "$key" > "$STATE/installed"
 }
@@ -134,10 +149,13 @@ sets = json.load(open(sys.argv[1]))
 json.dump({k: v[:1] for k, v in sets.items()}, open(sys.argv[2], "w"))
 PY
     say "smoke: one greedy request per workload (c=1, then both at once) and one sampled, per method"
-    "$PY" benchmarks/bench_sglang.py "${SGL_ARGS[@]}" --model "$STATE/smoke_model" --methods "$METHODS" \
+    timeout -k 15 "${SMOKE_TIMEOUT:-330}" \
+    "$PY" -P benchmarks/bench_sglang.py "${SGL_ARGS[@]}" --model "$STATE/smoke_model" --methods "$METHODS" \
         --prompts-file "$STATE/prompts_smoke.json" --max-tokens 24 --concurrency 1,2 --sampled 1 \
         --reference-logprobs --out "$OUT/smoke.json" > /dev/null
     local rc=$?
+    [ $rc -eq 124 ] || [ $rc -eq 137 ] && say "smoke cut off after ${SMOKE_TIMEOUT:-330}s"
+    reap
     "$PY" - "$OUT/smoke.json" "$METHODS" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -164,11 +182,14 @@ measure() {
         --out "$STATE/model" > "$STATE/model.json"
     step "converted to a Hugging Face folder" $? "$(cat "$STATE/model.json")" || return 1
     say "measure: ${METHODS} at concurrency ${CONCURRENCY:-1,16}"
-    "$PY" benchmarks/bench_sglang.py "${SGL_ARGS[@]}" --model "$STATE/model" --methods "$METHODS" \
+    timeout -k 15 "${BENCH_TIMEOUT:-420}" \
+    "$PY" -P benchmarks/bench_sglang.py "${SGL_ARGS[@]}" --model "$STATE/model" --methods "$METHODS" \
         --prompts-file "$STATE/prompts.json" --max-tokens "${MAX_TOKENS:-96}" --concurrency "${CONCURRENCY:-1,16}" \
         --c1-prompts "${C1_PROMPTS:-4}" \
         --reference-logprobs --sampled 2 --out "$OUT/bench_sglang_gpu.json" > /dev/null
-    step "bench_sglang ran" $?
+    local rc=$?
+    reap
+    step "bench_sglang ran" $rc "$([ $rc -eq 124 ] || [ $rc -eq 137 ] && echo "cut off after ${BENCH_TIMEOUT:-420}s")"
     "$PY" - "$OUT/bench_sglang_gpu.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -180,15 +201,21 @@ print(json.dumps({"errors": r["errors"], "not_identical": bad, "divergences": le
 sys.exit(1 if bad or r["errors"] else 0)
 PY
     step "every greedy output identical to no speculation" $?
+    timeout -k 15 "${SERVE_TIMEOUT:-150}" \
     "$PY" integrations/sglang/gpu_kit/serve_check.py --model "$STATE/model" --out "$OUT/serve.json" \
         --log "$OUT/serve.log" -- --device cuda --speculative agentspec --repo . \
         --sglang-arg attention_backend=triton --sglang-arg disable_cuda_graph=true \
         --sglang-arg enable_deterministic_inference=true
-    step "agentspec serve --backend sglang: chat, stream, /v1/apply" $?
+    rc=$?
+    reap
+    step "agentspec serve --backend sglang: chat, stream, /v1/apply" $rc
 }
 
 case "$MODE" in
     smoke) smoke || FAILED=1 ;;
+    setup)   # run 1 when device time is short: install and keep the parts, no engine started
+        install; step install $? || FAILED=1
+        [ $FAILED = 0 ] && { stash; step stash $? || FAILED=1; } ;;
     store)
         if [ ! -f "$STATE/installed" ]; then
             say "this machine has no installed kit: the smoke run (with build/gpu_kit/base) must come first, on the same machine"
@@ -198,7 +225,7 @@ case "$MODE" in
         fi ;;
     measure) measure || FAILED=1 ;;
     all) smoke || FAILED=1; measure || FAILED=1 ;;
-    *) echo "usage: $0 smoke|store|measure|all" >&2; exit 2 ;;
+    *) echo "usage: $0 smoke|setup|store|measure|all" >&2; exit 2 ;;
 esac
 grep -q '"ok": false' "$STEPS" && FAILED=1
 machine_record

@@ -40,6 +40,7 @@ MODULES = [
     "sglang.kernels.ops.speculative.verify_sampling",
     "sglang.kernels.ops.sampling.renorm",
     "sglang.srt.mem_cache.memory_pool",
+    "sglang.srt.layers.dual_gemm",
     "agentspec.integrations.sglang.worker",
     "agentspec.integrations.sglang.hybrid",
     "agentspec.integrations.sglang.backend",
@@ -103,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         check("top_k_renorm_prob -> Triton", renorm.top_k_renorm_prob._load() is ops.top_k_renorm_prob)
         check("top_p_renorm_prob -> Triton", renorm.top_p_renorm_prob._load() is ops.top_p_renorm_prob)
         check("store_cache off", memory_pool.can_use_store_cache(1152) is False)
+        from sglang.srt.layers import dual_gemm
+        from sglang.srt.utils import is_sm100_supported
+
+        if not is_sm100_supported():   # the CuTe DSL kernel module (cutlass) is never imported
+            check("dual GEMM off SM100", dual_gemm.DualGemm._select_mode(None, None, 576) is None)
 
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 

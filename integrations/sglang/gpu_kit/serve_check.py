@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     port = free_port()
     log_path = args.log or args.out.with_suffix(".log")
-    cmd = [sys.executable, "-m", "agentspec", "serve", "--backend", "sglang", "--model", args.model, "--port", str(port),
+    cmd = [sys.executable, "-P", "-m", "agentspec", "serve", "--backend", "sglang", "--model", args.model, "--port", str(port),
            "--insecure-no-auth", *args.serve_args]
     record: dict = {"command": cmd, "checks": {}}
     t0 = time.perf_counter()

@@ -14,7 +14,10 @@ scheduler and detokenizer processes before the server arguments are resolved):
 * ``sglang.kernels.ops.sampling.renorm.top_k_renorm_prob`` / ``top_p_renorm_prob`` (lazy
   ``flashinfer.sampling`` imports) -> the wheel's Triton renorm kernels;
 * ``sglang.srt.mem_cache.memory_pool.can_use_store_cache`` -> False: the KV cache is written with
-  torch indexing instead of the JIT ``store_cache`` kernel.
+  torch indexing instead of the JIT ``store_cache`` kernel;
+* ``sglang.srt.layers.dual_gemm.DualGemm._select_mode`` -> None off SM100 without importing the CuTe
+  DSL kernel module (``cutlass``, absent here): every MLP's constructor asks it on CUDA, and its
+  own answer off SM100 is None too (``can_use_dual_gemm`` requires SM100).
 
 Each patch is applied when its module is first imported (or at once if it already is), so loading
 the plugin imports nothing heavy. ``load`` also sets the environment switches the stand-in relies
@@ -67,11 +70,28 @@ def _patch_memory_pool(module) -> None:
     module.can_use_store_cache = lambda *args, **kwargs: False
 
 
+def _patch_dual_gemm(module) -> None:
+    original = module.DualGemm._select_mode
+    if getattr(original, "agentspec_standin", False):
+        return
+
+    def _select_mode(self, gate_up_proj, hidden_size):
+        from sglang.srt.utils import is_sm100_supported
+
+        if not is_sm100_supported():
+            return None
+        return original(self, gate_up_proj, hidden_size)
+
+    _select_mode.agentspec_standin = True
+    module.DualGemm._select_mode = _select_mode
+
+
 PATCHES = {
     "sglang.kernels.ops.speculative.tree": _patch_tree,
     "sglang.kernels.ops.speculative.sampling": _patch_sampling,
     "sglang.kernels.ops.sampling.renorm": _patch_renorm,
     "sglang.srt.mem_cache.memory_pool": _patch_memory_pool,
+    "sglang.srt.layers.dual_gemm": _patch_dual_gemm,
 }
 
 
@@ -139,4 +159,4 @@ def load() -> None:
         os.environ.setdefault(key, value)
     install()
     logger.info("agentspec CUDA stand-in: tree ops -> Triton, sampled verification -> torch, "
-                "renorm -> Triton, store_cache off (%s)", ", ".join(f"{k}={os.environ[k]}" for k in ENV_SWITCHES))
+                "renorm -> Triton, store_cache off, dual GEMM off SM100 (%s)", ", ".join(f"{k}={os.environ[k]}" for k in ENV_SWITCHES))
