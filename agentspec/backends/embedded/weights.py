@@ -7,12 +7,12 @@ holds a second full copy of it.
 GGUF tensors (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...) are dequantized with the
 ``gguf`` package's reference dequantizer and cached on disk as float32 safetensors shards (one per
 layer, our parameter names, Llama's Q/K rows back in Hugging Face order), beside the tokenizer;
-later starts memory-map that cache. Cache writes are atomic: a temp folder renamed into place.
+later starts memory-map that cache. Cache writes are atomic: a temp folder renamed into place. The
+cache is keyed by the file's content and bounded (``model_cache``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -29,7 +29,7 @@ import torch
 from suffix_index.atomic import fsync_dir, fsync_tree
 
 from ...errors import ModelLoadError
-from . import families
+from . import families, model_cache
 from .model import ModelArgs
 from .tokenizer import Tokenizer
 
@@ -122,20 +122,22 @@ def load_checkpoint(model: str | os.PathLike | None = None, *, quiet: bool = Fal
 # GGUF
 
 
-def _cache_dir_for(path: Path) -> Path:
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CONVERT_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / "models" / f"{path.stem}-{digest}"
-
-
 def _load_gguf_cached(path: Path, *, quiet: bool) -> Checkpoint:
-    cache = _cache_dir_for(path)
+    """A GGUF file through the converted-weight cache (``model_cache``: keyed by content, bounded,
+    least recently used out first)."""
+    cache = model_cache.entry_dir(path, CONVERT_VERSION, quiet=quiet)
     if not (cache / "config.json").exists():
         _convert_gguf(path, cache, quiet=quiet)
+        model_cache.record_source(cache, path, model_cache.content_digest(path))
+        for gone in model_cache.evict(keep=(cache,)):
+            _log(f"model cache: removed {gone.name} ({gone.bytes / 1e9:.2f} GB, least recently used) to stay "
+                 "under AGENTSPEC_CACHE_MAX_GB", quiet)
+    else:
+        model_cache.record_source(cache, path)
+    model_cache.touch(cache)
     t0 = time.perf_counter()
     ckpt = _load_converted(cache, source=str(path))
-    _log(f"loaded {path.name} from cache in {time.perf_counter() - t0:.2f}s", quiet)
+    _log(f"loaded {path.name} from cache in {time.perf_counter() - t0:.2f}s; {model_cache.summary()}", quiet)
     return ckpt
 
 
