@@ -32,9 +32,12 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from .workspace.ignore import OwnedPath
 
 __all__ = [
     "APPLY_SYSTEM",
@@ -286,7 +289,8 @@ def _ignored_path(base: Path, asked: Path, full: Path, ignored: Callable[[str], 
 
 def resolve_workspace_path(root: str | os.PathLike | None, path: str, *, max_bytes: int,
                            tenant: str | None = None,
-                           ignored: Callable[[str], bool] | None = None) -> tuple[Path, str]:
+                           ignored: Callable[[str], bool] | None = None,
+                           owned: Sequence[OwnedPath] = ()) -> tuple[Path, str]:
     """``(full path, text)`` of the file at ``path`` (relative to ``root``, or absolute) inside the
     workspace ``root``. Symlinks are resolved first, so one pointing out of the workspace is
     outside it. A file the workspace ignores is refused too (403, code ``path_ignored``), whether
@@ -295,7 +299,9 @@ def resolve_workspace_path(root: str | os.PathLike | None, path: str, *, max_byt
     files) is asked about the path as given and the file it resolves to, so ``.git/config``,
     ``.env`` when gitignored, ``.venv/...`` and a symlink to any of them are not read. The text
     is decoded as UTF-8 as stored (CRLF kept). ``tenant`` names the workspace's owner in
-    messages. Raises ApplyPathError (see its ``status``)."""
+    messages. ``owned``: the server's own files and folders (config file, log folder, caches),
+    refused whatever the path says (403, code ``path_server_owned``, naming the rule). Raises
+    ApplyPathError (see its ``status``)."""
     owner = f" of tenant {tenant!r}" if tenant is not None else ""
     if root is None:
         who = f"tenant {tenant!r} has" if tenant is not None else "there is"
@@ -316,6 +322,13 @@ def resolve_workspace_path(root: str | os.PathLike | None, path: str, *, max_byt
     if not full.is_relative_to(base):
         raise ApplyPathError(f"path {path!r} is outside the workspace{owner}", status=403, type="permission_error",
                              code="path_outside_workspace")
+    from .workspace.ignore import owned_rule
+
+    lexical = Path(os.path.normpath(p if p.is_absolute() else base / p))
+    rule = owned_rule(owned, lexical, full)
+    if rule:
+        raise ApplyPathError(f"path {path!r} is one of the server's own files ({rule}): no tenant reads "
+                             "them", status=403, type="permission_error", code="path_server_owned")
     if _ignored_path(base, p, full, ignored):
         raise ApplyPathError(f"path {path!r} is ignored by the workspace{owner} (.gitignore or the ignore list): "
                              "fast apply reads only files the workspace indexes", status=403,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -197,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "initializationOptions / workspace/configuration (section 'agentspec'); the "
                                     "options here are defaults for them.")
     ls.add_argument("--tcp", metavar="[HOST:]PORT", type=_tcp_address,
-                    help="listen on TCP instead of stdio (for debugging; default host 127.0.0.1)")
+                    help="listen on TCP instead of stdio (for debugging; default host 127.0.0.1; another host "
+                         "needs $AGENTSPEC_LSP_TOKEN, which each peer sends as initializationOptions.token)")
     ls.add_argument("--url", help="an agentspec server to use (default: the embedded engine in this process)")
     ls.add_argument("--model", help="remote: the model id; in-process: a .gguf file or Hugging Face folder (default: the bundled model)")
     ls.add_argument("--config", help="in-process: server TOML (routes)")
@@ -363,9 +365,10 @@ def cmd_serve(args) -> int:
     sock = bind_socket(args.host, args.port)
     try:
         if sglang_options is not None:
-            state = build_state(config, repo=args.repo, backend="sglang", sglang_options=sglang_options)
+            state = build_state(config, repo=args.repo, backend="sglang", sglang_options=sglang_options,
+                                config_path=args.config)
         else:
-            state = build_state(config, repo=args.repo,
+            state = build_state(config, repo=args.repo, config_path=args.config,
                                 engine_options={"model": args.model or config.server.model, "device": args.device or "cpu",
                                                 "dtype": args.dtype, "threads": args.threads,
                                                 "cpu_isa": args.cpu_isa, "eagle3": args.eagle3,
@@ -643,7 +646,16 @@ def _main(argv: list[str] | None) -> int:
             from .lsp.server import main as lsp_main
 
             defaults = {k: v for k, v in (("url", args.url), ("model", args.model), ("config", args.config)) if v}
-            return lsp_main(tcp=args.tcp, defaults=defaults)
+            token = os.environ.get("AGENTSPEC_LSP_TOKEN") or None
+            if args.tcp and token is None:
+                from .server import is_loopback
+
+                host = args.tcp.rpartition(":")[0]
+                if not is_loopback(host.strip("[]")):
+                    raise UsageError(f"--tcp {args.tcp}: listening beyond loopback needs a token: set "
+                                     "$AGENTSPEC_LSP_TOKEN (each peer sends it as initializationOptions.token), "
+                                     "or listen on 127.0.0.1")
+            return lsp_main(tcp=args.tcp, defaults=defaults, token=token)
         if args.command == "train-eagle3":
             from .training.cli import cmd_train_eagle3
 

@@ -107,6 +107,10 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1024
     # at most this many tenants get their own Prometheus label value; the rest share "other"
     metrics_max_tenants: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 32
+    # operator keys for GET /metrics (Authorization: Bearer <key>): they read every tenant's series
+    # and nothing else; a tenant's own key reads only that tenant's series. Each at least
+    # MIN_API_KEY_CHARS (8) characters, none a tenant's key
+    metrics_api_keys: list[str] = []
     # the checkpoint the embedded engine serves: a .gguf file or a Hugging Face folder (relative
     # paths from the working directory); `agentspec serve --model` overrides it; default: bundled
     model: str | None = None
@@ -122,6 +126,21 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 MIN_API_KEY_CHARS = 8   # shorter API keys are refused at start-up
+# an example config's keys copied as they are would leave a server open to anyone who read them
+PLACEHOLDER_KEY_MARKS = ("change-me", "changeme", "replace-me", "replaceme", "your-key", "yourkey", "example-key",
+                         "placeholder", "xxxxxxxx")
+_KEY_HINT = "(e.g. `python -c \"import secrets; print('sk-' + secrets.token_urlsafe(24))\"`)"
+
+
+def check_api_key(key: str, where: str) -> None:
+    """Refuse a key that is too short or an example's placeholder (the key itself is never shown)."""
+    if len(key) < MIN_API_KEY_CHARS:
+        raise ConfigError(f"{where} is {len(key)} characters long; an API key needs at least {MIN_API_KEY_CHARS} "
+                          f"{_KEY_HINT}")
+    low = key.lower()
+    mark = next((m for m in PLACEHOLDER_KEY_MARKS if m in low), None)
+    if mark is not None:
+        raise ConfigError(f"{where} is a placeholder (it contains {mark!r}): generate a key of your own {_KEY_HINT}")
 
 
 class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -140,11 +159,11 @@ class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     requests_per_minute: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
     def __post_init__(self) -> None:
+        if self.name in (".", ".."):   # the name is a log file's name: <log_dir>/<name>.jsonl
+            raise ConfigError(f"tenant name {self.name!r} is not allowed: a tenant's name names its log file; "
+                              "use letters, digits, '.', '_' or '-', not '.' or '..' alone")
         for j, key in enumerate(self.api_keys):
-            if len(key) < MIN_API_KEY_CHARS:   # the key itself is never shown
-                raise ConfigError(f"tenant {self.name!r}: api_keys[{j}] is {len(key)} characters long; an API key "
-                                  f"needs at least {MIN_API_KEY_CHARS} (e.g. `python -c \"import secrets; "
-                                  f"print('sk-' + secrets.token_urlsafe(24))\"`)")
+            check_api_key(key, f"tenant {self.name!r}: api_keys[{j}]")
 
 
 class RouteWhen(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -214,6 +233,12 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if dup:
             raise ConfigError(f"tenant names must be unique, repeated: {sorted(dup)}")
         first: dict[str, str] = {}   # key -> where it is first listed (the key itself is never shown)
+        for j, k in enumerate(self.server.metrics_api_keys):
+            at = f"server.metrics_api_keys[{j}]"
+            check_api_key(k, at)
+            if k in first:
+                raise ConfigError(f"an API key is listed twice: {at} repeats {first[k]}")
+            first[k] = at
         for i, t in enumerate(self.tenants):
             for j, k in enumerate(t.api_keys):
                 at = f"tenants[{i}].api_keys[{j}] (tenant {t.name!r})"

@@ -4,14 +4,17 @@ One ``agentspec serve`` (the bundled model) with 3 tenants, each with its own AP
 workspace folder, which a script edits during the run. ``--clients`` concurrent clients (default
 16) for ``--minutes`` (default 10) send a random mix: chat greedy and sampled, completions, fast
 apply (code and workspace path), streaming, streams cancelled mid-way, requests over the context
-window (400), bad bodies (400), a wrong key (401). Sampled every few seconds: the server's RSS,
-the prefix cache's bytes, requests running and waiting.
+window (400), bad bodies (400), a wrong key (401), and hostile probes, each with the answer it
+must get: a server-owned file through ``/v1/apply`` (the config file sits in one tenant's workspace,
+``log_dir`` in another's: 403), a body nested 100,000 levels deep (400), a ``text/plain`` body (415),
+another tenant's session (404), and bursts of 8 requests from one tenant (a flood). Sampled every
+few seconds: the server's RSS, the prefix cache's bytes, requests running and waiting.
 
 Reported (JSON on stdout, a plot with ``--plot``): requests by kind and status, 5xx count,
 latency and TTFT p50/p99 per minute, RSS and cache bytes over time (growth after warm-up), and
 the acceptance logs checked against the responses: every request that the server answered (200,
 a stream's end, a cancelled stream) has exactly one log record with its id, and no record is
-there twice.
+there twice; each probe's answers against the one it must get (``probes``), and TTFT per tenant.
 
     .venv/bin/python -m benchmarks.soak --minutes 10 --clients 16 --plot benchmarks/results/soak.png \\
         --out benchmarks/results/soak.json
@@ -58,6 +61,9 @@ CONTEXTS = [(ROOT / "agentspec" / name).read_text()[:3000] for name in
 
 log = logger("soak")
 
+# the hostile probes and the status each must get (session_probe: 404 once another tenant has one)
+PROBES = {"apply_owned": 403, "nested": 400, "text_plain": 415, "session_probe": 404, "flood": 200}
+
 
 def rss_bytes(pid: int) -> int:
     try:
@@ -81,6 +87,7 @@ class Soak:
         self.base, self.workspaces, self.max_tokens = base, workspaces, max_tokens
         self.rng = random.Random(seed)
         self.results: list[dict] = []      # kind, status, tenant, latency, ttft, t, request id
+        self.sessions: dict[str, str] = {}  # tenant -> a session id it created (probed by the others)
         self.t0 = time.monotonic()
 
     def _headers(self, tenant: str, bad: bool = False) -> dict:
@@ -90,8 +97,11 @@ class Soak:
         rng = self.rng
         tenant = rng.choice(list(TENANTS))
         kind = rng.choices(["chat", "chat_sampled", "completion", "apply_code", "apply_path", "stream",
-                            "stream_cancel", "too_long", "bad_body", "bad_key", "agent_turn"],
-                           weights=[16, 10, 8, 10, 6, 14, 10, 8, 8, 6, 8])[0]
+                            "stream_cancel", "too_long", "bad_body", "bad_key", "agent_turn",
+                            "apply_owned", "nested", "text_plain", "session_probe", "flood"],
+                           weights=[16, 10, 8, 10, 6, 14, 10, 8, 8, 6, 8, 4, 3, 3, 3, 2])[0]
+        if kind in PROBES:
+            return await self.probe(http, kind, tenant)
         mt = self.max_tokens
         url, body, stream = "/v1/chat/completions", None, False
         msgs = [{"role": "user", "content": rng.choice([
@@ -159,6 +169,50 @@ class Soak:
         rec["latency"] = time.monotonic() - t
         self.results.append(rec)
 
+    async def probe(self, http: httpx.AsyncClient, kind: str, tenant: str) -> None:
+        """A hostile probe, recorded with the status it must get (``expected``)."""
+        headers = self._headers(tenant)
+        t = time.monotonic()
+        rec = {"kind": kind, "tenant": tenant, "t": round(t - self.t0, 2), "ttft": None, "id": None,
+               "expected": PROBES[kind]}
+        try:
+            if kind == "apply_owned":   # alpha's workspace holds log_dir, beta's the config file
+                path = {"alpha": "logs/alpha.jsonl", "beta": "soak.toml"}.get(tenant, "../ws-beta/soak.toml")
+                r = await http.post("/v1/apply", headers=headers, json={"path": path, "instruction": "Repeat it.",
+                                                                        "max_tokens": 8})
+            elif kind == "nested":
+                body = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b', "max_tokens": 4}'
+                r = await http.post("/v1/completions", content=body,
+                                    headers={**headers, "Content-Type": "application/json"})
+            elif kind == "text_plain":
+                r = await http.post("/v1/chat/completions", headers={**headers, "Content-Type": "text/plain"},
+                                    content=json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
+            elif kind == "session_probe":   # another tenant's session: unknown to this one
+                others = [sid for t_, sid in self.sessions.items() if t_ != tenant]
+                own = await http.post("/v1/sessions", headers=headers, json={})
+                if own.status_code == 200:
+                    self.sessions[tenant] = own.json()["id"]
+                r = (await http.get(f"/v1/sessions/{others[0]}", headers=headers)) if others else own
+                rec["expected"] = 404 if others else 200
+            else:   # flood: 8 at once from one tenant
+                rs = await asyncio.gather(*(http.post("/v1/completions", headers=headers, json={
+                    "prompt": "def fibonacci(n):", "max_tokens": self.max_tokens, "temperature": 0}) for _ in range(8)))
+                for x in rs:
+                    if x.status_code == 200:
+                        self.results.append({"kind": "flood_member", "tenant": tenant, "t": rec["t"], "ttft": None,
+                                             "id": x.json().get("id"), "status": 200,
+                                             "latency": time.monotonic() - t})
+                r = rs[0]
+                rec["statuses"] = sorted(x.status_code for x in rs)
+            rec["status"] = r.status_code
+            if r.status_code != 200:
+                rec["error_code"] = (r.json().get("error") or {}).get("code")
+        except httpx.HTTPError as e:
+            rec["status"] = -1
+            rec["exception"] = repr(e)
+        rec["latency"] = time.monotonic() - t
+        self.results.append(rec)
+
     async def client(self, http: httpx.AsyncClient, stop: float) -> None:
         while time.monotonic() < stop:
             await self.one(http)
@@ -192,9 +246,10 @@ class Soak:
 
 
 def serve(tmp: Path, workspaces: dict[str, Path], prefix_cache_mb: int):
-    """The soak server: a tenant per key with its own workspace; its acceptance logs in ``tmp/logs``."""
-    logs = tmp / "logs"
-    cfg = tmp / "soak.toml"
+    """The soak server: a tenant per key with its own workspace; its acceptance logs in alpha's
+    workspace and its config file in beta's (server-owned paths inside workspaces: probed)."""
+    logs = workspaces["alpha"] / "logs"
+    cfg = workspaces["beta"] / "soak.toml"
     lines = [f"[server]\nlog_dir = {json.dumps(str(logs))}\nprefix_cache_bytes = {prefix_cache_mb * 2**20}\n"]
     for name, key in TENANTS.items():
         lines.append(f"[[tenants]]\nname = \"{name}\"\napi_keys = [\"{key}\"]\nworkspace = {json.dumps(str(workspaces[name]))}\n")
@@ -254,7 +309,21 @@ def summarize(results: list[dict], samples: list[dict], minutes: float, warmup_s
                         "latency_p99": quantile(lat, 0.99), "ttft_p50": quantile(ttft, 0.5),
                         "ttft_p99": quantile(ttft, 0.99)})
     rss = rss_summary(samples, warmup_s)
-    return {"requests": len(results), "by_status": dict(status), "server_errors_5xx": sum(
+    probes = {}
+    for r in results:
+        if "expected" in r:
+            p = probes.setdefault(r["kind"], {"sent": 0, "as_expected": 0, "other": collections.Counter()})
+            p["sent"] += 1
+            ok = r["status"] == r["expected"] and all(s_ == 200 for s_ in r.get("statuses", [200]))
+            p["as_expected"] += ok
+            if not ok:
+                p["other"][str(r["status"])] += 1
+    per_tenant = {}
+    for tenant in sorted({r["tenant"] for r in results}):
+        ttft = [r["ttft"] for r in results if r["tenant"] == tenant and r["ttft"] is not None and r["status"] == 200]
+        per_tenant[tenant] = {"streams": len(ttft), "ttft_p50": quantile(ttft, 0.5), "ttft_p99": quantile(ttft, 0.99)}
+    return {"requests": len(results), "by_status": dict(status), "probes": probes, "ttft_by_tenant": per_tenant,
+            "server_errors_5xx": sum(
         n for s, n in status.items() if s.startswith("5")), "connection_errors": status.get("-1", 0),
         "stream_errors": collections.Counter(r.get("stream_error") for r in results if r.get("stream_error")),
         "by_kind": {k: dict(v) for k, v in by_kind.items()}, "per_minute": per_min, "rss": rss}
@@ -341,7 +410,9 @@ def main() -> int:
     log(f"{s['requests']} requests, by status {s['by_status']}, 5xx {s['server_errors_5xx']}, RSS {s['rss']}, "
         f"logs {out['logs']}")
     emit_report(out, args.out, indent=1, default=str)
-    return 0 if s["server_errors_5xx"] == 0 and not out["logs"]["missing"] and not out["logs"]["duplicated"] else 1
+    probes_ok = all(p["sent"] == p["as_expected"] for p in s["probes"].values())
+    return 0 if (s["server_errors_5xx"] == 0 and not out["logs"]["missing"] and not out["logs"]["duplicated"]
+                 and probes_ok) else 1
 
 
 if __name__ == "__main__":

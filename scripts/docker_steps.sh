@@ -77,7 +77,7 @@ step "HEALTHCHECK (the image's command, on port $PORT)"
 python -c "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=4).status != 200)"
 curl -fsS "http://127.0.0.1:$PORT/health"; echo
 step "an authenticated request, and one without the key (401)"
-curl -fsS "http://127.0.0.1:$PORT/v1/chat/completions" -H "Authorization: Bearer $KEY" \
+curl -fsS "http://127.0.0.1:$PORT/v1/chat/completions" -H "Authorization: Bearer $KEY" -H "Content-Type: application/json" \
     -d '{"temperature": 0, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}'; echo
 code="$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/v1/models")"
 [ "$code" = 401 ] || { echo "[steps] FAILED: /v1/models without a key answered $code" >&2; exit 1; }

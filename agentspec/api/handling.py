@@ -41,7 +41,7 @@ from .protocol import (
     SessionCreateRequest,
     decode_body,
 )
-from .sessions import SessionForbiddenError, SessionNotFoundError
+from .sessions import SessionNotFoundError
 
 if TYPE_CHECKING:
     from ..decode.results import GenerationStats
@@ -71,8 +71,6 @@ def _text(content) -> str:
 def _session_error(e: Exception, param: str) -> APIError:
     if isinstance(e, SessionNotFoundError):
         return APIError(404, str(e), type="not_found_error", param=param, code="session_not_found")
-    if isinstance(e, SessionForbiddenError):
-        return APIError(403, str(e), type="permission_error", param=param, code="session_forbidden")
     return APIError(400, str(e), param=param, code="invalid_value")
 
 
@@ -89,7 +87,7 @@ def _session(state: ServerState, tenant: Tenant, req) -> str | None:
             if param == "session":
                 return state.sessions.get(tenant.name, sid).id
             return state.sessions.bind(tenant.name, sid).id
-        except (SessionNotFoundError, SessionForbiddenError, ValueError) as e:
+        except (SessionNotFoundError, ValueError) as e:
             raise _session_error(e, param) from None
     user = getattr(req, "user", None)
     return user or None
@@ -306,11 +304,13 @@ def _completion(state: ServerState, tenant: Tenant, req: CompletionRequest, mode
     return Prepared(call, respond, chunk, final)
 
 
-def _read_workspace_file(tenant: Tenant, path: str, limit: int) -> str:
+def _read_workspace_file(state: ServerState, tenant: Tenant, path: str, limit: int) -> str:
     try:
-        # what the workspace ignores (.gitignore, its ignore list, .git/) is refused like outside it
+        # what the workspace ignores (.gitignore, its ignore list, .git/) is refused like outside it,
+        # and the server's own files (config, logs, caches) whatever the workspace says
         ignored = tenant.workspace.ignored if tenant.workspace is not None else None
-        return resolve_workspace_path(tenant.root, path, max_bytes=limit, tenant=tenant.name, ignored=ignored)[1]
+        return resolve_workspace_path(tenant.root, path, max_bytes=limit, tenant=tenant.name, ignored=ignored,
+                                      owned=state.owned)[1]
     except ApplyPathError as e:
         raise APIError(e.status, str(e), type=e.type, param=e.param, code=e.code) from None
 
@@ -322,7 +322,7 @@ def _apply(state: ServerState, tenant: Tenant, req: ApplyRequest, model: str, se
     if not req.update and not req.instruction:
         raise APIError(400, "give `update` (an edit snippet) and/or `instruction`", param="update",
                        code="invalid_value")
-    code = req.code if req.code is not None else _read_workspace_file(tenant, req.path,
+    code = req.code if req.code is not None else _read_workspace_file(state, tenant, req.path,
                                                                         state.config.server.max_body_bytes)
     name = Path(req.path).name if req.path is not None else "the file"
     try:
@@ -374,6 +374,7 @@ def prepare(state: ServerState, path: str, tenant: Tenant, body: bytes, *, t0: f
     t0 = time.monotonic() if t0 is None else t0
     if path not in GENERATION_PATHS:
         raise APIError(404, f"no route POST {path}", type="not_found_error", code="not_found")
+    admit(state, tenant)
     body_type, preparer = GENERATION_PATHS[path]
     req = decode_body(body, body_type)
     req.check_unsupported()
@@ -400,6 +401,23 @@ def engine_error(e: Any) -> APIError:
     return APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error", code="internal_error")
 
 
+def _rate_limited(e: LimitExceeded) -> APIError:
+    return APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(e.retry_after)})
+
+
+def admit(state: ServerState, tenant: Tenant) -> None:
+    """Before a request is read or tokenized: 503 when the server is shutting down, 429 when its
+    tenant is at its limits (``submit`` takes the slot; this only asks, so a tenant over its
+    limits costs the others no parsing, tokenizing or file reads)."""
+    if state.draining:
+        raise shutting_down()
+    try:
+        state.limits.check(tenant.name)
+    except LimitExceeded as e:
+        raise _rate_limited(e) from None
+
+
 def submit(state: ServerState, call: Call, emit: Callable[[str, Any], None], *,
            deadline: float | None = None) -> Job:
     """Queue ``call`` on the backend as a ``Job`` whose events go to ``emit(kind, value)`` (on
@@ -417,8 +435,7 @@ def submit(state: ServerState, call: Call, emit: Callable[[str, Any], None], *,
     try:
         limited = state.limits.acquire(tenant)
     except LimitExceeded as e:
-        raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
-                       headers={"Retry-After": str(e.retry_after)}) from None
+        raise _rate_limited(e) from None
 
     def on_finish(job: Job, kind: str, value: Any):
         with state.jobs_lock:
@@ -549,15 +566,15 @@ def create_session(state: ServerState, tenant: Tenant, body: bytes) -> dict:
     req = decode_body(body, SessionCreateRequest) if body.strip() else SessionCreateRequest()
     try:
         return state.sessions.create(tenant.name, req.id).body()
-    except (SessionForbiddenError, ValueError) as e:
+    except ValueError as e:
         raise _session_error(e, "id") from None
 
 
 def session_detail(state: ServerState, tenant: Tenant, session_id: str) -> dict:
-    """``GET /v1/sessions/{id}``: the tenant's own session; 404 unknown, 403 another tenant's."""
+    """``GET /v1/sessions/{id}``: the tenant's own session; 404 unknown (another tenant's too)."""
     try:
         return state.sessions.get(tenant.name, session_id).body()
-    except (SessionNotFoundError, SessionForbiddenError) as e:
+    except SessionNotFoundError as e:
         raise _session_error(e, "id") from None
 
 

@@ -32,28 +32,40 @@ class TenantLimits:
         self._lock = threading.Lock()
         self._clock = clock
 
+    def check(self, tenant: str) -> None:
+        """Raise ``LimitExceeded`` when ``tenant`` could not be admitted now, taking nothing: the
+        server asks before it reads and tokenizes a request, so a tenant at its limit costs the
+        others nothing (``acquire`` decides)."""
+        lim = self._limits.get(tenant)
+        if lim is not None:
+            with self._lock:
+                self._test(tenant, lim, self._clock())
+
     def acquire(self, tenant: str) -> bool:
         """Admit one request of ``tenant`` (then ``release`` it when it ends) or raise
         ``LimitExceeded``. Returns whether a slot was taken (False: the tenant has no limits)."""
         lim = self._limits.get(tenant)
         if lim is None:
             return False
-        max_concurrent, per_minute = lim
         now = self._clock()
         with self._lock:
-            if max_concurrent is not None and self._running[tenant] >= max_concurrent:
-                raise LimitExceeded(f"tenant {tenant!r} has {self._running[tenant]} requests in flight, its limit "
-                                    f"(max_concurrent = {max_concurrent}); retry when one finishes", 1)
-            starts = self._starts[tenant]
-            while starts and now - starts[0] >= WINDOW_S:
-                starts.popleft()
-            if per_minute is not None and len(starts) >= per_minute:
-                wait = max(1, math.ceil(WINDOW_S - (now - starts[0])))
-                raise LimitExceeded(f"tenant {tenant!r} started {len(starts)} requests in the last minute, its limit "
-                                    f"(requests_per_minute = {per_minute}); retry in {wait} s", wait)
-            starts.append(now)
+            self._test(tenant, lim, now)
+            self._starts[tenant].append(now)
             self._running[tenant] += 1
             return True
+
+    def _test(self, tenant: str, lim: tuple[int | None, int | None], now: float) -> None:
+        max_concurrent, per_minute = lim
+        if max_concurrent is not None and self._running[tenant] >= max_concurrent:
+            raise LimitExceeded(f"tenant {tenant!r} has {self._running[tenant]} requests in flight, its limit "
+                                f"(max_concurrent = {max_concurrent}); retry when one finishes", 1)
+        starts = self._starts[tenant]
+        while starts and now - starts[0] >= WINDOW_S:
+            starts.popleft()
+        if per_minute is not None and len(starts) >= per_minute:
+            wait = max(1, math.ceil(WINDOW_S - (now - starts[0])))
+            raise LimitExceeded(f"tenant {tenant!r} started {len(starts)} requests in the last minute, its limit "
+                                f"(requests_per_minute = {per_minute}); retry in {wait} s", wait)
 
     def release(self, tenant: str) -> None:
         with self._lock:

@@ -190,6 +190,14 @@ def decode_body(body: bytes, type: Any) -> Any:
         return _raise(400, f"invalid request: {msg}", param, "invalid_value")
     except msgspec.DecodeError as e:
         return _raise(400, f"request body is not valid JSON: {e}", None, "invalid_json")
+    except RecursionError:   # a body nested thousands of levels deep (a `prompt` of lists of lists ...)
+        return _raise(400, "request body is nested too deeply", None, "invalid_json")
+    except (ValueError, TypeError, OverflowError) as e:   # any other decoder refusal is the body's fault too
+        return _raise(400, f"invalid request body: {type_name(e)}: {e}", None, "invalid_json")
+
+
+def type_name(e: BaseException) -> str:
+    return type(e).__name__
 
 
 def _raise(status: int, message: str, param: str | None, code: str):

@@ -10,16 +10,15 @@ it; from then on only that tenant may use it. Where a request's session comes fr
 * ``user``, when neither is given: OpenAI's end-user id, which two tenants may both use; it names
   the session of the tenant's own records and is never bound (nor refused).
 
-Whichever field it came from, an id bound to another tenant is refused with 403
-(``permission_error``, ``param`` naming the field) before anything runs: the request never reaches
-the engine, and its prefix cache stays the owner's (the engine's prefix cache is keyed by tenant
-as well, so no tenant can hit another's cache whatever the session says). A session id is at most
-``MAX_SESSION_ID`` characters (longer: 400).
+Sessions are per tenant: the registry is keyed by (tenant, id), so two tenants may use the same id
+without meeting, no tenant can take an id another uses, and another tenant's session is simply
+unknown (404, the same answer as an id never created: nothing tells a tenant which ids others
+use). A session id is at most ``MAX_SESSION_ID`` characters (longer: 400).
 
-The registry is in memory and bounded: at most ``max_sessions`` ids (default 100,000), least
-recently used dropped first. A dropped (or pre-restart) id is forgotten: an explicit ``session``
-naming it gets 404, and ``prompt_cache_key`` binds it afresh to whoever uses it next.
-All methods are thread-safe (one lock).
+The registry is in memory and bounded per tenant: at most ``max_sessions`` ids each (default
+10,000), least recently used dropped first, so a tenant creating sessions in a loop drops only its
+own. A dropped (or pre-restart) id is forgotten: an explicit ``session`` naming it gets 404, and
+``prompt_cache_key`` binds it afresh. All methods are thread-safe (one lock).
 """
 
 from __future__ import annotations
@@ -30,17 +29,14 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-__all__ = ["MAX_SESSION_ID", "Session", "SessionForbiddenError", "SessionNotFoundError", "SessionRegistry"]
+__all__ = ["MAX_SESSION_ID", "Session", "SessionNotFoundError", "SessionRegistry"]
 
 MAX_SESSION_ID = 512
 
 
 class SessionNotFoundError(LookupError):
-    """No session with this id (never created, or dropped from the bounded registry)."""
-
-
-class SessionForbiddenError(PermissionError):
-    """The session is bound to another tenant."""
+    """The tenant has no session with this id (never created, dropped from the bounded registry,
+    or another tenant's: the same answer)."""
 
 
 @dataclass(frozen=True)
@@ -54,43 +50,38 @@ class Session:
 
 
 class SessionRegistry:
-    """Session id -> owning tenant, bound at first use; LRU-bounded to ``max_sessions`` ids
-    (default 100,000); thread-safe."""
+    """(tenant, session id) -> session, bound at first use; LRU-bounded to ``max_sessions`` ids per
+    tenant (default 10,000); thread-safe."""
 
-    def __init__(self, max_sessions: int = 100_000) -> None:
+    def __init__(self, max_sessions: int = 10_000) -> None:
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.max_sessions = max_sessions
         self._lock = threading.Lock()
-        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._by_tenant: dict[str, OrderedDict[str, Session]] = {}
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._sessions)
+            return sum(len(s) for s in self._by_tenant.values())
 
     @staticmethod
     def _check_id(session_id: str) -> None:
         if not session_id or len(session_id) > MAX_SESSION_ID:
             raise ValueError(f"a session id is 1 to {MAX_SESSION_ID} characters, got {len(session_id)}")
 
-    def _owned(self, session: Session, tenant: str) -> Session:
-        if session.tenant != tenant:
-            raise SessionForbiddenError(f"session {session.id!r} belongs to another tenant")
-        self._sessions.move_to_end(session.id)
-        return session
-
     def bind(self, tenant: str, session_id: str) -> Session:
         """The session ``session_id`` of ``tenant``, created now if unknown (implicit sessions:
-        ``prompt_cache_key`` / ``user``). Raises SessionForbiddenError (another tenant's),
-        ValueError (a bad id)."""
+        ``prompt_cache_key``). Raises ValueError (a bad id)."""
         self._check_id(session_id)
         with self._lock:
-            s = self._sessions.get(session_id)
+            own = self._by_tenant.setdefault(tenant, OrderedDict())
+            s = own.get(session_id)
             if s is not None:
-                return self._owned(s, tenant)
-            s = self._sessions[session_id] = Session(session_id, tenant, int(time.time()))
-            while len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
+                own.move_to_end(session_id)
+                return s
+            s = own[session_id] = Session(session_id, tenant, int(time.time()))
+            while len(own) > self.max_sessions:
+                own.popitem(last=False)
             return s
 
     def create(self, tenant: str, session_id: str | None = None) -> Session:
@@ -100,9 +91,11 @@ class SessionRegistry:
 
     def get(self, tenant: str, session_id: str) -> Session:
         """The existing session ``session_id`` of ``tenant`` (explicit sessions). Raises
-        SessionNotFoundError (unknown), SessionForbiddenError (another tenant's)."""
+        SessionNotFoundError (``tenant`` has none by that id)."""
         with self._lock:
-            s = self._sessions.get(session_id)
+            own = self._by_tenant.get(tenant)
+            s = own.get(session_id) if own is not None else None
             if s is None:
                 raise SessionNotFoundError(f"unknown session {session_id[:MAX_SESSION_ID]!r}")
-            return self._owned(s, tenant)
+            own.move_to_end(session_id)
+            return s

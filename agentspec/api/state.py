@@ -52,6 +52,10 @@ class ServerState:
     started: float = field(default_factory=time.time)
     limits: TenantLimits | None = None   # per-tenant max_concurrent / requests_per_minute (from config)
     draining: bool = False         # shutting down: new generation requests get 503 (``serve``'s SIGTERM)
+    owned: tuple = ()              # OwnedPath: the server's own files (config, log_dir, caches), no tenant's
+    # the Host names served (lower case; "[::1]" bracketed), or None for any: a server without API
+    # keys bound to loopback answers only loopback names (``serve`` sets it), against DNS rebinding
+    allowed_hosts: frozenset | None = None
     jobs: set = field(default_factory=set, repr=False)   # jobs submitted and not finished
     jobs_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -106,13 +110,30 @@ def _engine_model_id(engine: Any) -> str:
     return model_id_for(None if bundled else path)
 
 
+def server_owned_paths(config: ServerConfig, config_path: str | Path | None) -> tuple:
+    """The server's own files and folders, which no tenant sees (``OwnedPath``, resolved now): its
+    config file (it holds every tenant's keys), ``log_dir`` (every tenant's request records) and
+    the cache folder (converted weights, step-cost profiles)."""
+    from ..backends.embedded.weights import cache_root
+    from ..workspace.ignore import OwnedPath
+
+    owned = [OwnedPath.of("log_dir", config.server.log_dir), OwnedPath.of("cache folder", cache_root())]
+    if config_path is not None:
+        owned.insert(0, OwnedPath.of("config file", config_path))
+    return tuple(owned)
+
+
 def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | Path | None = None,
                 engine: Any = None, engine_options: dict | None = None, watch: bool = True,
                 quiet: bool = False, backend: str = "embedded", sglang_options: dict | None = None,
-                default_tenant: str = "default", max_batch: int | None = None) -> ServerState:
+                default_tenant: str = "default", max_batch: int | None = None,
+                config_path: str | Path | None = None) -> ServerState:
     """Everything the server needs. ``repo``: the default workspace (tenants without their own).
     ``default_tenant``: the name of the one tenant when the config names none. ``max_batch``:
-    instead of the config's (the in-process SDK's own default).
+    instead of the config's (the in-process SDK's own default). ``config_path``: the file
+    ``config`` was read from, when it is given already read (a path ``config`` is its own): with
+    ``log_dir`` and the cache folder it is excluded from every workspace and refused by
+    ``/v1/apply`` (``server_owned_paths``).
 
     ``backend="embedded"`` (default): ``engine`` is an already loaded ``EmbeddedEngine``
     (default: load one with ``engine_options``), wrapped here in an ``EmbeddedBackend``; each
@@ -130,7 +151,10 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
     if backend not in ("embedded", "sglang"):
         raise ConfigError(f"backend must be 'embedded' or 'sglang', got {backend!r}")
     if not isinstance(config, ServerConfig):
+        if config is not None and config_path is None:
+            config_path = config
         config = load_server_config(config)
+    owned = server_owned_paths(config, config_path)
     if repo is not None and not Path(repo).is_dir():
         raise ConfigError(f"--repo is not a directory: {str(repo)!r}")
     for t in config.tenants:
@@ -140,7 +164,7 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
         if engine_options:
             raise ConfigError("engine_options are the embedded engine's; pass sglang_options with backend='sglang'")
         return _build_sglang_state(config, repo=repo, engine=engine, options=sglang_options, watch=watch, quiet=quiet,
-                                   default_tenant=default_tenant)
+                                   default_tenant=default_tenant, owned=owned)
     if sglang_options:
         raise ConfigError("sglang_options need backend='sglang'")
     from ..backends import Engine
@@ -176,7 +200,7 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
                 print(f"[agentspec] indexing workspace {Path(root).resolve()} for tenant {name!r}",
                       file=sys.stderr, flush=True)
             ws = Workspace(root, tenant=name, index=backend.index, tokenizer=backend.tokenizer, watch=watch,
-                           progress=not quiet and sys.stderr.isatty())
+                           exclude=owned, progress=not quiet and sys.stderr.isatty())
             if not quiet:
                 s = ws.summary()
                 print(f"[agentspec]   {s['files']} files, {s['chunks']} chunks, {s['tokens']} tokens "
@@ -187,11 +211,11 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
                          backups=config.server.log_backups)
     metrics = Metrics(max_tenants=config.server.metrics_max_tenants)
     return ServerState(backend=backend, config=config, tenants=tenants, router=router, sink=sink,
-                       metrics=metrics, model_id=backend.model_name, require_key=bool(specs), keys=keys)
+                       metrics=metrics, model_id=backend.model_name, require_key=bool(specs), keys=keys, owned=owned)
 
 
 def _build_sglang_state(config: ServerConfig, *, repo: str | Path | None, engine: Any, options: dict | None,
-                        watch: bool, quiet: bool, default_tenant: str) -> ServerState:
+                        watch: bool, quiet: bool, default_tenant: str, owned: tuple = ()) -> ServerState:
     from agentspec.integrations.sglang.backend import SGLangBackend
     from ..telemetry import Metrics, TenantLogSink
 
@@ -211,7 +235,7 @@ def _build_sglang_state(config: ServerConfig, *, repo: str | Path | None, engine
     opts.setdefault("max_queue", cfg.max_queue)
     backend = SGLangBackend(model, tenants={n: (str(r) if r is not None else None) for n, r in roots.items()},
                             watch=watch, model_name=cfg.model_name, drafters=route_drafters, engine=engine,
-                            quiet=quiet, **opts)
+                            quiet=quiet, exclude=[(o.rule, str(o.path)) for o in owned], **opts)
     if not quiet:
         for name, root in roots.items():
             if root is not None:
@@ -226,6 +250,6 @@ def _build_sglang_state(config: ServerConfig, *, repo: str | Path | None, engine
         backend.close()   # the engine's processes do not outlive a failed start
         raise
     return ServerState(backend=backend, config=config, tenants=tenants, router=router, sink=sink,
-                       metrics=metrics, model_id=backend.model_name, require_key=bool(specs), keys=keys)
+                       metrics=metrics, model_id=backend.model_name, require_key=bool(specs), keys=keys, owned=owned)
 
 

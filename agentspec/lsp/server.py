@@ -35,6 +35,7 @@ benchmarks and tests). ``workspace/didChangeConfiguration`` updates the per-comm
 from __future__ import annotations
 
 import asyncio
+import hmac
 import os
 import sys
 import threading
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from lsprotocol import types
-from pygls.exceptions import JsonRpcInternalError, JsonRpcInvalidParams
+from pygls.exceptions import JsonRpcInternalError, JsonRpcInvalidParams, JsonRpcInvalidRequest
 from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
 from pygls.protocol.language_server import lsp_method
@@ -131,6 +132,9 @@ class AgentSpecLanguageServer(LanguageServer):
         self.ready: asyncio.Future | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.overlays = _Overlays(self._indexed)
+        self._ignored = None   # the root's ignore rules when there is no workspace (remote mode)
+        self.token: str | None = None   # `--tcp` with $AGENTSPEC_LSP_TOKEN: what initialize must carry
+        self.refused = False            # this peer's initialize did not carry the token
         self._progress_ok = False
 
     # ---- state ----------------------------------------------------------------------------------
@@ -155,7 +159,33 @@ class AgentSpecLanguageServer(LanguageServer):
         real = Path(os.path.realpath(path))
         if not (real == self.root or self.root in real.parents):
             raise JsonRpcInvalidParams(f"{uri} is outside the workspace {from_fs_path(str(self.root))}")
+        refused = self._refusal(path, real)
+        if refused:
+            raise JsonRpcInvalidParams(f"{uri} is {refused}: agentspec rewrites only files the workspace indexes")
         return path
+
+    def _refusal(self, path: Path, real: Path) -> str | None:
+        """Why the file at ``path`` (resolving to ``real``) is no command's: one of the server's own
+        files, or ignored by the workspace (as given or resolved; ``.git/``, a gitignored ``.env``)."""
+        ws = self.overlays.workspace
+        if ws is not None:
+            rule = ws.owned_rule(path) or ws.owned_rule(real)
+            if rule:
+                return f"one of the server's own files ({rule})"
+            ignored = ws.ignored
+        else:
+            if self._ignored is None:
+                from ..workspace import ignore_checker
+
+                self._ignored = ignore_checker(self.root)
+            ignored = self._ignored
+        for p in {path, real}:
+            try:
+                if p != self.root and ignored(p):
+                    return "ignored by the workspace (.gitignore or the ignore list)"
+            except ValueError:   # not under the root as spelled (a symlinked root): the resolved one decides
+                continue
+        return None
 
     def document(self, uri: str, path: Path) -> tuple[str, int | None]:
         """The text the user sees (the open buffer, else the file) and its version (None: not open)."""
@@ -167,10 +197,11 @@ class AgentSpecLanguageServer(LanguageServer):
                     break
         if doc is not None:
             return doc.source, doc.version
-        if not path.is_file():
+        real = Path(os.path.realpath(path))   # read what path_of checked, not a link swapped since
+        if not real.is_file():
             raise JsonRpcInvalidParams(f"{uri}: no such file (and no open buffer)")
         try:
-            return path.read_text(encoding="utf-8"), None
+            return real.read_text(encoding="utf-8"), None
         except (OSError, UnicodeDecodeError) as e:
             raise JsonRpcInvalidParams(f"{uri}: cannot read it as UTF-8 text ({e})") from None
 
@@ -221,6 +252,9 @@ class AgentSpecLanguageServer(LanguageServer):
     # ---- commands -------------------------------------------------------------------------------
 
     async def run_command(self, kind: str, args: tuple) -> dict:
+        if self.refused:
+            raise JsonRpcInvalidRequest("this peer did not initialize with the token (a TCP peer must send "
+                                        "initializationOptions.token)")
         if len(args) != 1 or not isinstance(args[0], dict):
             raise JsonRpcInvalidParams(f"{kind} takes one argument object, got {len(args)} argument(s)")
         arg = args[0]
@@ -396,6 +430,13 @@ def build_server(defaults: dict | None = None) -> AgentSpecLanguageServer:
 
     @server.feature(types.INITIALIZE)
     def initialize(ls: AgentSpecLanguageServer, params: types.InitializeParams) -> None:
+        if ls.token is not None:   # a TCP listener with a token: the peer proves it knows it first
+            opts = params.initialization_options if isinstance(params.initialization_options, dict) else {}
+            given = opts.get("token")
+            if not isinstance(given, str) or not hmac.compare_digest(given.encode(), ls.token.encode()):
+                ls.refused = True
+                raise JsonRpcInvalidRequest("initializationOptions.token is missing or wrong: this agentspec "
+                                            "language server listens on TCP with $AGENTSPEC_LSP_TOKEN")
         ls.settings = {**base, **_settings(params.initialization_options)}
         folders = params.workspace_folders or []
         root_uri = folders[0].uri if folders else params.root_uri
@@ -408,6 +449,8 @@ def build_server(defaults: dict | None = None) -> AgentSpecLanguageServer:
 
     @server.feature(types.INITIALIZED)
     async def initialized(ls: AgentSpecLanguageServer, params: types.InitializedParams) -> None:
+        if ls.refused:   # a TCP peer without the token: nothing starts, no file is read
+            return
         try:
             ws_caps = ls.client_capabilities.workspace
             if ws_caps and ws_caps.configuration:
@@ -523,8 +566,12 @@ def build_server(defaults: dict | None = None) -> AgentSpecLanguageServer:
     return server
 
 
-def main(*, tcp: str | None = None, defaults: dict | None = None) -> int:
+def main(*, tcp: str | None = None, defaults: dict | None = None, token: str | None = None) -> int:
+    """Serve over stdio, or over TCP at ``tcp`` ("HOST:PORT"). ``token``: every TCP peer must send
+    it as ``initializationOptions.token`` (the command line asks for one to listen beyond
+    loopback)."""
     server = build_server(defaults)
+    server.token = token or None
     if tcp:
         host, _, port = tcp.rpartition(":")
         server.start_tcp(host or "127.0.0.1", int(port))

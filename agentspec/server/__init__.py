@@ -29,6 +29,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def loopback_hosts(host: str) -> frozenset:
+    """The ``Host`` names a keyless server bound to the loopback address ``host`` answers (the
+    port is not part of the name): localhost, 127.0.0.1, [::1] and ``host`` itself."""
+    names = {"localhost", "127.0.0.1", "[::1]"}
+    h = host.strip().lower()
+    names.add(f"[{h}]" if ":" in h and not h.startswith("[") else h)
+    return frozenset(names)
+
+
 def bind_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
     """The server's listening socket, bound and listening now (as uvicorn binds it: SO_REUSEADDR,
     IPv6 when the host has a colon), so that ``agentspec serve`` finds a port in use before it
@@ -119,6 +128,8 @@ def serve(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_
     if sock is None:
         sock = bind_socket(host, port)
     backend = state.backend
+    if not state.require_key and is_loopback(host):
+        state.allowed_hosts = loopback_hosts(host)
     app = create_app(state)
     base = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 

@@ -5,8 +5,12 @@ Endpoints (DESIGN.md section 8):
   GET  /health, /metrics, /v1/models, /v1/models/{id}, /v1/sessions/{id}
   POST /v1/chat/completions, /v1/completions, /v1/apply, /v1/sessions
 
-What is HTTP lives here: API-key authentication (a key names its tenant), body size limits, SSE
-framing, client disconnects, the error envelope as a response. Parsing, sessions, routes,
+What is HTTP lives here: API-key authentication (a key names its tenant), body size limits and
+types (JSON endpoints take ``application/json``: 415 otherwise), the ``Host`` check of a server
+without keys (``ServerState.allowed_hosts``: loopback names only, against DNS rebinding), SSE
+framing, client disconnects, the error envelope as a response. A generation request is admitted
+against its tenant's limits before its body is read, and parsed and tokenized on a worker thread
+(at most ``PREPARE_PER_TENANT`` at once per tenant), never on the event loop. Parsing, sessions, routes,
 limits, submitting to the backend, response shapes and the acceptance records are
 ``agentspec.api.handling``'s, which the SDK's in-process mode runs too.
 
@@ -26,6 +30,7 @@ from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HTTPRoute
@@ -40,6 +45,7 @@ from .openapi import openapi_endpoint
 __all__ = ["create_app"]
 
 _json = msgspec.json.Encoder()
+PREPARE_PER_TENANT = 4   # a tenant's requests being parsed and tokenized at once (worker threads)
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -90,7 +96,39 @@ async def _read_body(request: Request, limit: int) -> bytes:
     body = b"".join(chunks)
     if not body:
         raise APIError(400, "request body is empty: expected a JSON object", code="invalid_json")
-    return body  # parsed as JSON whatever the Content-Type says (curl -d sends form-urlencoded)
+    _check_json_type(request)
+    return body
+
+
+def _check_json_type(request: Request) -> None:
+    """415 unless the body says it is JSON (``application/json`` or ``application/*+json``): a web
+    page can send ``text/plain`` or a form to a local server without asking, never JSON."""
+    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json")):
+        return
+    shown = f"{ctype!r}" if ctype else "none"
+    raise APIError(415, f"Content-Type must be application/json, got {shown} (curl: -H 'Content-Type: "
+                   "application/json')", code="unsupported_media_type")
+
+
+def _check_host(state: ServerState, request: Request) -> None:
+    """A server without API keys answers only the loopback names it was bound for: a page the
+    developer visits can make a browser send requests to 127.0.0.1, but through a name of its own
+    (DNS rebinding), which this refuses (403)."""
+    allowed = state.allowed_hosts
+    if allowed is None:
+        return
+    host = request.headers.get("host", "").strip().lower()
+    if host.startswith("["):
+        name = host[:host.find("]") + 1] if "]" in host else host
+    else:
+        name, sep, port = host.rpartition(":")
+        if not sep or not port.isdigit():
+            name = host
+    if name not in allowed:
+        raise APIError(403, f"Host {host!r} is not served: a server without API keys answers only "
+                       f"{', '.join(sorted(allowed))} (configure tenants with api_keys to serve other names)",
+                       type="permission_error", code="host_not_allowed")
 
 
 # ---- generation ------------------------------------------------------------------------------------
@@ -103,7 +141,9 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _submit(state: ServerState, prepared: Prepared) -> tuple[Job, asyncio.Queue]:
-    """Submit on the backend; the job's events come back on this event loop's queue."""
+    """Submit on the backend; the job's events come back on this event loop's queue. (On the
+    loop: the ids are checked and the drafter started in well under a millisecond, and a job
+    submitted from a thread could outlive a client that left meanwhile.)"""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     job = handling.submit(state, prepared.call,
@@ -145,13 +185,25 @@ async def _stream(state: ServerState, prepared: Prepared, job: Job, events: asyn
         job.cancel()  # client gone (task cancelled) or done: either way the engine may stop
 
 
+def _prepare_slot(app, tenant: str) -> asyncio.Semaphore:
+    """The tenant's share of the worker threads that parse and tokenize requests: one tenant's
+    burst waits for its own slots, not for the thread pool every tenant uses."""
+    slots = app.state.prepare_slots
+    sem = slots.get(tenant)
+    if sem is None:
+        sem = slots[tenant] = asyncio.Semaphore(PREPARE_PER_TENANT)
+    return sem
+
+
 def _generation(path: str):
     async def endpoint(request: Request) -> Response:
         state: ServerState = request.app.state.agentspec
         t0 = time.monotonic()
         tenant = _authenticate(state, request)
-        prepared = handling.prepare(state, path, tenant, await _read_body(request, state.config.server.max_body_bytes),
-                                    t0=t0)
+        handling.admit(state, tenant)   # a tenant at its limits: 429 before its body is even read
+        body = await _read_body(request, state.config.server.max_body_bytes)
+        async with _prepare_slot(request.app, tenant.name):
+            prepared = await run_in_threadpool(handling.prepare, state, path, tenant, body, t0=t0)
         job, events = _submit(state, prepared)
         if not prepared.call.stream:
             gen = await _collect(request, job, events)
@@ -188,11 +240,13 @@ async def create_session(request: Request) -> Response:
                 raise APIError(413, "request body exceeds the limit of 4096 bytes", code="request_too_large")
     except ClientDisconnect:
         raise APIError(400, "client disconnected while sending the body", code="client_disconnect") from None
+    if raw:
+        _check_json_type(request)
     return JSONResponse(handling.create_session(state, tenant, raw))
 
 
 async def session_detail(request: Request) -> Response:
-    """``GET /v1/sessions/{id}``: the caller's own session; 404 unknown, 403 another tenant's."""
+    """``GET /v1/sessions/{id}``: the caller's own session; 404 unknown (another tenant's too)."""
     state: ServerState = request.app.state.agentspec
     tenant = _authenticate(state, request)
     return JSONResponse(handling.session_detail(state, tenant, request.path_params["session"]))
@@ -203,12 +257,26 @@ async def health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    """Prometheus text. With tenants configured it names them: any tenant's key may read it (401
-    without one); a server without keys serves it to anyone, like every other endpoint."""
+    """Prometheus text. With tenants configured a tenant's key reads only its own series, an
+    operator key (``[server] metrics_api_keys``) every tenant's and the server's own (401 without
+    a key); a server without keys serves everything to anyone, like every other endpoint."""
     state: ServerState = request.app.state.agentspec
-    _authenticate(state, request)
-    body, ctype = state.metrics.render()
+    if state.require_key and _operator_key(state, request):
+        body, ctype = state.metrics.render()
+    elif state.require_key:
+        body, ctype = state.metrics.render(tenant=_authenticate(state, request).name)
+    else:
+        body, ctype = state.metrics.render()
     return Response(body, media_type=ctype)
+
+
+def _operator_key(state: ServerState, request: Request) -> bool:
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    key = key.strip().encode()
+    ok = False
+    for known in state.config.server.metrics_api_keys:   # constant-time, every key compared
+        ok |= scheme.lower() == "bearer" and hmac.compare_digest(known.encode(), key)
+    return ok
 
 
 # ---- the app -----------------------------------------------------------------------------------------
@@ -221,6 +289,7 @@ def create_app(state: ServerState) -> Starlette:
     def wrap(handler):
         async def endpoint(request: Request) -> Response:
             try:
+                _check_host(state, request)
                 return await handler(request)
             except APIError as e:
                 return _error(e)
@@ -263,6 +332,7 @@ def create_app(state: ServerState) -> Starlette:
                     exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error,
                                         Exception: server_error})
     app.state.agentspec = state
+    app.state.prepare_slots = {}
     if hasattr(state.metrics, "watch_log_sink"):
         state.metrics.watch_log_sink(state.sink)   # agentspec:log_write_errors_total
     return app

@@ -149,9 +149,11 @@ _ERRORS = {
     "400": "Bad request: malformed JSON, a wrong type, an unknown field, an unsupported option (named in "
            "`param`), a prompt over the context window",
     "401": "Missing or invalid API key (only when tenants with API keys are configured)",
-    "403": "A session, or a workspace path, that the caller's tenant may not use",
+    "403": "A workspace path the caller's tenant may not read (outside the workspace, ignored by it, or one of the "
+           "server's own files); a Host name a server without API keys does not answer",
     "404": "Unknown model, session or route",
     "413": "Request body over `max_body_bytes`",
+    "415": "A body that is not `application/json`",
     "429": "The tenant's `max_concurrent` or `requests_per_minute` limit (`Retry-After` says when to retry)",
     "5XX": "Server error: 503 queue full or shutting down, 504 `request_timeout_s` passed",
 }
@@ -170,7 +172,7 @@ def _generation(summary: str, description: str, request: str, ok: str, op_id: st
         "responses": {
             "200": {"description": f"{ok} (`stream: true`: server-sent events)",
                     "content": {**_json(ok), **_SSE}},
-            **_errors("400", "401", "403", "404", "413", "429", "5XX"),
+            **_errors("400", "401", "403", "404", "413", "415", "429", "5XX"),
         },
     }}
 
@@ -225,7 +227,7 @@ def build_openapi() -> dict:
                 "operationId": "createSession", "summary": "Create a session for the caller's tenant (extension)",
                 "requestBody": {"required": False, "content": _json("SessionCreateRequest")},
                 "responses": {"200": {"description": "The session", "content": _json("Session")},
-                              **_errors("400", "401", "403", "413")}}},
+                              **_errors("400", "401", "403", "413", "415")}}},
             "/v1/sessions/{id}": {"get": {
                 "operationId": "retrieveSession", "summary": "One of the caller's sessions (extension)",
                 "parameters": [{"name": "id", "in": "path", "required": True,

@@ -123,8 +123,32 @@ class Metrics:
 
         self.registry.register(_LogErrors())
 
-    def render(self) -> tuple[bytes, str]:
-        """``(body, content_type)`` for ``GET /metrics``."""
+    def render(self, tenant: str | None = None) -> tuple[bytes, str]:
+        """``(body, content_type)`` for ``GET /metrics``: every series, or with ``tenant`` only
+        that tenant's (the samples labelled with it; a tenant past ``max_tenants``, counted under
+        "other", gets none: "other" is several tenants)."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if tenant is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        with self._lock:
+            label = tenant if tenant in self._tenants else None
+        return generate_latest(_OneTenant(self.registry, label)), CONTENT_TYPE_LATEST
+
+
+class _OneTenant:
+    """A registry view holding only the samples whose ``tenant`` label is ``label`` (None: none)."""
+
+    def __init__(self, registry, label: str | None) -> None:
+        self.registry, self.label = registry, label
+
+    def collect(self):
+        import copy
+
+        for family in self.registry.collect():
+            if not any("tenant" in s.labels for s in family.samples):
+                continue   # not per tenant (the server's own counters): an operator's
+            kept = [s for s in family.samples if self.label is not None and s.labels.get("tenant") == self.label]
+            out = copy.copy(family)
+            out.samples = kept
+            yield out

@@ -67,7 +67,9 @@ class TenantLogSink:
         self.max_bytes = max_bytes
         self.backups = backups
         self.max_queue = max_queue
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        # the records are the tenants' own: the folder 0700 and each file 0600 (whatever the umask),
+        # readable by the server's user alone
+        self.log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.failed = 0                 # records that could not be written (reported on stderr): lost
         self.failing: dict[str, str] = {}   # tenant -> its last write error, until a write succeeds again
         self._lost: dict[str, int] = {}     # tenant -> records lost since its last good write
@@ -207,7 +209,7 @@ class TenantLogSink:
         fsync per file (rotating first whenever the next line would pass ``max_bytes``)."""
         path = self.path(tenant)
         with self._lock(tenant):
-            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = _open_log(path)
             try:
                 size = os.fstat(fd).st_size
                 torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"  # a torn line from a crash: end it
@@ -221,7 +223,7 @@ class TenantLogSink:
                         os.close(fd)
                         fd = -1
                         self._rotate(path)
-                        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+                        fd = _open_log(path)
                         chunk, size = [], 0
                     chunk.append(line)
                     size += len(line)
@@ -242,6 +244,18 @@ class TenantLogSink:
                     os.replace(older, path.with_name(f"{path.name}.{i + 1}"))
             os.replace(path, path.with_name(f"{path.name}.1"))
         fsync_dir(self.log_dir)
+
+
+def _open_log(path) -> int:
+    """The tenant's log for appending, 0600 (a file an older version left readable to others is
+    made private)."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+    except OSError:
+        pass
+    return fd
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -26,7 +26,7 @@ One module per job:
 """
 
 from .chunking import LANGUAGES, chunk_text, language_for
-from .ignore import DEFAULT_IGNORE, ignore_checker, is_ignored
+from .ignore import DEFAULT_IGNORE, OwnedPath, ignore_checker, is_ignored
 from .workspace import Workspace
 
-__all__ = ["Workspace", "DEFAULT_IGNORE", "ignore_checker", "is_ignored", "LANGUAGES", "chunk_text", "language_for"]
+__all__ = ["Workspace", "DEFAULT_IGNORE", "OwnedPath", "ignore_checker", "is_ignored", "LANGUAGES", "chunk_text", "language_for"]

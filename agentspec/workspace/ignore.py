@@ -1,19 +1,26 @@
 """Which files a workspace ignores, and the relative paths the rules are asked about.
 
 A path is ignored when a ``.gitignore`` file above it (each relative to its own folder) or the
-global ignore list (``DEFAULT_IGNORE`` unless given) matches it or a folder above it. Paths are
-relative to the workspace root, with forward slashes.
+global ignore list (``DEFAULT_IGNORE`` unless given) matches it or a folder above it, or when it is
+one of the server's own files (``OwnedPath``: its config file, log folder, caches, snapshot folder),
+which no tenant ever sees. Paths are relative to the workspace root, with forward slashes.
+
+A symbolic link is followed only where it lands inside the root, on a path the rules keep
+(``IgnoreRules.link_refusal``): a link to a file outside the workspace, to a gitignored file or to
+one of the server's files is skipped with the reason, never read.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_IGNORE", "ignore_checker", "is_ignored"]
+__all__ = ["DEFAULT_IGNORE", "OwnedPath", "ignore_checker", "is_ignored", "owned_rule"]
 
 DEFAULT_IGNORE = (".git/", ".hg/", ".svn/", "node_modules/", "__pycache__/", ".venv/", "venv/", ".tox/",
                   ".mypy_cache/", ".pytest_cache/", ".ruff_cache/", "*.pyc", "*.so", "*.o", "*.a",
@@ -22,14 +29,50 @@ DEFAULT_IGNORE = (".git/", ".hg/", ".svn/", "node_modules/", "__pycache__/", ".v
                   "*.bin", "*.pt", "*.npz", "*.npy", ".DS_Store")
 
 
-class IgnoreRules:
-    """``.gitignore`` files (each relative to its folder) plus a global ignore list. Each
-    ``.gitignore`` is read once, when a path first needs it, and cached until ``forget``."""
+@dataclass(frozen=True)
+class OwnedPath:
+    """A file or folder of the server's own (``rule`` names it: "config file", "log_dir", ...),
+    resolved: it and everything under it are no tenant's."""
 
-    def __init__(self, root: Path, patterns: Sequence[str]):
+    rule: str
+    path: Path
+
+    @classmethod
+    def of(cls, rule: str, path: str | os.PathLike) -> OwnedPath:
+        return cls(rule, Path(path).expanduser().resolve())
+
+    def covers(self, resolved: Path) -> bool:
+        return resolved == self.path or resolved.is_relative_to(self.path)
+
+
+def owned_rule(owned: Sequence[OwnedPath], *paths: Path) -> str | None:
+    """The rule of the first server-owned path covering any of ``paths`` (absolute; each checked
+    as given and resolved), or None."""
+    for p in paths:
+        candidates = {p}
+        try:
+            candidates.add(p.resolve())
+        except (OSError, RuntimeError):
+            pass
+        for o in owned:
+            if any(o.covers(c) for c in candidates):
+                return o.rule
+    return None
+
+
+class IgnoreRules:
+    """``.gitignore`` files (each relative to its folder) plus a global ignore list and the
+    server's own paths. Each ``.gitignore`` is read once, when a path first needs it, and cached
+    until ``forget``."""
+
+    def __init__(self, root: Path, patterns: Sequence[str], owned: Sequence[OwnedPath] = ()):
         import pathspec
 
         self.root = root
+        self.owned = tuple(owned)
+        # the owned paths inside the root, relative: ignored by the walk, the watcher, overlays
+        self._owned_rel = tuple(relative(root, o.path) for o in self.owned
+                                if o.path != root and o.path.is_relative_to(root))
         self.base = pathspec.GitIgnoreSpec.from_lines(list(patterns))
         self._specs: dict[str, Any] = {}   # folder (relative, "" = root) -> spec or None
         self._lock = threading.Lock()
@@ -62,6 +105,8 @@ class IgnoreRules:
 
     def ignored(self, rel: str, is_dir: bool) -> bool:
         """``rel``: a path relative to the root, with forward slashes."""
+        if any(rel == o or rel.startswith(o + "/") for o in self._owned_rel):
+            return True
         probe = rel + "/" if is_dir else rel
         if self.base.match_file(probe):
             return True
@@ -84,15 +129,43 @@ class IgnoreRules:
         walk never reaches."""
         return self.ignored(rel, False) or any(self.ignored(d, True) for d in parents(rel))
 
+    def owned_rule(self, path: Path) -> str | None:
+        """The rule of the server-owned path ``path`` (absolute; as given or resolved) falls
+        under, or None."""
+        return owned_rule(self.owned, path)
 
-def ignore_checker(root: str | os.PathLike,
-                   ignore: Sequence[str] = DEFAULT_IGNORE) -> Callable[[str | os.PathLike], bool]:
+    def link_refusal(self, path: Path) -> str | None:
+        """Why the symbolic link ``path`` must not be followed, or None (not a link, or a link
+        to a kept path inside the root): it is broken or loops, lands outside the root, on an
+        ignored path or on one of the server's own."""
+        try:
+            if not path.is_symlink():
+                return None
+            target = path.resolve(strict=True)
+        except RuntimeError:   # Python 3.11: a loop
+            return "symlink loop"
+        except OSError as e:
+            return "symlink loop" if e.errno == errno.ELOOP else "broken symlink"
+        if target == self.root:
+            return "symlink loop"
+        if not target.is_relative_to(self.root):
+            return "symlink out of the workspace"
+        if owned_rule(self.owned, target):
+            return "symlink to a server-owned path"
+        trel = relative(self.root, target)
+        if self.ignored(trel, target.is_dir()) or any(self.ignored(d, True) for d in parents(trel)):
+            return "symlink to an ignored path"
+        return None
+
+
+def ignore_checker(root: str | os.PathLike, ignore: Sequence[str] = DEFAULT_IGNORE,
+                   owned: Sequence[OwnedPath] = ()) -> Callable[[str | os.PathLike], bool]:
     """``Workspace.ignored`` for a root without a ``Workspace`` (an SGLang backend's tenants): a
     function telling whether a workspace at ``root`` with the ignore list ``ignore`` ignores the
     file it is given (absolute or relative to ``root``; ValueError outside ``root``). Each
     ``.gitignore`` file is read once, when a path first needs it."""
     base = Path(root).resolve()
-    rules = IgnoreRules(base, ignore)
+    rules = IgnoreRules(base, ignore, owned)
     return lambda path: rules.ignored_file(rel_under(base, path))
 
 

@@ -1,7 +1,8 @@
 """Finding and reading a workspace's files.
 
-``walk`` lists the files under the root that the ignore rules keep (symlinked folders are followed
-once: a loop or a second path to the same folder is skipped with a reason); ``read_text`` reads
+``walk`` lists the files under the root that the ignore rules keep (a symbolic link is followed only
+when it lands inside the root on a kept path, ``IgnoreRules.link_refusal``; a symlinked folder is
+followed once: a loop or a second path to the same folder is skipped with a reason); ``read_text`` reads
 one as UTF-8 text, or skips it with a reason (binary, oversized, not a regular file, unreadable,
 vanished). Skips go to a callback, ``skip(rel, reason)``, where the workspace counts them.
 """
@@ -53,10 +54,16 @@ def walk(root: Path, rules: IgnoreRules, skip: Skip) -> Iterator[tuple[str, Path
                 is_dir = False
             if rules.ignored(rel, is_dir):
                 continue
+            linked = entry.is_symlink()
+            if linked:
+                refused = rules.link_refusal(path)
+                if refused:
+                    skip(rel, refused)
+                    continue
             if is_dir:
                 subdirs.append(path)
             else:
-                yield rel, path
+                yield rel, path.resolve() if linked else path   # read what was checked
         stack.extend(reversed(subdirs))
 
 
@@ -68,7 +75,7 @@ def walk_under(root: Path, folder: Path, rules: IgnoreRules) -> Iterator[tuple[s
         dirnames[:] = [d for d in dirnames if not rules.ignored(relative(root, base / d), True)]
         for name in filenames:
             rel = relative(root, base / name)
-            if not rules.ignored(rel, False):
+            if not rules.ignored(rel, False) and not rules.link_refusal(base / name):
                 yield rel, base / name
 
 

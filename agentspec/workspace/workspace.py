@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .chunking import chunk_text
-from .ignore import DEFAULT_IGNORE, IgnoreRules, rel_under, relative
+from .ignore import DEFAULT_IGNORE, IgnoreRules, OwnedPath, rel_under, relative
 from .overlays import EditorOverlays
 from .scan import read_text, walk, walk_under
 from .snapshot import load_snapshot, write_snapshot
@@ -48,6 +48,8 @@ class Workspace(EditorOverlays):
       max_file_bytes: larger files are skipped (default 1 MB).
       max_chunk_lines: chunk size cap in lines (default 80).
       snapshot: a folder for the persisted index (loaded at start, written by save()/close()).
+      exclude: the server's own paths (``OwnedPath``: config file, log folder, caches), never
+        indexed or read for a tenant, wherever they are; the snapshot folder is always one.
       progress: show a progress bar while indexing (default: when stderr is a terminal).
       debounce: seconds to wait for a burst of events to settle before re-indexing (default 0.02).
     """
@@ -64,6 +66,7 @@ class Workspace(EditorOverlays):
         max_file_bytes: int = 1 << 20,
         max_chunk_lines: int = 80,
         snapshot: str | os.PathLike | None = None,
+        exclude: Sequence[OwnedPath] = (),
         progress: bool | None = None,
         debounce: float = 0.02,
     ) -> None:
@@ -88,7 +91,10 @@ class Workspace(EditorOverlays):
         self.max_chunk_lines = int(max_chunk_lines)
         self.snapshot = Path(snapshot) if snapshot is not None else None
         self.debounce = float(debounce)
-        self._ignore = IgnoreRules(self.root, ignore)
+        owned = list(exclude)
+        if self.snapshot is not None:
+            owned.append(OwnedPath.of("snapshot folder", self.snapshot))
+        self._ignore = IgnoreRules(self.root, ignore, owned)
         self._prefix = f"ws\x1f{tenant}\x1f{self.root}\x1f"
         self._files: dict[str, dict] = {}     # rel path -> {"size", "mtime_ns", "sha", "docs": [ids]}
         self._overlays: dict[str, int] = {}   # rel path -> overlay generation (an editor's unsaved text)
@@ -166,6 +172,12 @@ class Workspace(EditorOverlays):
         gitignored ``build/``). Such files are never indexed, and ``POST /v1/apply`` refuses them
         (403). ValueError for a path outside the root."""
         return self._ignore.ignored_file(rel_under(self.root, path))
+
+    def owned_rule(self, path: str | os.PathLike) -> str | None:
+        """The rule naming the server-owned path ``path`` (absolute or relative to the root; as
+        given or resolved) falls under ("config file", "log_dir", ...), or None."""
+        p = Path(path)
+        return self._ignore.owned_rule(p if p.is_absolute() else self.root / p)
 
     def save(self) -> None:
         """Write the snapshot (index + manifest) atomically, if ``snapshot`` was given."""
@@ -330,7 +342,8 @@ class Workspace(EditorOverlays):
             files -= self._overlays.keys()   # an editor's unsaved text shadows the disk
         for rel in sorted(files):
             path = self.root / rel
-            if not path.exists() and not path.is_symlink() or self._ignore.ignored(rel, False) or path.is_dir():
+            if (not path.exists() and not path.is_symlink() or self._ignore.ignored(rel, False) or path.is_dir()
+                    or self._ignore.link_refusal(path)):
                 with self._lock:
                     if rel not in self._overlays:
                         self._forget(rel)

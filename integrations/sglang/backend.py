@@ -177,7 +177,7 @@ class SGLangBackend:
                  max_running_requests: int | None = None, context_length: int | None = None,
                  engine_kwargs: Mapping[str, Any] | None = None, max_queue: int = 256,
                  drafters: Mapping[str, Sequence[str]] | None = None, engine: Any = None,
-                 quiet: bool = False) -> None:
+                 quiet: bool = False, exclude: Sequence[tuple[str, str]] = ()) -> None:
         from agentspec.backends.embedded.backend import model_name_for
         from agentspec.backends.embedded.tokenizer import Tokenizer
 
@@ -223,7 +223,8 @@ class SGLangBackend:
         self.scheduler_config = SchedulerConfig(
             tokenizer=str(self.model_path), watch=watch, history=history, default_budget=default_budget,
             tenants=[TenantWorkspace(name=n, workspace=None if w is None else str(Path(w).resolve()))
-                     for n, w in (tenants or {}).items()])
+                     for n, w in (tenants or {}).items()],
+            exclude=[[rule, str(Path(path).resolve())] for rule, path in exclude])
 
         if dtype is None and device == "cpu":
             # SGLang's CPU forward is not row-invariant in bf16: a verify forward of D rows and a

@@ -59,10 +59,12 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``tenants``: whose workspaces to index and watch (every process that drafts indexes them).
     ``watch``: keep workspaces current with a file watcher. ``history``: record each tenant's
     outputs as a draft source for its later requests. ``default_budget``: draft tokens for a
-    request that names none (the verify width caps every draft)."""
+    request that names none (the verify width caps every draft). ``exclude``: the server's own
+    files and folders as ``[rule, path]`` (its config file, log folder, caches), never indexed."""
 
     tokenizer: str | None = None
     tenants: list[TenantWorkspace] = []
+    exclude: list[list[str]] = []
     watch: bool = True
     history: bool = True
     default_budget: int = 64

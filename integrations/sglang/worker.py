@@ -185,7 +185,7 @@ class SuffixState:
         if not self.config.tenants:
             return
         from agentspec.backends.embedded.tokenizer import Tokenizer
-        from agentspec.workspace import Workspace
+        from agentspec.workspace import OwnedPath, Workspace
         from pathlib import Path
 
         if self.config.tokenizer is None:
@@ -196,7 +196,7 @@ class SuffixState:
                 continue
             t0 = time.perf_counter()
             ws = Workspace(t.workspace, tenant=t.name, index=self.index, tokenizer=tok, watch=self.config.watch,
-                           progress=False)
+                           exclude=[OwnedPath.of(rule, path) for rule, path in self.config.exclude], progress=False)
             s = ws.summary()
             print(f"[agentspec] scheduler: indexed workspace {t.workspace} for tenant {t.name!r}: {s['files']} "
                   f"files, {s['chunks']} chunks, {s['tokens']} tokens in {time.perf_counter() - t0:.1f}s",

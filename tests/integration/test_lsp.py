@@ -57,6 +57,10 @@ def lsp_workspace(tmp_path_factory) -> Path:
     (root / "util.py").write_text(UTIL)
     (root / "big.py").write_text(big_module())
     (root / "notes.md").write_text("# notes\n")
+    (root / ".gitignore").write_text(".env\n")
+    (root / ".env").write_text("TOKEN = 'gitignored-secret'\n")
+    (root / "env_link.py").symlink_to(root / ".env")   # a link to a gitignored file
+    (root / "lsp.toml").write_text("[server]\nmax_queue = 64\n")   # the server's config: no command's
     return root.resolve()
 
 
@@ -125,7 +129,8 @@ SERVER = [sys.executable, "-m", "agentspec", "lsp"]
 @pytest_lsp.fixture(scope="module", config=ClientServerConfig(server_command=SERVER))
 async def lsp(lsp_client: LanguageClient, request):
     root = request.getfixturevalue("lsp_workspace")
-    lsp_client.init_result = await start(lsp_client, root, {"notifyIndexed": True})  # type: ignore[attr-defined]
+    lsp_client.init_result = await start(lsp_client, root, {"notifyIndexed": True,  # type: ignore[attr-defined]
+                                                             "config": str(root / "lsp.toml")})
     yield
     await lsp_client.shutdown_session()
 
@@ -264,12 +269,17 @@ async def test_typing_during_generation_refuses_the_edit(lsp, lsp_workspace):
     ({"update": "x"}, "uri"),
     ({"uri": "file:///etc/hostname", "update": "x"}, "outside the workspace"),
     ({"uri": "MISSING", "update": "x"}, "no such file"),
+    ({"uri": "ENV", "update": "x"}, "ignored by the workspace"),
+    ({"uri": "ENVLINK", "update": "x"}, "ignored by the workspace"),
+    ({"uri": "CONFIG", "update": "x"}, "one of the server's own files \\(config file\\)"),
     ({"uri": "UTIL", "update": ""}, "update"),
     ({"uri": "UTIL", "instruction": "x", "range": {"start": {"line": 99, "character": 0},
                                                    "end": {"line": 100, "character": 0}}}, "outside the document"),
 ])
 async def test_bad_arguments_are_lsp_errors_and_the_server_lives_on(lsp, lsp_workspace, arg, match):
-    subst = {"MISSING": (lsp_workspace / "missing.py").as_uri(), "UTIL": (lsp_workspace / "util.py").as_uri()}
+    subst = {"MISSING": (lsp_workspace / "missing.py").as_uri(), "UTIL": (lsp_workspace / "util.py").as_uri(),
+             "ENV": (lsp_workspace / ".env").as_uri(), "ENVLINK": (lsp_workspace / "env_link.py").as_uri(),
+             "CONFIG": (lsp_workspace / "lsp.toml").as_uri()}
     arg = {k: subst.get(v, v) if isinstance(v, str) else v for k, v in arg.items()}
     name = "agentspec.rewrite" if "instruction" in arg else "agentspec.apply"
     with pytest.raises(JsonRpcException, match=match):

@@ -112,6 +112,65 @@ def test_scan_respects_gitignore_and_skips_with_reasons(tmp_path, tokenizer):
             assert not canary & set(drafts_of(ws.index, tokenizer, prefix))
 
 
+SECRET = "SECRET_TOKEN = 'okapi-narwhal-canary-4410'\n"
+
+
+def make_linked_repo(tmp: Path) -> Path:
+    """A workspace whose links lead out of bounds: to a file and a folder outside the root, to a
+    gitignored file and folder, to one of the server's own files, a loop; and one good link."""
+    root, outside = tmp / "ws", tmp / "outside"
+    (outside / "dir").mkdir(parents=True)
+    (outside / "secret.py").write_text(SECRET)
+    (outside / "dir" / "a.py").write_text(SECRET)
+    root.mkdir()
+    (root / ".gitignore").write_text(".env\nprivate/\n")
+    (root / ".env").write_text(SECRET)
+    (root / "private").mkdir()
+    (root / "private" / "k.py").write_text(SECRET)
+    (root / "server.toml").write_text(f"# {SECRET}")
+    (root / "src").mkdir()
+    (root / "src" / "main.py").write_text("def main():\n    return 'kept-file-heron-22'\n")
+    (root / "out.py").symlink_to(outside / "secret.py")         # a file outside the root
+    (root / "outdir").symlink_to(outside / "dir")               # a folder outside the root
+    (root / "env_link.py").symlink_to(root / ".env")            # a gitignored file
+    (root / "visible").symlink_to(root / "private")             # a gitignored folder
+    (root / "cfg_link.py").symlink_to(root / "server.toml")     # the server's config file
+    (root / "again").symlink_to(root)                           # a loop
+    (root / "good.py").symlink_to(root / "src" / "main.py")     # inside, kept: followed
+    return root
+
+
+def test_links_never_lead_out_of_the_workspace_or_to_what_it_ignores(tmp_path, tokenizer):
+    from agentspec.workspace import OwnedPath
+
+    root = make_linked_repo(tmp_path)
+    owned = [OwnedPath.of("config file", root / "server.toml")]
+    with Workspace(root, tokenizer=tokenizer, watch=False, exclude=owned) as ws:
+        assert ws.files() == [".gitignore", "good.py", "src/main.py"], ws.files()
+        reasons = ws.skipped_paths
+        assert reasons["out.py"] == reasons["outdir"] == "symlink out of the workspace"
+        assert reasons["env_link.py"] == reasons["visible"] == "symlink to an ignored path"
+        assert reasons["cfg_link.py"] == "symlink to a server-owned path"
+        assert reasons["again"] == "symlink loop"
+        assert "server.toml" not in reasons   # the config itself is never even listed
+        assert ws.owned_rule("cfg_link.py") == ws.owned_rule(root / "server.toml") == "config file"
+        assert not continues(ws.index, tokenizer, "SECRET_TOKEN = 'okapi", "-narwhal-canary")
+        assert continues(ws.index, tokenizer, "def main():\n    return", " 'kept-file-heron")
+
+
+def test_a_link_made_later_is_refused_like_one_found_at_start(tmp_path, tokenizer):
+    from agentspec.workspace import OwnedPath
+
+    root = make_linked_repo(tmp_path)
+    with Workspace(root, tokenizer=tokenizer, exclude=[OwnedPath.of("config file", root / "server.toml")]) as ws:
+        (root / "late_out.py").symlink_to(tmp_path / "outside" / "secret.py")
+        (root / "late_env.py").symlink_to(root / ".env")
+        (root / "late_ok.py").write_text("marker = 'late-file-ibis-77'\n")
+        assert until(lambda: "late_ok.py" in ws.files()), ws.files()
+        assert "late_out.py" not in ws.files() and "late_env.py" not in ws.files()
+        assert not continues(ws.index, tokenizer, "SECRET_TOKEN = 'okapi", "-narwhal-canary")
+
+
 def test_file_deleted_between_listing_and_reading(tmp_path, tokenizer, monkeypatch):
     from agentspec.workspace import scan, workspace
 

@@ -1,4 +1,5 @@
-"""The session registry: id -> owning tenant, bound at first use, LRU-bounded, thread-safe."""
+"""The session registry: (tenant, id) -> session, bound at first use, LRU-bounded per tenant,
+thread-safe. Tenants never meet: the same id is two sessions, another tenant's is unknown."""
 
 from __future__ import annotations
 
@@ -8,24 +9,21 @@ import pytest
 
 from agentspec.api.sessions import (
     MAX_SESSION_ID,
-    SessionForbiddenError,
     SessionNotFoundError,
     SessionRegistry,
 )
 
 
-def test_bind_at_first_use_and_refuse_other_tenants():
+def test_bind_at_first_use_and_tenants_never_meet():
     reg = SessionRegistry()
     s = reg.bind("acme", "loop-1")
     assert (s.id, s.tenant) == ("loop-1", "acme") and s.created > 0
     assert reg.bind("acme", "loop-1") is s and reg.get("acme", "loop-1") is s
-    with pytest.raises(SessionForbiddenError):
-        reg.bind("beta", "loop-1")
-    with pytest.raises(SessionForbiddenError):
+    with pytest.raises(SessionNotFoundError):   # another tenant's id is unknown, as one never made
         reg.get("beta", "loop-1")
-    with pytest.raises(SessionForbiddenError):
-        reg.create("beta", "loop-1")
-    assert reg.get("acme", "loop-1").tenant == "acme"  # a refused use changes nothing
+    theirs = reg.bind("beta", "loop-1")          # and binding it makes beta's own: no squatting
+    assert theirs is not s and theirs.tenant == "beta" and reg.create("beta", "loop-1") is theirs
+    assert reg.get("acme", "loop-1") is s and len(reg) == 2
 
 
 def test_get_unknown_and_create():
@@ -49,7 +47,7 @@ def test_bad_ids_are_value_errors():
         SessionRegistry(0)
 
 
-def test_lru_bound_drops_the_least_recently_used():
+def test_lru_bound_drops_the_least_recently_used_per_tenant():
     reg = SessionRegistry(max_sessions=3)
     for sid in ("a", "b", "c"):
         reg.bind("acme", sid)
@@ -58,32 +56,38 @@ def test_lru_bound_drops_the_least_recently_used():
     assert len(reg) == 3
     with pytest.raises(SessionNotFoundError):
         reg.get("acme", "b")
-    assert reg.bind("beta", "b").tenant == "beta"  # a forgotten id binds afresh
+    reg.bind("acme", "b")       # a forgotten id binds afresh (and drops c, the least recently used)
     with pytest.raises(SessionNotFoundError):
-        reg.get("acme", "c")    # c was the least recently used then
+        reg.get("acme", "c")
 
 
-def test_concurrent_binds_give_one_owner():
+def test_a_tenant_creating_sessions_in_a_loop_drops_only_its_own():
+    reg = SessionRegistry(max_sessions=5)
+    mine = reg.create("acme", "keep-me")
+    for _ in range(100):
+        reg.create("flood")
+    assert reg.get("acme", "keep-me") is mine and len(reg) == 6
+
+
+def test_concurrent_binds_give_each_tenant_its_own_session():
     reg = SessionRegistry(max_sessions=1000)
-    owners: dict[str, list[str]] = {}
+    got: dict[tuple[str, str], set] = {}
     lock = threading.Lock()
     barrier = threading.Barrier(8)
 
     def worker(tenant: str):
         barrier.wait()
         for i in range(200):
-            try:
-                reg.bind(tenant, f"s{i}")
-            except SessionForbiddenError:
-                continue
+            s = reg.bind(tenant, f"s{i}")
             with lock:
-                owners.setdefault(f"s{i}", []).append(tenant)
+                got.setdefault((tenant, f"s{i}"), set()).add(id(s))
 
-    threads = [threading.Thread(target=worker, args=(f"t{k}",)) for k in range(8)]
+    threads = [threading.Thread(target=worker, args=(f"t{k % 4}",)) for k in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(reg) == 200 and len(owners) == 200
-    for sid, ts in owners.items():
-        assert set(ts) == {reg.get(ts[0], sid).tenant}
+    assert len(reg) == 800 and len(got) == 800
+    assert all(len(ids) == 1 for ids in got.values())   # two threads of one tenant got the same session
+    for (tenant, sid) in got:
+        assert reg.get(tenant, sid).tenant == tenant

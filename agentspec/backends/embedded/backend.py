@@ -183,7 +183,12 @@ class EmbeddedBackend:
             if rid in self._active:
                 raise InvalidRequestError(f"request_id {rid!r} is already running", param="request_id")
             if self._batch.num_waiting >= self.max_queue:
-                raise QueueFullError(f"{self.max_queue} requests already waiting; retry later")
+                # full: a tenant holding less than its share of the queue (max_queue over the tenants
+                # waiting, itself included) still gets in, so one tenant's flood cannot shut others out
+                own, tenants = self._batch.waiting_share(request.tenant)
+                share = -(-self.max_queue // (tenants + (own == 0)))
+                if own >= share or self._batch.num_waiting >= 2 * self.max_queue:
+                    raise QueueFullError(f"{self.max_queue} requests already waiting; retry later")
             if doc is not None:
                 self._index.add_document(doc, prediction, tenant=request.tenant)
             self._active[rid] = cancelled

@@ -19,6 +19,7 @@ throughput.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import threading
 import time
@@ -85,6 +86,48 @@ def stand_in_step_costs(row_cost: float, grid: Sequence[int]) -> dict[int, float
     rc = min(max(float(row_cost), 0.0), 1.0)
     c33 = 1.0 + 32.0 * rc
     return {n: (1.0 + rc * (n - 1)) if n <= 33 else c33 * n / 33.0 for n in grid}
+
+
+class FairQueue:
+    """The waiting requests, one FIFO per tenant. ``pop`` serves the tenants in turn, the one
+    with the fewest requests running first: a tenant that floods the server fills its own
+    queue, and each other tenant's next request joins the batch at the next free slot, not
+    behind the flood."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, collections.deque] = {}   # tenant -> its requests, oldest first (insertion: turn order)
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def waiting(self, tenant: str) -> int:
+        q = self._queues.get(tenant)
+        return len(q) if q is not None else 0
+
+    def tenants(self) -> int:
+        return len(self._queues)
+
+    def append(self, req: _Request) -> None:
+        self._queues.setdefault(req.seq.tenant, collections.deque()).append(req)
+        self._n += 1
+
+    def pop(self, running: Mapping[str, int]) -> _Request:
+        """The next request to admit: the first tenant in turn among those with the fewest running
+        (``running``: tenant -> requests in the batch); that tenant then goes to the back."""
+        tenant = min(self._queues, key=lambda t: running.get(t, 0))   # min keeps the first of ties: the turn
+        q = self._queues.pop(tenant)
+        req = q.popleft()
+        if q:
+            self._queues[tenant] = q   # re-inserted: last in turn
+        self._n -= 1
+        return req
+
+    def drain(self) -> list[_Request]:
+        out = [r for q in self._queues.values() for r in q]
+        self._queues.clear()
+        self._n = 0
+        return out
 
 
 @dataclass(eq=False)
@@ -156,7 +199,7 @@ class BatchEngine:
             self._set_step_costs(dict(step_costs), "given")
         else:
             self._start_profile()
-        self._waiting: list[_Request] = []
+        self._waiting = FairQueue()   # per tenant, served in turn (a flood waits behind itself)
         self._running: list[_Request] = []
         self._free_caches: list = []   # finished requests' KV caches, for the next ones (``_cache_for``)
         self._cv = threading.Condition()
@@ -178,6 +221,11 @@ class BatchEngine:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    def waiting_share(self, tenant: str) -> tuple[int, int]:
+        """(requests of ``tenant`` waiting, tenants with requests waiting)."""
+        with self._cv:
+            return self._waiting.waiting(tenant), self._waiting.tenants()
 
     def submit(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int | None = None, stop=None, spec: SpecConfig | None = DEFAULT_SPEC,
@@ -253,9 +301,8 @@ class BatchEngine:
         if self._thread is not None:
             self._thread.join(timeout)
         elif not self._serving:  # nobody runs the loop: fail what is still queued
-            for r in self._waiting:
+            for r in self._waiting.drain():
                 self._fail(r, RuntimeError("engine shut down"))
-            self._waiting = []
 
     def __enter__(self) -> "BatchEngine":
         return self
@@ -496,12 +543,15 @@ class BatchEngine:
                     # a timeout keeps the main thread responsive to signals
                     self._cv.wait(0.5 if self._profile is None else max(self.PROFILE_AFTER_IDLE_S - quiet, 0.01))
                 if self._closed:
-                    pending = self._waiting + self._running
-                    self._waiting, self._running = [], []
+                    pending = self._waiting.drain() + self._running
+                    self._running = []
                     break
                 joining = []
-                while self._waiting and len(self._running) + len(joining) < self.max_batch:
-                    joining.append(self._waiting.pop(0))
+                if self._waiting and len(self._running) < self.max_batch:
+                    in_batch = collections.Counter(r.seq.tenant for r in self._running)
+                    while self._waiting and len(self._running) + len(joining) < self.max_batch:
+                        joining.append(self._waiting.pop(in_batch))
+                        in_batch[joining[-1].seq.tenant] += 1
             for req in joining:
                 self._guard(req, self._admit)
             self._running = [r for r in self._running if r.seq.cache is not None]
