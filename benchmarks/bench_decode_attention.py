@@ -81,9 +81,8 @@ def main() -> int:
             cos = torch.cat([ang.cos(), ang.cos()], 1).bfloat16()
             sin = torch.cat([ang.sin(), ang.sin()], 1).bfloat16()
             for mode in modes:
-                cpu_attention._DECODE_MODE = mode
                 att = cpu_attention.QKVAttention([(cache, P, L, mask, T)], cos, sin, n_heads=H, n_kv_heads=HKV,
-                                                 head_dim=D, threads=args.threads)
+                                                 head_dim=D, threads=args.threads, mode=mode)
                 for layer in range(NL):
                     att(qkv, layer)
                 best = float("inf")
@@ -106,7 +105,7 @@ def main() -> int:
         per_tok: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(args.rounds):
             for mode in modes:
-                cpu_attention._DECODE_MODE = mode
+                eng.model.set_kernel_settings(eng.model.kernel_settings.with_(decode_attention=mode))
                 st = eng.generate(ids, max_tokens=args.plain_tokens, spec=None).stats
                 per_tok[mode].append(st.decode_seconds / max(1, st.completion_tokens - 1))
         plain = {"prompt_tokens": args.plain_prompt, "tokens": args.plain_tokens, "engine": eng.kernel_info(),

@@ -37,7 +37,6 @@ def main() -> None:
     start = first_record(args.data, 100, args.start)
 
     from agentspec import Engine
-    from agentspec.kernels import cpu_attention
     from agentspec.traces import load_records, prompt_messages
 
     e32 = Engine.embedded(quiet=True, dtype="float32", row_cost=0.04)
@@ -51,12 +50,13 @@ def main() -> None:
             continue
         ref = e32.generate(ids, max_tokens=args.max_tokens, spec=None).token_ids
         row = {"id": rec["id"], "prompt_tokens": len(ids)}
+        settings = e16.model.kernel_settings
         for name, fused in (("bf16_fused", True), ("float32_kernel", False)):
-            cpu_attention._FUSED = fused
+            e16.model.set_kernel_settings(settings.with_(fused=fused))
             try:
                 row[name] = agree(e16.generate(ids, max_tokens=args.max_tokens, spec=None).token_ids, ref)
             finally:
-                cpu_attention._FUSED = True
+                e16.model.set_kernel_settings(settings)
         rows.append(row)
         print(f"[bench_precision] {row}", file=sys.stderr, flush=True)
         if len(rows) == args.prompts:

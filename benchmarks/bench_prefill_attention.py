@@ -139,17 +139,20 @@ def main() -> int:
     # ops (the previous default); "sdpa": torch's SDPA flash attention and GEMMs
     modes = {"amx": (True, True), "amx_attention": (True, False), "sdpa": (False, False)}
     full = engine.model.layers[0].amx_linears
+    settings = engine.model.kernel_settings
     runs: dict[str, list[list[float]]] = {m: [] for m in modes}
     prefill()  # warm-up
     for _ in range(args.rounds):
         for name, (att, lin) in modes.items():
-            cpu_attention._PREFILL_AMX = att
+            engine.model.set_kernel_settings(settings.with_(prefill_attention="amx" if att else "sdpa"))
             for blk in engine.model.layers:
                 blk.amx_linears = lin and full
+            engine.model.set_kernel_settings(engine.model.kernel_settings)   # the plan sees amx_linears
             runs[name].append(prefill())
-    cpu_attention._PREFILL_AMX = True
+    engine.model.set_kernel_settings(settings)
     for blk in engine.model.layers:
         blk.amx_linears = full
+    engine.model.set_kernel_settings(settings)
     model = {}
     for name, rs in runs.items():
         per_chunk = [round(statistics.median(r[i] for r in rs) * 1e3, 1) for i in range(len(rs[0]))]

@@ -279,11 +279,9 @@ def main() -> int:
     probe = Probe()
     call_cost = wrapper_cost(probe)
     instrument(engine, probe)
-    from agentspec.kernels import cpu_linear
-
     from agentspec.decode.costs import lower_convex_hull
 
-    default_linears = cpu_linear._DECODE_LINEARS
+    default_settings = engine.model.kernel_settings
     profiles: dict[str, dict[int, float]] = {} if len(variants) > 1 else {variants[0][0]: step_costs}
     results: dict = {}
     try:
@@ -294,7 +292,8 @@ def main() -> int:
                 n = len(ps)
                 row: dict = {}
                 for name, lin, live in variants:
-                    cpu_linear._DECODE_LINEARS = lin or default_linears
+                    engine.model.set_kernel_settings(default_settings.with_(decode_linears=lin)
+                                                     if lin else default_settings)
                     if name not in profiles:  # the variant's own step-cost profile (its kernels)
                         probe.restore()
                         profiles[name] = lower_convex_hull(BatchEngine(engine, step_costs=step_costs,
@@ -320,7 +319,7 @@ def main() -> int:
                     row[name] = cell
                 results[wl][str(c)] = row if len(variants) > 1 else row[variants[0][0]]
     finally:
-        cpu_linear._DECODE_LINEARS = default_linears
+        engine.model.set_kernel_settings(default_settings)
         probe.restore()
     report = {"benchmark": "bench_step_profile", "machine": machine_record(engine.kernel_info()),
               "config": {"concurrency": cs, "requests": args.requests, "max_tokens": args.max_tokens,
@@ -328,7 +327,7 @@ def main() -> int:
                          "step_costs_source": cost_source,
                          "step_costs_ms": {k: round(v * 1e3, 2) for k, v in step_costs.items()},
                          "wrapper_us_per_call": round(call_cost * 1e6, 3),
-                         "variants": [{"name": n, "decode_linears": lin or default_linears, "live_costs": live,
+                         "variants": [{"name": n, "decode_linears": lin or default_settings.decode_linears, "live_costs": live,
                                        "step_costs_ms": {k: round(v * 1e3, 2) for k, v in profiles.get(n, {}).items()}}
                                       for n, lin, live in variants]},
               "parts": {"forward": FORWARD, "step": STEP, "scheduler": SCHED},

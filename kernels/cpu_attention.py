@@ -10,8 +10,6 @@ extension is not built; callers then use ``agentspec.backends.embedded.model.sma
 
 from __future__ import annotations
 
-import os
-
 import torch  # first: the extension uses the libgomp.so.1 that torch's wheel loads
 
 try:
@@ -19,36 +17,28 @@ try:
 except ImportError:  # not built (e.g. a source checkout without the extension)
     _cpu = None
 
-__all__ = ["QKVAttention", "available", "bf16_hardware", "decode_attention", "decode_attention_kernel",
-           "fused_runs", "fused_supported", "packed_supported",
-           "prefill_amx_runs", "prefill_amx_supported", "prefill_attention", "segment_attention", "sync_packed"]
+__all__ = ["DECODE_MODES", "QKVAttention", "available", "bf16_hardware", "decode_amx_runs", "decode_attention",
+           "packed_supported", "prefill_amx_runs", "prefill_amx_supported", "prefill_attention", "segment_attention",
+           "supports", "sync_packed"]
 
-# AGENTSPEC_CPU_ATTENTION=0 turns the native kernel off (benchmarks compare both paths)
-_ENABLED = os.environ.get("AGENTSPEC_CPU_ATTENTION", "1") != "0"
-# AGENTSPEC_CPU_FUSED=0 keeps the native attention but runs rotary / cache writes in torch
-# (QKVAttention off; benchmarks compare both paths)
-_FUSED = os.environ.get("AGENTSPEC_CPU_FUSED", "1") != "0"
-# AGENTSPEC_DECODE_ATTENTION: how QKVAttention runs decode / verify rows (kernels/csrc/qkv_attention*.cpp):
-#   amx   (the default) on AMX tiles, all of a request's rows at once ("AMX decode"), where the CPU
-#         has AMX and the kernels run at the top ISA level (avx512bf16); elsewhere "rows"
+# QKVAttention's kernels for decode / verify rows (kernels/csrc/qkv_attention*.cpp):
+#   amx   on AMX tiles, all of a request's rows at once ("AMX decode"), where the CPU has AMX and
+#         the kernels run at the top ISA level (avx512bf16); elsewhere the kernel runs "rows"
 #   rows  one task per (row, kv head), VDPBF16PS (or its emulation at lower ISA levels)
 # Both give a draft-tree node the bits of the same token decoded plainly; amx's differ from rows'
-# (its tiles sum in another order), so an ISA cap turns it off.
+# (its tiles sum in another order). Which one runs is the kernel plan's choice
+# (agentspec.backends.embedded.plan: AGENTSPEC_DECODE_ATTENTION).
 DECODE_MODES = {"rows": 0, "amx": 1}
-_DECODE_MODE = os.environ.get("AGENTSPEC_DECODE_ATTENTION", "amx")
-if _DECODE_MODE not in DECODE_MODES:
-    raise ValueError(f"AGENTSPEC_DECODE_ATTENTION={_DECODE_MODE!r}: expected one of {', '.join(DECODE_MODES)}")
 
 
-def decode_attention_kernel() -> str:
-    """The kernel QKVAttention runs decode / verify rows with now: "amx" or "rows"."""
-    if _DECODE_MODE == "amx" and not (available() and _cpu.decode_amx_runs()):
-        return "rows"
-    return _DECODE_MODE
+def decode_amx_runs() -> bool:
+    """Whether QKVAttention's "amx" mode runs on AMX tiles here now (else it runs "rows")."""
+    return available() and bool(_cpu.decode_amx_runs())
 
 
 def available() -> bool:
-    return _cpu is not None and _ENABLED
+    """Whether the native extension is built (whether its kernels run is the kernel plan's call)."""
+    return _cpu is not None
 
 
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -132,17 +122,7 @@ def segment_attention(
 
 def packed_supported(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
     """Whether a KV cache of ``dtype`` on ``device`` can keep the packed copies QKVAttention reads."""
-    return available() and dtype == torch.float32 and device.type == "cpu" and head_dim == 64
-
-
-def fused_runs(dtype: torch.dtype, n_heads: int, n_kv_heads: int) -> bool:
-    """Whether ``QKVAttention`` serves a model of ``dtype`` and these head counts over a packed cache."""
-    return available() and _FUSED and dtype == torch.bfloat16 and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= 8
-
-
-def fused_supported(cache, dtype: torch.dtype, n_heads: int, n_kv_heads: int) -> bool:
-    """Whether ``QKVAttention`` serves a forward of a model of ``dtype`` over ``cache``."""
-    return getattr(cache, "packed", False) and fused_runs(dtype, n_heads, n_kv_heads)
+    return available() and dtype == torch.float32 and torch.device(device).type == "cpu" and head_dim == 64
 
 
 def sync_packed(cache, slots) -> None:
@@ -156,25 +136,19 @@ def sync_packed(cache, slots) -> None:
                      D, sl.data_ptr(), sl.numel())
 
 
-# AGENTSPEC_PREFILL_ATTENTION: "amx" (the default where the CPU has AMX), "sdpa" or "blockwise"
-# (agentspec.backends.embedded.model); anything but "amx" keeps prefill off the AMX kernel
-_PREFILL_AMX = os.environ.get("AGENTSPEC_PREFILL_ATTENTION", "amx") == "amx"
+def prefill_amx_runs(dtype: torch.dtype, n_heads: int, n_kv_heads: int) -> bool:
+    """Whether the AMX prompt attention can serve a model of ``dtype`` with these head counts here
+    now: bfloat16, 1-4 query heads per kv head, a CPU with AMX-BF16 (the OS granting the tile
+    state) and the kernels not capped below AVX512-BF16 (``cpu_isa.set_isa``). (Whether prompts
+    take it is the kernel plan's call: AGENTSPEC_PREFILL_ATTENTION.)"""
+    return (available() and dtype == torch.bfloat16 and n_kv_heads > 0
+            and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= 4
+            and _cpu.prefill_amx_available() and _cpu.isa() == 4)
 
 
 def prefill_amx_supported(cache, dtype: torch.dtype, n_heads: int, n_kv_heads: int) -> bool:
-    """Whether ``prefill_attention`` serves the prompt chunks of a model of ``dtype`` over
-    ``cache``: a packed cache, a bfloat16 model with 1-4 query heads per kv head, a CPU with
-    AMX-BF16 (the OS granting the tile state) and the bfloat16 kernels not capped below
-    AVX512-BF16 (``cpu_isa.set_isa``)."""
+    """``prefill_amx_runs`` over ``cache``: which must keep the packed copies."""
     return getattr(cache, "packed", False) and prefill_amx_runs(dtype, n_heads, n_kv_heads)
-
-
-def prefill_amx_runs(dtype: torch.dtype, n_heads: int, n_kv_heads: int) -> bool:
-    """Whether a model's prompts (over a packed cache) attend on AMX here now: see
-    ``prefill_amx_supported``."""
-    return (_PREFILL_AMX and available() and dtype == torch.bfloat16 and n_kv_heads > 0
-            and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= 4
-            and _cpu.prefill_amx_available() and _cpu.isa() == 4)
 
 
 def prefill_attention(
@@ -271,7 +245,7 @@ class QKVAttention:
     overwritten by the next call."""
 
     def __init__(self, segments, cos: torch.Tensor, sin: torch.Tensor, *, n_heads: int, n_kv_heads: int,
-                 head_dim: int, threads: int = 0):
+                 head_dim: int, threads: int = 0, mode: str = "amx"):
         rows = []
         self._keep = []   # masks made contiguous here must outlive the calls
         R = 0
@@ -291,6 +265,9 @@ class QKVAttention:
         self.out = torch.empty(R, n_heads * head_dim, dtype=torch.bfloat16)
         self.R, self.H, self.Hkv, self.D = R, n_heads, n_kv_heads, head_dim
         self.threads = threads
+        if mode not in DECODE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(DECODE_MODES)}, got {mode!r}")
+        self.mode = DECODE_MODES[mode]
         self._args = (self.cos.data_ptr(), self.sin.data_ptr(), self.cos.stride(0), self.segs.data_ptr(), len(rows))
 
     def __call__(self, qkv: torch.Tensor, layer: int) -> torch.Tensor:
@@ -299,5 +276,5 @@ class QKVAttention:
         cp, sp, cst, segp, S = self._args
         _cpu.qkv_attention(qkv.data_ptr(), qkv.stride(0), cp, sp, cst, segp, S, layer,
                            self.out.data_ptr(), self.out.stride(0), self.H, self.Hkv, self.D, self.threads,
-                           DECODE_MODES[_DECODE_MODE])
+                           self.mode)
         return self.out

@@ -12,51 +12,24 @@ in plain decoding and the same row in a batch of requests agree by construction.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .cpu_attention import _cpu, available
 
-__all__ = ["DECODE_LINEAR_MODES", "PackedLinear", "amx_linear_supported", "argmax_rows", "decode_linears_kernel",
-           "linear_supported", "pack_weight", "unpack_weight"]
-
-# AGENTSPEC_CPU_LINEAR=0 keeps torch's GEMM for decode rows (benchmarks compare both paths)
-_ENABLED = os.environ.get("AGENTSPEC_CPU_LINEAR", "1") != "0"
-# AGENTSPEC_DECODE_LINEARS: how decode / verify rows project (``Block.forward_native``):
-#   amx     (the default) on AMX tiles (``PackedLinear.prefill``), where the CPU has AMX and the
-#           kernels run at the top ISA level (avx512bf16); elsewhere "vector"
-#   vector  ``PackedLinear.__call__`` (VDPBF16PS or its emulation at lower ISA levels)
-# Both are row-invariant (a row's bits do not depend on the other rows of the call); amx's bits
-# differ from vector's (its tiles sum in another order), so the engine runs one of them for every
-# decode / verify row of a forward, and an ISA cap turns amx off. At a step's many rows (a batch
-# of requests' draft trees) the tiles are 3-7x faster; at one row the two cost the same.
-DECODE_LINEAR_MODES = ("amx", "vector")
-_DECODE_LINEARS = os.environ.get("AGENTSPEC_DECODE_LINEARS", "amx")
-if _DECODE_LINEARS not in DECODE_LINEAR_MODES:
-    raise ValueError(f"AGENTSPEC_DECODE_LINEARS={_DECODE_LINEARS!r}: expected one of {', '.join(DECODE_LINEAR_MODES)}")
-
+__all__ = ["PackedLinear", "amx_linear_supported", "argmax_rows", "linear_supported", "pack_weight", "unpack_weight"]
 
 def linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether decode rows of a ``dtype`` model on ``device`` use ``PackedLinear``."""
-    return (_ENABLED and available() and hasattr(_cpu, "linear_bf16") and dtype == torch.bfloat16
-            and torch.device(device).type == "cpu")
+    """Whether ``PackedLinear`` can serve a ``dtype`` model on ``device`` here (the extension built
+    with the linears, bfloat16, CPU). Whether decode rows use it is the kernel plan's call
+    (agentspec.backends.embedded.plan: AGENTSPEC_CPU_LINEAR, AGENTSPEC_DECODE_LINEARS)."""
+    return available() and hasattr(_cpu, "linear_bf16") and dtype == torch.bfloat16 and torch.device(device).type == "cpu"
 
 
 def amx_linear_supported(weight: torch.Tensor) -> bool:
     """Whether ``PackedLinear(weight).prefill`` can run here: a CPU (and OS) with AMX-BF16 and K a
-    multiple of 32. Whether a prompt takes the AMX path now (the ISA cap, AGENTSPEC_PREFILL_ATTENTION)
-    is decided per forward (``cpu_attention.prefill_amx_supported``), not here."""
+    multiple of 32 (whether a forward takes it is the kernel plan's call)."""
     return (linear_supported(weight.dtype, weight.device) and weight.shape[1] % 32 == 0
             and _cpu.prefill_amx_available())
-
-
-def decode_linears_kernel() -> str:
-    """The kernel decode / verify rows of a model whose projections all pass
-    ``amx_linear_supported`` take now: "amx" or "vector" (see AGENTSPEC_DECODE_LINEARS)."""
-    if _DECODE_LINEARS == "amx" and available() and _cpu.decode_amx_runs():
-        return "amx"
-    return "vector"
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -111,19 +111,14 @@ class Decoder:
     """Runs prefill and decode steps on an ``EmbeddedEngine``'s model."""
 
     def __init__(self, engine) -> None:
-        from ..kernels import cpu_attention
-
         self.engine = engine
         self.model = engine.model
         self.device = engine.device
         # seconds per request of a decode step (decayed mean over steps): a draft head's gate
         # weighs its own cost against it (``drafting.eagle3_drafter.Eagle3Gate``)
         self.step_seconds: float | None = None
-        a = engine.args
         # batched forwards without the native attention pad every request to 2 rows (below)
-        self.native_attention = (cpu_attention.available() and engine.device.type == "cpu"
-                                 and engine.kv_dtype == torch.float32 and a.head_dim == 64
-                                 and a.n_heads % a.n_kv_heads == 0 and a.n_heads // a.n_kv_heads <= 8)
+        self.native_attention = engine.model.plan().layered_attention == "native"
 
     # ---- a request's life ---------------------------------------------------------------------
 

@@ -281,7 +281,7 @@ def test_the_bundled_model_reports_and_runs_it(engine, rewrite_prompts, monkeypa
     a = engine.args
     if not cpu_attention.prefill_amx_runs(torch.bfloat16, a.n_heads, a.n_kv_heads):
         pytest.skip("the bf16 kernels are capped below avx512bf16 (or the CPU has no AMX): prompts do not take the AMX path")
-    assert engine.kernel_info()["prefill_attention"] == "amx"
+    assert engine.kernel_info()["kernel_plan"]["prefill_attention"] == "amx"
     ids = torch.tensor(max(rewrite_prompts, key=len)[:700])
 
     def last_logits():
@@ -294,8 +294,12 @@ def test_the_bundled_model_reports_and_runs_it(engine, rewrite_prompts, monkeypa
         return out[0]
 
     amx = last_logits()
-    monkeypatch.setattr(cpu_attention, "_PREFILL_AMX", False)
-    sdpa = last_logits()
+    settings = engine.model.kernel_settings
+    engine.model.set_kernel_settings(settings.with_(prefill_attention="sdpa"))
+    try:
+        sdpa = last_logits()
+    finally:
+        engine.model.set_kernel_settings(settings)
     # bf16 rounding differs between the two kernels and compounds over 30 layers: a few percent
     # of the logits' range (a wrong kernel is off by the whole range)
     assert (amx - sdpa).abs().max().item() < 0.05 * sdpa.abs().max().item()

@@ -293,7 +293,7 @@ def test_one_weight_copy_same_bits(engine, plain_greedy, rewrite_prompts, chat_p
     monkeypatch.setenv("AGENTSPEC_WEIGHT_COPIES", "1")
     one = agentspec.Engine.embedded(quiet=True)
     assert one.model.weight_copies == 1 and engine.model.weight_copies == 2
-    assert one.kernel_info()["weight_copies"] == 1
+    assert one.kernel_info()["kernel_plan"]["weight_copies"] == 1
     assert all(m.weight.numel() == 0 for layer in one.model.layers
                for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
     assert one.model.param_count() == engine.model.param_count()

@@ -28,7 +28,7 @@ def test_the_bundled_models_prefill_does_not_depend_on_how_the_prompt_is_split(e
     Decoder.prefill takes here) and odd 16-aligned pieces give the same logits and the same KV
     bits, so the prefix cache's chunks are the same whichever way a prompt was prefilled."""
     _skip_unless_prompts_take_amx()
-    assert engine.kernel_info()["prefill_linears"] == "amx"
+    assert engine.kernel_info()["kernel_plan"]["prefill_linears"] == "amx"
     ids = torch.tensor([t for p in sorted(rewrite_prompts, key=len, reverse=True) for t in p][:1100])
     n = len(ids)
     assert n == 1100

@@ -8,6 +8,8 @@ import math
 import random
 
 import pytest
+
+from agentspec.backends.embedded.plan import Settings
 import torch
 
 from agentspec.kernels import cpu_attention, cpu_linear
@@ -181,8 +183,8 @@ def test_engine_uses_the_native_kernel(monkeypatch):
         (torch.float32, True, {"decode": 1, "segments": 1, "fused": 0}),
     ]:
         calls.update(decode=0, segments=0, fused=0)
-        monkeypatch.setattr(cpu_attention, "_FUSED", fused)
         model = Transformer(args).eval().to(dtype)
+        model.set_kernel_settings(Settings(fused=fused))
         cache = KVCache(args, 64, dtype=torch.float32, device=torch.device("cpu"), packed=True)
         model(torch.arange(5), torch.arange(5), cache)
         cache.commit(list(range(5)))
@@ -214,7 +216,7 @@ def test_fused_attention_matches_float_attention_and_keeps_packed_copies(monkeyp
     ids = torch.randint(0, args.vocab_size, (300,), generator=torch.Generator().manual_seed(3))
     caches, logits = {}, {}
     for fused in (True, False):
-        monkeypatch.setattr(cpu_attention, "_FUSED", fused)
+        model.set_kernel_settings(Settings(fused=fused))
         cache = packed_cache(args, 400)
         model(ids, torch.arange(300), cache, logits_rows=slice(-1, None))
         cache.commit(list(range(300)))
@@ -250,8 +252,8 @@ def test_fused_tree_node_equals_plain_decoding_row_bitwise(packed_linears, decod
     row-invariant ones) and the same chain inside a draft tree, among siblings at other slots,
     give bit-identical logits; with an odd and an even prefix length; with the packed linears on
     vector units and on AMX tiles."""
-    monkeypatch.setattr(cpu_linear, "_DECODE_LINEARS", decode_linears)
     args, model = random_model(packed_linears)
+    model.set_kernel_settings(Settings(decode_linears=decode_linears))
     n = 1 if packed_linears else 2
     for P in (257, 300):
         ids = torch.randint(0, args.vocab_size, (P,), generator=torch.Generator().manual_seed(P))
@@ -293,12 +295,11 @@ def test_every_isa_level_gives_the_same_bits(restore_isa, monkeypatch):
     kernels: the AMX kernels run only at the top level, with their own bits, and
     test_prefill_amx.py / test_amx_decode_* test them.) With the defaults (AMX where it runs),
     every level below the top computes the VDPBF16PS bits."""
-    monkeypatch.setattr(cpu_attention, "_PREFILL_AMX", False)
-    monkeypatch.setattr(cpu_attention, "_DECODE_MODE", "rows")  # the AMX decode kernel: its own bits
-    monkeypatch.setattr(cpu_linear, "_DECODE_LINEARS", "vector")  # the AMX decode linears: theirs
     cpu_isa = restore_isa
     levels = cpu_isa.supported()
     args, model = random_model(packed_linears=True)
+    # the AMX kernels have their own bits: prompts on SDPA, decode attention and linears on VDPBF16PS
+    model.set_kernel_settings(Settings(prefill_attention="sdpa", decode_attention="rows", decode_linears="vector"))
     ids = torch.randint(0, args.vocab_size, (200,), generator=torch.Generator().manual_seed(9))
     outs = {}
     for isa in levels:
@@ -329,8 +330,8 @@ def test_fused_segments_equal_each_request_alone(packed_linears, decode_linears,
     runs alone through forward (packed linears on vector units and on AMX tiles)."""
     from agentspec.decode.step import Segment
 
-    monkeypatch.setattr(cpu_linear, "_DECODE_LINEARS", decode_linears)
     args, model = random_model(packed_linears)
+    model.set_kernel_settings(Settings(decode_linears=decode_linears))
     lens, rows = [40, 257, 130], [3, 1, 6]
 
     def prefilled(n):
@@ -398,16 +399,15 @@ def _segments_case(seed: int):
     return segs, qkv, cos, sin
 
 
-amx_decode = pytest.mark.skipif(not (cpu_attention.available() and cpu_attention._cpu.decode_amx_runs()),
+amx_decode = pytest.mark.skipif(not cpu_attention.decode_amx_runs(),
                                 reason="no AMX here (or the kernels are capped below avx512bf16)")
 
 
 def _amx_vs(monkeypatch, modes, seed=5):
     out = {}
     for mode in modes:
-        monkeypatch.setattr(cpu_attention, "_DECODE_MODE", mode)
         segs, qkv, cos, sin = _segments_case(seed)
-        att = cpu_attention.QKVAttention(segs, cos, sin, n_heads=H, n_kv_heads=HKV, head_dim=D, threads=2)
+        att = cpu_attention.QKVAttention(segs, cos, sin, n_heads=H, n_kv_heads=HKV, head_dim=D, threads=2, mode=mode)
         out[mode] = att(qkv, 0).clone(), segs
     return out
 
@@ -432,7 +432,6 @@ def test_amx_decode_rows_are_invariant_to_their_company(monkeypatch):
     segment alone, and each row of a chain equals that row computed alone (one row, its own
     mask), whatever the rows sharing its tile and whichever of its blocks came from the packed
     values (the shared prefix of a segment shrinks with the rows that join it)."""
-    monkeypatch.setattr(cpu_attention, "_DECODE_MODE", "amx")
     segs, qkv, cos, sin = _segments_case(7)
     together = cpu_attention.QKVAttention(segs, cos, sin, n_heads=H, n_kv_heads=HKV, head_dim=D)(qkv, 1).clone()
     off = 0
@@ -473,7 +472,7 @@ def test_amx_decode_linears_run_and_match_the_vector_ones_closely(monkeypatch):
     monkeypatch.setattr(cpu_linear.PackedLinear, "__call__", count("vector", call))
     logits = {}
     for mode in ("vector", "amx"):
-        monkeypatch.setattr(cpu_linear, "_DECODE_LINEARS", mode)
+        model.set_kernel_settings(Settings(decode_linears=mode))
         assert model.decode_linears_amx() == (mode == "amx")
         c = packed_cache(args, 320)
         model(ids[:290], torch.arange(290), c, logits_rows=slice(-1, None))

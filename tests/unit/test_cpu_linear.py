@@ -117,11 +117,12 @@ def test_model_decode_rows_use_packed_linears(monkeypatch):
     from agentspec.backends.embedded.model import KVCache, ModelArgs, Transformer
     from agentspec.decode.step import Segment
 
-    monkeypatch.setattr(cpu_linear, "_DECODE_LINEARS", "vector")
+    from agentspec.backends.embedded.plan import Settings
 
     args = ModelArgs(dim=576, n_layers=2, n_heads=9, n_kv_heads=3, hidden_dim=64, vocab_size=50, max_seq_len=256)
     assert not Transformer(args).eval().pack_linears()  # float32
     model = Transformer(args).eval().to(torch.bfloat16)
+    model.set_kernel_settings(Settings(decode_linears="vector"))
     cache = KVCache(args, 64, dtype=torch.float32, device=torch.device("cpu"), packed=True)
     assert not model.row_invariant(cache)
     assert model.pack_linears() and model.row_invariant(cache)

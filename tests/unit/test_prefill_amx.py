@@ -136,10 +136,11 @@ def test_the_model_prefills_through_it_and_matches_the_sdpa_path(monkeypatch):
     monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *a, **kw: calls.append(a[5]) or real(*a, **kw))
     amx_logits, amx_cache = run([0, 256, 512, 600])
     assert sorted(set(calls)) == [0, 256, 512]  # every chunk, every layer, on AMX
-    monkeypatch.setattr(cpu_attention, "_PREFILL_AMX", False)
+    settings = model.kernel_settings
+    model.set_kernel_settings(settings.with_(prefill_attention="sdpa"))
     sdpa_logits, _ = run([0, 256, 512, 600])
     assert (amx_logits - sdpa_logits).abs().max().item() < 0.05 * sdpa_logits.abs().max().item()
-    monkeypatch.setattr(cpu_attention, "_PREFILL_AMX", True)
+    model.set_kernel_settings(settings)
     again_logits, again_cache = run([0, 256, 512, 600])  # deterministic
     assert torch.equal(again_logits, amx_logits)
     assert torch.equal(again_cache.k[:, :, :600], amx_cache.k[:, :, :600])

@@ -19,13 +19,14 @@ import torch
 from ...config import SpecConfig, check_drafters
 from ...drafting import Drafter, default_drafter
 from ...errors import ConfigError, ContextLengthError, InvalidRequestError
-from ...kernels import cpu_attention, cpu_linear
+from ...kernels import cpu_linear
 from ...kernels import cpu_isa as _cpu_isa
 from ...kernels.tree import tree_mask
 from ..protocol import check_sampling, check_token_ids
 from ...decode.results import Generation
 from ..engine import DEFAULT_SPEC, Engine
 from .model import KVCache, Transformer, round_up
+from .plan import KernelPlan, Settings
 from .prefix_cache import CHUNK_TOKENS, PrefixCache
 from .spec_device import spec_off_reason
 from ...decode.step import Decoder, run_single
@@ -123,11 +124,16 @@ class EmbeddedEngine(Engine):
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise InvalidRequestError(f"device {device!r} requested but CUDA is not available", param="device")
         try:
-            isa = _cpu_isa.set_isa(cpu_isa) if cpu_isa is not None else _cpu_isa.apply_env()
+            _cpu_isa.set_isa(cpu_isa) if cpu_isa is not None else _cpu_isa.apply_env()
         except ValueError as e:
             raise InvalidRequestError(str(e), param="cpu_isa") from None
+        try:
+            settings = Settings.from_env()   # what the environment asks of the kernels (the plan decides)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="kernels") from None
         if dtype is None:
-            native = self.device.type == "cpu" and cpu_linear.linear_supported(torch.bfloat16, self.device)
+            native = (self.device.type == "cpu" and settings.native_linears and settings.native_attention
+                      and cpu_linear.linear_supported(torch.bfloat16, self.device))
             dtype = torch.bfloat16 if self.device.type == "cuda" or native or cpu_has_fast_bf16() else torch.float32
         else:
             dtype = _dtype(dtype, "dtype")
@@ -156,6 +162,8 @@ class EmbeddedEngine(Engine):
         self.model_path = ckpt.source
         self.tokenizer: Tokenizer = ckpt.tokenizer
         self.model = Transformer(ckpt.args, init_weights=False)  # every weight is loaded next
+        self.model.set_kernel_settings(settings)
+        self.model.kv_dtype = self.kv_dtype
         # to the device and dtype first (the parameters are still empty), then the checkpoint's
         # tensors one at a time, each converted as it is copied in: no second copy of the model
         self.model.to(device=self.device, dtype=dtype)
@@ -163,27 +171,11 @@ class EmbeddedEngine(Engine):
         self.model.rope_cos = self.model.rope_cos.float()
         self.model.rope_sin = self.model.rope_sin.float()
         self.model.eval()
-        self.kernels = "torch"
         if self.device.type == "cpu":
             # decode rows: native row-invariant bf16 linears where they run
-            if self.model.pack_linears(keep_weights=self._keep_weight_copy()):
-                self.kernels = f"native {isa}"
+            self.model.pack_linears(keep_weights=self._keep_weight_copy())
             # prefill: torch's GEMM, in float32 where the CPU has no bf16 dot products
             self.model.set_gemm_float32(dtype == torch.bfloat16 and not _cpu_isa.bf16_native())
-        self.prefill_gemm = ("float32" if self.model.layers[0].gemm_f32 else str(dtype).removeprefix("torch."))
-        self.prefill_attention = self._prefill_attention_kernel()
-        # prompt chunks' projections: AMX tiles (PackedLinear.prefill) on the AMX path, else torch's GEMM
-        self.prefill_linears = ("amx" if self.prefill_attention == "amx" and self.model.layers[0].amx_linears
-                                else "torch")
-        # decode / verify rows' attention (cpu_attention.QKVAttention): "amx" or "rows"; "torch"
-        # where the fused native path does not run (float32 models, other devices)
-        fused = (cpu_attention.packed_supported(self.kv_dtype, self.device, self.args.head_dim)
-                 and cpu_attention.fused_runs(dtype, self.args.n_heads, self.args.n_kv_heads))
-        self.decode_attention = cpu_attention.decode_attention_kernel() if fused else "torch"
-        # decode / verify rows' projections: "amx" (tiles), "vector" (the packed VDPBF16PS
-        # linears) or "torch" (nothing packed)
-        self.decode_linears = (("amx" if self.model.decode_linears_amx() else "vector") if fused and
-                               self.model.head_packed is not None else "torch")
         self.max_context = min(max_context or min(ckpt.args.max_seq_len, 8192), ckpt.args.max_seq_len)
         self.deterministic = deterministic
         self.deterministic_width = deterministic_width
@@ -260,49 +252,29 @@ class EmbeddedEngine(Engine):
                   "(AGENTSPEC_WEIGHT_COPIES=2 keeps both)", file=sys.stderr, flush=True)
         return False
 
+    @property
+    def plan(self) -> KernelPlan:
+        """The kernel plan at the ISA level the kernels run at now (``plan.KernelPlan``)."""
+        return self.model.plan()
+
     def hardware_summary(self) -> str:
-        """One line: CPU, threads, decode kernels and prefill GEMM dtype (the "model ready" line)."""
+        """One line: CPU, threads and the kernel plan (the "model ready" line)."""
         if self.device.type != "cpu":
             return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else str(self.device)
         info = _cpu_isa.machine_info()
         gov = "adaptive" if self.governor.enabled else "fixed"
-        return (f"{info['cpu']}, {self.governor.max_threads} threads ({gov}), decode kernels {self.kernels}, "
-                f"prefill GEMM {self.prefill_gemm} ({self.prefill_linears}), prefill attention {self.prefill_attention}, "
-                f"decode attention {self.decode_attention}, decode linears {self.decode_linears}"
-                + (", one weight copy" if self.model.weight_copies == 1 else ""))
+        return f"{info['cpu']}, {self.governor.max_threads} threads ({gov}); {self.plan.describe()}"
 
     def kernel_info(self) -> dict:
-        """What ran, for benchmark JSON: CPU model and flags, usable cores, threads, dtype, kernels."""
+        """What ran, for benchmark JSON: CPU model and flags, usable cores, threads, dtype, the kernel plan."""
         info = _cpu_isa.machine_info() if self.device.type == "cpu" else {"device": str(self.device)}
         return {**info, "threads": self.governor.max_threads, "thread_governor": self.governor.enabled,
                 "dtype": str(self.dtype).removeprefix("torch."),
-                "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "decode_kernels": self.kernels,
-                "prefill_gemm": self.prefill_gemm, "prefill_linears": self.prefill_linears,
-                "prefill_attention": self.prefill_attention, "decode_attention": self.decode_attention,
-                "decode_linears": self.decode_linears,
-                "row_invariant_linears": self.model.head_packed is not None,
-                "weight_copies": self.model.weight_copies}
-
-    def _prefill_attention_kernel(self) -> str:
-        """Which attention a prompt's chunks run (``Transformer.forward``): "amx" (AMX tiles over
-        the packed cache), "sdpa" (torch's flash kernel), "blockwise" or "torch" (the cache's
-        float32, SDPA)."""
-        from . import model as _model
-
-        bf16 = self.dtype == torch.bfloat16 and not self.model.layers[0].gemm_f32
-        packed = self.device.type == "cpu" and cpu_attention.packed_supported(self.kv_dtype, self.device,
-                                                                               self.args.head_dim)
-        if bf16 and packed and cpu_attention.prefill_amx_runs(self.dtype, self.args.n_heads, self.args.n_kv_heads):
-            return "amx"
-        if bf16:
-            return "sdpa" if _model.PREFILL_SDPA else "blockwise"
-        return "torch"
+                "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "kernel_plan": self.plan.to_dict()}
 
     def new_cache(self, capacity: int) -> KVCache:
         """A KV cache for this engine's model (packed for the native attention where it runs)."""
-        packed = self.dtype == torch.bfloat16 and cpu_attention.packed_supported(self.kv_dtype, self.device,
-                                                                                   self.args.head_dim)
-        return KVCache(self.args, capacity, dtype=self.kv_dtype, device=self.device, packed=packed)
+        return KVCache(self.args, capacity, dtype=self.kv_dtype, device=self.device, packed=self.plan.kv_packed)
 
     def _cached_row_cost(self, context: int = 1024, rows: int = 33, repeat: int = 5) -> float:
         """``_profile_row_cost``, cached on disk per machine, build and model (``profile_cache``).

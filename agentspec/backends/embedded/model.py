@@ -8,7 +8,6 @@ keys/values at slots ``[start, start + T)`` and returns logits for every new tok
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -20,6 +19,7 @@ from torch import nn
 from ...kernels import cpu_attention, cpu_linear, rope
 from ...decode.step import MAX_STEP_ROWS, Segment
 from ...kernels.rope import apply_rope, rope_cos_sin
+from .plan import Facts, KernelPlan, Settings
 
 __all__ = ["KVCache", "ModelArgs", "Transformer"]
 
@@ -192,20 +192,27 @@ class Block(nn.Module):
         # torch-path linears of a bfloat16 model multiply in float32 (Transformer.set_gemm_float32)
         self.gemm_f32 = False
 
-    def _lin(self, x, i: int, rows: bool):
-        """``x @ W.T`` for projection ``i`` (0 wqkv, 1 wo, 2 w_gate_up, 3 w_down) on the torch
-        path. ``rows``: decode / verify rows (not a prefill), which take the native row-invariant
-        linears once ``Transformer.pack_linears`` set them, as the fused path does, so that a
-        row's bits do not depend on how many rows share the forward. Otherwise torch's GEMM; on
-        CPUs without bfloat16 dot products its bfloat16 GEMM runs ~3.5x slower than its float32
-        one (27 vs 92 GFLOP/s with ATen and oneDNN capped at AVX2), so there a bfloat16 model
-        widens weights and rows to float32 (exact) and rounds the result to bfloat16 once."""
-        if rows and self.packed is not None:
-            return self.packed[i](x)
-        w = self.weight(i)
-        if self.gemm_f32 and x.dtype == torch.bfloat16:
-            return F.linear(x.float(), w.float()).to(torch.bfloat16)
-        return F.linear(x, w)
+    def proj(self, kind: str, i: int, x: torch.Tensor, *, residual: torch.Tensor | None = None,
+             silu: bool = False) -> torch.Tensor:
+        """Projection ``i`` (0 wqkv, 1 wo, 2 w_gate_up, 3 w_down) of ``x`` with the linear kernel
+        ``kind`` (the plan's): "amx" (``PackedLinear.prefill``: tiles, the epilogue fused),
+        "vector" (``PackedLinear``: the row-invariant native linears), "float32" (torch's GEMM
+        with weights and rows widened to float32 and the result rounded to bfloat16 once: exact,
+        for CPUs whose bfloat16 GEMM is slow), or the model's dtype ("bfloat16", ...: torch's
+        GEMM). Then the epilogue, rounded as torch rounds it: ``silu`` (the weight is
+        ``[gate; up]``: ``silu(gate) * up``), ``residual`` (``residual + y``)."""
+        if kind == "amx":
+            return self.packed[i].prefill(x, residual=residual, silu=silu)
+        if kind == "vector":
+            y = self.packed[i](x)
+        elif kind == "float32" and x.dtype == torch.bfloat16:
+            y = F.linear(x.float(), self.weight(i).float()).to(torch.bfloat16)
+        else:
+            y = F.linear(x, self.weight(i))
+        if silu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        return y if residual is None else residual + y
 
     def weight(self, i: int) -> torch.Tensor:
         """Projection ``i``'s ``[out, in]`` weight: the module's own, or, where
@@ -230,33 +237,36 @@ class Block(nn.Module):
             qkv = torch.cat([q, k, v], dim=-1)
         return qkv
 
-    def _qkv(self, x, cos, sin, rows: bool):
-        """x: [T, dim] -> q [H, T, D], k [Hkv, T, D] (rotated), v [Hkv, T, D]."""
+    def _qkv(self, x, cos, sin, lin: str):
+        """x: [T, dim] -> q [H, T, D], k [Hkv, T, D] (rotated), v [Hkv, T, D]; ``lin``: the
+        projection's kernel (``proj``)."""
         a = self.args
         T = x.shape[0]
-        qkv = self._qkv_post(self._lin(self.attn_norm(x), 0, rows))
+        qkv = self._qkv_post(self.proj(lin, 0, self.attn_norm(x)))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(T, a.n_heads, a.head_dim).transpose(0, 1), cos, sin)
         k = apply_rope(k.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1), cos, sin)
         return q, k, v.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1)
 
     def forward(self, x, layer: int, cache: KVCache, start: int, cos, sin, mask, causal: bool, key_len: int,
-                chunk: bool = False, amx: bool = False):
+                plan: KernelPlan, chunk: bool = False, amx: bool = False):
         # x: [T, dim]; cos/sin: [T, head_dim]; mask: [T, start + T] bool, or None with `causal`;
         # chunk: a prompt chunk after a prefix (T > SMALL_T rows, ``mask`` the plain causal one);
         # amx: a prompt (chunk) whose attention runs on AMX tiles (``Transformer.forward``)
         T = x.shape[0]
         rows = not causal and not chunk and T <= SMALL_T  # decode / verify rows, not a prefill
-        if amx and self.amx_linears:
+        if amx and plan.prefill_linears == "amx":
             return self.forward_amx(x, layer, cache, start, cos, sin)
-        q, k, v = self._qkv(x, cos, sin, rows)
+        lin = plan.layered_linears if rows else plan.torch_linears
+        q, k, v = self._qkv(x, cos, sin, lin)
         cache.write(layer, start, k, v)
+        prefill = plan.prefill_fallback   # a prompt chunk that does not take the AMX path
         if amx:
             # the causal attention of the chunk's rows over keys [0, start + T) with AMX tiles,
             # reading (and first writing) the packed cache; a row's bits do not depend on the
             # chunk it is in (kernels/csrc/prefill_amx.cpp). [T, H * D]
             o = cpu_attention.prefill_attention(q, k, v, cache, layer, start)
-        elif (causal or chunk) and q.dtype == torch.bfloat16 and not self.gemm_f32 and PREFILL_SDPA:
+        elif (causal or chunk) and prefill == "sdpa":
             # prefill in bf16 through SDPA's CPU flash kernel, the causal offset as a boolean
             # mask (one per chunk, shared by the layers)
             # (deterministic for given shapes: each query block runs on one thread over the key
@@ -268,7 +278,7 @@ class Block(nn.Module):
                 o = F.scaled_dot_product_attention(
                     q.unsqueeze(0), cache.k[layer, :, :start + T].to(q.dtype).unsqueeze(0),
                     cache.v[layer, :, :start + T].to(q.dtype).unsqueeze(0), attn_mask=mask, enable_gqa=True).squeeze(0)
-        elif (causal or chunk) and q.dtype == torch.bfloat16 and not self.gemm_f32:
+        elif (causal or chunk) and prefill == "blockwise":
             # prefill in bf16: blockwise causal attention skips the masked half and runs ~2x
             # faster than SDPA's CPU flash kernel. Plain and speculative decoding share the
             # prefill, so this cannot break their identity. A later chunk reads the prefix's keys
@@ -286,7 +296,7 @@ class Block(nn.Module):
                 qa.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                 attn_mask=mask, is_causal=causal, enable_gqa=True,
             ).squeeze(0)                                      # [H, T, D]
-        elif cpu_attention.supports(q, cache.k[layer]):
+        elif plan.layered_attention == "native" and cache.k.dtype == torch.float32:
             # native exact kernel (float32 cache on CPU): returns [T, H, D], rows first
             qa = q.to(cache.k.dtype)
             o = cpu_attention.decode_attention(qa, cache.k[layer], cache.v[layer], mask, key_len)
@@ -296,7 +306,7 @@ class Block(nn.Module):
             o = small_attention(qa, cache.k[layer], cache.v[layer], mask, key_len)
         if o.dim() == 3:
             o = o.to(x.dtype).transpose(0, 1).reshape(T, self.q_size)
-        return self._mlp(x + self._lin(o, 1, rows), rows)
+        return self._mlp(self.proj(lin, 1, o, residual=x), lin)
 
     def forward_amx(self, x, layer: int, cache: KVCache, start: int, cos, sin):
         """A prompt chunk on AMX tiles (``Transformer.forward``'s ``amx``): the projections are
@@ -314,49 +324,40 @@ class Block(nn.Module):
         h = cpu_attention.rms_norm(x, self.ffn_norm.weight, self.ffn_norm.eps)
         return w_down.prefill(w_gate_up.prefill(h, silu=True), residual=x)
 
-    def forward_native(self, x, layer: int, attn: "cpu_attention.QKVAttention", native_norm: bool = False,
-                       amx: bool = False):
+    def forward_native(self, x, layer: int, attn: "cpu_attention.QKVAttention", plan: KernelPlan):
         """Decode / verify rows with the native attention (rotary, cache writes and attention in
         one call per layer): the same bits as ``forward``, with a few torch calls per layer. The
-        projections are the native row-invariant linears once ``Transformer.pack_linears`` set
-        them (a row's bits then do not depend on the other rows), else torch's. ``native_norm``:
-        the norms natively (``cpu_attention.rms_norm``, row-wise; ``Transformer.forward`` sets it
-        where the AMX decode attention runs: ~0.2 ms of torch dispatch per call saved, twice per
-        layer). ``amx``: the projections on AMX tiles (``Transformer.decode_linears_amx``), the
-        residual adds and ``silu(gate) * up`` in their epilogues (rounded as the torch ops
-        below round them), the norms native; every step row-wise or row-invariant."""
-        if amx:
-            wqkv, wo, w_gate_up, w_down = self.packed
-            an, fn = self.attn_norm, self.ffn_norm
-            qkv = self._qkv_post(wqkv.prefill(cpu_attention.rms_norm(x, an.weight, an.eps)))
-            x = wo.prefill(attn(qkv, layer), residual=x)
-            h = cpu_attention.rms_norm(x, fn.weight, fn.eps)
-            return w_down.prefill(w_gate_up.prefill(h, silu=True), residual=x)
-        wqkv, wo, w_gate_up, w_down = self.packed or tuple(partial(F.linear, weight=self.weight(i)) for i in range(4))
-        a, n = self.attn_norm, self.ffn_norm
-        if native_norm:
+        projections as the plan says (``rows_linears``): on AMX tiles ("amx": the residual adds
+        and ``silu(gate) * up`` in their epilogues, rounded as the torch ops round them), the
+        native row-invariant linears ("vector"), or torch's; a row's bits then do not depend on
+        the other rows (but with torch's). The norms as the plan says (``rows_norms``): native
+        (``cpu_attention.rms_norm``, row-wise: ~0.2 ms of torch dispatch per call saved, twice
+        per layer) or torch's."""
+        lin = plan.rows_linears if plan.rows_linears != "torch" else "plain"
+        if plan.rows_norms == "native":
             def norm(x, m):
                 return cpu_attention.rms_norm(x, m.weight, m.eps)
         else:
             def norm(x, m):
                 return F.rms_norm(x, (x.shape[-1],), m.weight, m.eps)
-        x = x + wo(attn(self._qkv_post(wqkv(norm(x, a))), layer))
-        gate, up = w_gate_up(norm(x, n)).chunk(2, dim=-1)
-        return x + w_down(F.silu(gate) * up)
+        qkv = self._qkv_post(self.proj(lin, 0, norm(x, self.attn_norm)))
+        x = self.proj(lin, 1, attn(qkv, layer), residual=x)
+        return self.proj(lin, 3, self.proj(lin, 2, norm(x, self.ffn_norm), silu=True), residual=x)
 
-    def _mlp(self, x, rows: bool):
+    def _mlp(self, x, lin: str):
         n = self.ffn_norm
-        gate, up = self._lin(F.rms_norm(x, (x.shape[-1],), n.weight, n.eps), 2, rows).chunk(2, dim=-1)
-        return x + self._lin(F.silu(gate) * up, 3, rows)
+        h = self.proj(lin, 2, F.rms_norm(x, (x.shape[-1],), n.weight, n.eps), silu=True)
+        return self.proj(lin, 3, h, residual=x)
 
 
-    def forward_segments(self, x, layer: int, segs: list["Segment"], cos, sin):
+    def forward_segments(self, x, layer: int, segs: list["Segment"], cos, sin, plan: KernelPlan):
         """Several requests' decode/verify rows in one pass: the linear layers see every row at
         once (a row's result does not depend on the others: see ``small_attention``), attention
         runs per request over its own cache. x: [R, dim] rows of all segments, in order."""
         R = x.shape[0]
-        q, k, v = self._qkv(x, cos, sin, True)
-        if cpu_attention.supports(q, segs[0].cache.k[layer]):
+        lin = plan.layered_linears
+        q, k, v = self._qkv(x, cos, sin, lin)
+        if plan.layered_attention == "native" and segs[0].cache.k.dtype == torch.float32:
             # one native call for every segment: writes the new keys/values, then attends
             kv = torch.stack([k, v]).to(torch.float32).contiguous()       # [2, Hkv, R, D]
             o = cpu_attention.segment_attention(
@@ -372,13 +373,10 @@ class Block(nn.Module):
                 qa = q[:, off:off + T].to(cache.k.dtype)
                 outs.append(small_attention(qa, cache.k[layer], cache.v[layer], sg.mask, start + T))
             o = torch.cat(outs, dim=1).to(x.dtype).transpose(0, 1).reshape(R, self.q_size)
-        return self._mlp(x + self._lin(o, 1, True), True)
+        return self._mlp(self.proj(lin, 1, o, residual=x), lin)
 
 
 PREFILL_BLOCK = 128
-# bf16 prefill attention: "sdpa" (torch's CPU flash kernel; the default: 1.3-1.4x faster than
-# "blockwise" over 2-4k-token prompts on an AVX512-BF16 Zen 4) or "blockwise" (prefill_attention)
-PREFILL_SDPA = os.environ.get("AGENTSPEC_PREFILL_ATTENTION", "sdpa") != "blockwise"
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int = 0) -> torch.Tensor:
@@ -526,6 +524,11 @@ class Transformer(nn.Module):
             self.lm_head = (nn.Linear(args.dim, args.vocab_size, bias=False) if init_weights
                             else skip_init(nn.Linear, args.dim, args.vocab_size, bias=False))
         self.head_packed: cpu_linear.PackedLinear | None = None
+        # what the kernels are asked to do (the environment's unless set: ``set_kernel_settings``)
+        # and the plan chosen from it, per ISA level (``plan``)
+        self.kernel_settings: Settings = Settings.from_env()
+        self.kv_dtype = torch.float32   # the KV caches' dtype (the engine's ``kv_dtype``): the plan reads it
+        self._plans: dict = {}
         cos, sin = rope_tables(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -563,18 +566,18 @@ class Transformer(nn.Module):
         T = tokens.shape[0]
         causal = False
         chunk = False  # a prompt chunk after a prefix (``Decoder.prefill``'s canonical chunks)
-        # prompt attention on AMX tiles where the CPU has them (a packed cache, bf16, chunks at
+        plan = self.plan()
+        # prompt attention on AMX tiles where the plan says so (a packed cache, chunks at
         # multiples of 16 positions); else SDPA's flash kernel or the blockwise path below
         amx = (mask is None and (start == 0 and T > 1 or start > 0 and (prefill or T > SMALL_T))
-               and start % 16 == 0 and not self.layers[0].gemm_f32
-               and cpu_attention.prefill_amx_supported(cache, dtype, self.args.n_heads, self.args.n_kv_heads))
+               and start % 16 == 0 and plan.prefill_attention == "amx" and getattr(cache, "packed", False))
         if amx:
             chunk = start > 0
             causal = start == 0
         elif mask is None and start > 0 and (prefill or T > SMALL_T):
             mask = causal_mask(start, T, tokens.device)
             chunk = True
-            if PREFILL_SDPA and dtype == torch.bfloat16 and not self.layers[0].gemm_f32:
+            if plan.prefill_fallback == "sdpa":
                 # additive, once per chunk: SDPA would convert a bool mask in every layer
                 mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         elif mask is None and T > 1:
@@ -584,25 +587,23 @@ class Transformer(nn.Module):
                 mask = causal_mask(start, T, tokens.device)
         key_len = start + T if key_len is None else key_len
         a = self.args
-        fused = (not causal and not chunk and T <= SMALL_T
-                 and cpu_attention.fused_supported(cache, dtype, a.n_heads, a.n_kv_heads))
+        fused = not causal and not chunk and T <= SMALL_T and plan.fused and getattr(cache, "packed", False)
         want = _check_layers(hidden_layers, len(self.layers))
         hidden: dict[int, torch.Tensor] = {}
         if fused:
             attn = cpu_attention.QKVAttention([(cache, start, key_len, mask, T)], cos, sin, n_heads=a.n_heads,
-                                              n_kv_heads=a.n_kv_heads, head_dim=a.head_dim)
-            nn_, lin_amx = self.native_decode_norm(), self.decode_linears_amx()
-            x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_native(x, i, attn, nn_, lin_amx))
+                                              n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                                              mode=plan.rows_attention)
+            x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_native(x, i, attn, plan))
         else:
-            lin_amx = False
             x = self._layers(x, want, hidden,
-                             lambda layer, x, i: layer(x, i, cache, start, cos, sin, mask, causal, key_len, chunk,
-                                                       amx))
+                             lambda layer, x, i: layer(x, i, cache, start, cos, sin, mask, causal, key_len, plan,
+                                                       chunk, amx))
             if not amx:  # the AMX kernel wrote the packed copies itself
                 cache.sync(range(start, start + T))
         if logits_rows is not None:
             x = x[logits_rows]
-        logits = self._logits(x, native=fused, amx=lin_amx, to_float=float_logits)
+        logits = self._logits(x, plan, fused=fused, to_float=float_logits)
         return (logits, hidden) if want else logits
 
     def _layers(self, x: torch.Tensor, want: frozenset[int], hidden: dict[int, torch.Tensor], run) -> torch.Tensor:
@@ -613,41 +614,64 @@ class Transformer(nn.Module):
                 hidden[i] = x
         return x
 
-    def _logits(self, x: torch.Tensor, native: bool = False, amx: bool = False,
+    def _logits(self, x: torch.Tensor, plan: KernelPlan | None = None, *, fused: bool = False,
                 to_float: bool = True) -> torch.Tensor:
-        """Final norm and output projection (tied embeddings unless lm_head), in float32;
-        ``native``: rows of the fused decode path, which use the packed head where there is one;
-        ``amx``: that head on AMX tiles, after the native norm (``decode_linears_amx``).
-        ``to_float`` False: the projection's own output (bfloat16 for a bfloat16 model), not
-        converted. The values are the same (float32 holds every bfloat16 exactly), so an argmax
-        is the same index; a greedy step skips the conversion (at a batch's rows, [R, vocab]
-        float32 is tens of MB written and freed every step)."""
+        """Final norm and output projection (tied embeddings unless lm_head), in float32.
+        ``fused``: rows of the fused decode path, which take the plan's head (``plan.head``: on
+        AMX tiles after the native norm, or the packed head); other rows take the packed head
+        up to ``SMALL_T`` rows, else torch's GEMM. ``to_float`` False: the projection's own
+        output (bfloat16 for a bfloat16 model), not converted. The values are the same (float32
+        holds every bfloat16 exactly), so an argmax is the same index; a greedy step skips the
+        conversion (at a batch's rows, [R, vocab] float32 is tens of MB written and freed every
+        step)."""
+        plan = self.plan() if plan is None else plan
         cast = (lambda t: t.float()) if to_float else (lambda t: t)
-        if amx:
+        if fused and plan.head == "amx":
             return cast(self.head_packed.prefill(cpu_attention.rms_norm(x, self.norm.weight, self.norm.eps)))
-        if self.head_packed is not None and (native or x.shape[0] <= SMALL_T):
+        if self.head_packed is not None and (fused or x.shape[0] <= SMALL_T):
             return cast(self.head_packed(self.norm(x)))
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if w.numel() == 0:   # pack_linears(keep_weights=False) kept only the packed head
             w = self.head_packed.weight()
-        if self.layers[0].gemm_f32 and x.dtype == torch.bfloat16:
+        if plan.torch_linears == "float32" and x.dtype == torch.bfloat16:
             return F.linear(self.norm(x).float(), w.float())
         return cast(F.linear(self.norm(x), w))
 
-    @staticmethod
-    def native_decode_norm() -> bool:
-        """Whether the fused decode / verify rows (``Block.forward_native``) take their norms
-        natively: where the AMX decode attention runs (those rows' bits are that path's own)."""
-        return cpu_attention.decode_attention_kernel() == "amx"
+    # ---- the kernel plan ----------------------------------------------------------------------
+
+    def set_kernel_settings(self, settings: Settings) -> None:
+        """Ask the kernels for ``settings`` (``plan.Settings``) from now on (tests and
+        benchmarks compare kernels on one model; the engine sets the environment's once)."""
+        self.kernel_settings = settings
+        self._plans.clear()
+
+    def plan(self, facts: Facts | None = None) -> KernelPlan:
+        """The kernel plan for the ISA level the native kernels run at now (``plan.KernelPlan``:
+        chosen once per level and settings, then looked up)."""
+        facts = Facts.now() if facts is None else facts
+        key = (facts, self.kernel_settings)
+        got = self._plans.get(key)
+        if got is None:
+            a, w = self.args, self.embed.weight
+            head = self.head_packed
+            got = self._plans[key] = KernelPlan.choose(
+                device=w.device, dtype=w.dtype, kv_dtype=self.kv_dtype, head_dim=a.head_dim, n_heads=a.n_heads,
+                n_kv_heads=a.n_kv_heads, packed=head is not None, amx_weights=self.layers[0].amx_linears,
+                head_k=head.K if head is not None else 0, gemm_f32=self.layers[0].gemm_f32,
+                settings=self.kernel_settings, facts=facts, weight_copies=self.weight_copies)
+        return got
+
+    def native_decode_norm(self) -> bool:
+        """Whether the fused decode / verify rows take their norms natively (the plan's
+        ``rows_norms``)."""
+        return self.plan().rows_norms == "native"
 
     def decode_linears_amx(self) -> bool:
-        """Whether the fused decode / verify rows (``Block.forward_native``) project on AMX tiles
-        now (``cpu_linear.decode_linears_kernel``): every projection packed and AMX-capable, the
-        head included, and a bfloat16 GEMM. Decided per forward, so every row of a forward (and
-        every forward while the ISA level stays) takes the same kernel."""
-        return (self.head_packed is not None and self.layers[0].amx_linears and not self.layers[0].gemm_f32
-                and self.head_packed.K % 32 == 0
-                and cpu_linear.decode_linears_kernel() == "amx")
+        """Whether the fused decode / verify rows project on AMX tiles now (the plan's
+        ``rows_linears``: every projection packed and AMX-capable, the head included, and a
+        bfloat16 GEMM, at the top ISA level). Decided per ISA level, so every row of a forward
+        (and every forward while the level stays) takes the same kernel."""
+        return self.plan().rows_linears == "amx"
 
     def prefill_row_invariant(self, cache: KVCache) -> bool:
         """Whether prompt chunks over ``cache`` run the AMX path end to end (``Block.forward_amx``:
@@ -655,15 +679,15 @@ class Transformer(nn.Module):
         bits depend on its own tokens and the keys before it alone, not on how the prompt is
         split into forwards (``Decoder.prefill`` then takes several canonical chunks per
         forward: the same bits, the weights streamed once per forward)."""
-        a = self.args
-        return (self.layers[0].amx_linears and not self.layers[0].gemm_f32
-                and cpu_attention.prefill_amx_supported(cache, self.embed.weight.dtype, a.n_heads, a.n_kv_heads))
+        return self.plan().prefill_linears == "amx" and getattr(cache, "packed", False)
 
     def set_gemm_float32(self, on: bool) -> None:
-        """Torch-path linears (prefill) of a bfloat16 model multiply in float32 (``Block._lin``):
-        for CPUs without bfloat16 dot products. Decode rows use the native linears either way."""
+        """Torch-path linears (prefill) of a bfloat16 model multiply in float32 (``Block.proj``'s
+        "float32"): for CPUs without bfloat16 dot products. Decode rows use the native linears
+        either way."""
         for layer in self.layers:
             layer.gemm_f32 = bool(on)
+        self._plans.clear()
 
     def pack_linears(self, keep_weights: bool = True) -> bool:
         """Give decode / verify forwards on the native attention path (a bfloat16 model on CPU
@@ -677,11 +701,14 @@ class Transformer(nn.Module):
         (``Block.weight``): the same values, so the same bits, for a copy of the weights per
         prompt forward. For models that do not fit in memory twice."""
         w = self.embed.weight
-        if not cpu_linear.linear_supported(w.dtype, w.device):
+        st, facts = self.kernel_settings, Facts.now()
+        if not (st.native_linears and st.native_attention and facts.linear_kernels and w.dtype == torch.bfloat16
+                and w.device.type == "cpu"):
             return False
+        self._plans.clear()
         for layer in self.layers:
             mods = (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
-            layer.amx_linears = all(cpu_linear.amx_linear_supported(m.weight) for m in mods)
+            layer.amx_linears = facts.amx and all(m.weight.shape[1] % 32 == 0 for m in mods)
             packed = []
             for m in mods:
                 packed.append(cpu_linear.PackedLinear(m.weight))
@@ -706,10 +733,9 @@ class Transformer(nn.Module):
 
     def row_invariant(self, cache: KVCache) -> bool:
         """Whether a decode / verify row's logits over ``cache`` are the same bits however many
-        rows share its forward (so a plain decoding step needs no padding row)."""
-        a = self.args
-        return self.head_packed is not None and cpu_attention.fused_supported(
-            cache, self.embed.weight.dtype, a.n_heads, a.n_kv_heads)
+        rows share its forward (so a plain decoding step needs no padding row): the fused path
+        with packed linears."""
+        return self.head_packed is not None and self.plan().fused and getattr(cache, "packed", False)
 
     @torch.inference_mode()
     def forward_segments(
@@ -737,21 +763,20 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].to(dtype)
         sin = self.rope_sin[positions].to(dtype)
         a = self.args
+        plan = self.plan()
         want = _check_layers(hidden_layers, len(self.layers))
         hidden: dict[int, torch.Tensor] = {}
-        fused = all(cpu_attention.fused_supported(sg.cache, dtype, a.n_heads, a.n_kv_heads) for sg in segs)
+        fused = plan.fused and all(getattr(sg.cache, "packed", False) for sg in segs)
         if fused:
             attn = cpu_attention.QKVAttention(
                 [(sg.cache, sg.cache.length, sg.cache.length + sg.rows, sg.mask, sg.rows) for sg in segs], cos, sin,
-                n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim)
-            nn_, lin_amx = self.native_decode_norm(), self.decode_linears_amx()
-            x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_native(x, i, attn, nn_, lin_amx))
+                n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, mode=plan.rows_attention)
+            x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_native(x, i, attn, plan))
         else:
-            lin_amx = False
-            x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_segments(x, i, segs, cos, sin))
+            x = self._layers(x, want, hidden, lambda layer, x, i: layer.forward_segments(x, i, segs, cos, sin, plan))
             for sg in segs:
                 sg.cache.sync(range(sg.cache.length, sg.cache.length + sg.rows))
-        logits = self._logits(x, native=fused, amx=lin_amx, to_float=float_logits)
+        logits = self._logits(x, plan, fused=fused, to_float=float_logits)
         return (logits, hidden) if want else logits
 
     def param_count(self) -> int:

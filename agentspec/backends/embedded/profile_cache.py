@@ -135,12 +135,8 @@ def engine_key(kind: str, engine: Any, **params: Any) -> dict:
         "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_SWITCHES)},
         "model": _model_files(getattr(engine, "model_path", None)),
         "dtype": str(engine.dtype).removeprefix("torch."),
-        "kernels": getattr(engine, "kernels", None),            # e.g. "native avx512bf16"
-        "prefill_gemm": getattr(engine, "prefill_gemm", None),  # "bfloat16" or "float32"
-        "prefill_attention": getattr(engine, "prefill_attention", None),  # "amx", "sdpa", ...
-        "prefill_linears": getattr(engine, "prefill_linears", None),  # "amx" or "torch"
-        "decode_attention": getattr(engine, "decode_attention", None),  # "amx", "rows" or "torch"
-        "decode_linears": getattr(engine, "decode_linears", None),  # "amx", "vector" or "torch"
+        # the kernel plan at this ISA level (plan.KernelPlan: every kernel of a forward)
+        "kernel_plan": plan.to_dict() if (plan := getattr(engine, "plan", None)) is not None else None,
         "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
         **_device(engine.device),
     }
