@@ -1,0 +1,105 @@
+"""The kernel plan's choices (agentspec/backends/embedded/plan.py), for machines this one is not:
+the facts are given, so the AMX, AVX2-only and no-extension plans are checked anywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentspec.backends.embedded.plan import Facts, KernelPlan, Settings
+
+AMX = Facts(extension=True, linear_kernels=True, amx=True, isa="avx512bf16", top_isa=True)
+AMX_CAPPED = Facts(extension=True, linear_kernels=True, amx=True, isa="avx512", top_isa=False)
+AVX512BF16 = Facts(extension=True, linear_kernels=True, amx=False, isa="avx512bf16", top_isa=True)
+AVX2 = Facts(extension=True, linear_kernels=True, amx=False, isa="avx2", top_isa=False)
+NONE = Facts(extension=False, linear_kernels=False, amx=False, isa="scalar", top_isa=False)
+
+SMOL = dict(head_dim=64, n_heads=9, n_kv_heads=3, head_k=576)     # SmolLM2-135M
+QWEN15 = dict(head_dim=128, n_heads=12, n_kv_heads=2, head_k=1536)  # Qwen2.5-Coder-1.5B
+
+
+def plan(facts, shape=SMOL, *, dtype=torch.bfloat16, kv=torch.float32, packed=True, amx_weights=True, gemm_f32=False,
+         settings=Settings()):
+    return KernelPlan.choose(device=torch.device("cpu"), dtype=dtype, kv_dtype=kv, packed=packed,
+                             amx_weights=amx_weights, gemm_f32=gemm_f32, settings=settings, facts=facts, **shape)
+
+
+def rows(p):
+    return (p.rows_path, p.rows_attention, p.rows_linears, p.rows_norms, p.head)
+
+
+def prefill(p):
+    return (p.prefill_attention, p.prefill_linears)
+
+
+def test_amx_at_the_top_level_runs_everything_on_tiles():
+    p = plan(AMX)
+    assert rows(p) == ("fused", "amx", "amx", "native", "amx") and prefill(p) == ("amx", "amx") and p.kv_packed
+
+
+def test_a_cap_below_the_top_level_leaves_the_tiles():
+    p = plan(AMX_CAPPED)
+    assert rows(p) == ("fused", "rows", "vector", "torch", "vector") and prefill(p) == ("sdpa", "bfloat16")
+
+
+def test_avx512_bf16_without_amx_and_avx2():
+    assert rows(plan(AVX512BF16)) == ("fused", "rows", "vector", "torch", "vector")
+    assert prefill(plan(AVX512BF16)) == ("sdpa", "bfloat16")
+    p = plan(AVX2, gemm_f32=True)   # no bfloat16 dot products: prompts multiply in float32
+    assert rows(p) == ("fused", "rows", "vector", "torch", "vector") and prefill(p) == ("torch", "float32")
+    assert p.torch_linears == "float32"
+
+
+def test_head_dim_128_takes_the_layered_path_with_the_packed_linears():
+    p = plan(AMX, QWEN15)
+    assert rows(p) == ("layered", "torch", "vector", "torch", "vector") and not p.kv_packed
+    assert p.layered_linears == "vector" and p.layered_attention == "torch" and prefill(p) == ("sdpa", "bfloat16")
+
+
+def test_float32_models_and_no_extension():
+    p = plan(AMX, dtype=torch.float32, packed=False)
+    assert rows(p) == ("layered", "native", "torch", "torch", "torch") and prefill(p) == ("torch", "float32")
+    p = plan(NONE, packed=False)
+    assert rows(p) == ("layered", "torch", "torch", "torch", "torch") and prefill(p) == ("sdpa", "bfloat16")
+
+
+@pytest.mark.parametrize("settings,want_rows,want_prefill", [
+    (Settings(decode_attention="rows"), ("fused", "rows", "amx", "native", "amx"), ("amx", "amx")),
+    (Settings(decode_linears="vector"), ("fused", "amx", "vector", "native", "vector"), ("amx", "amx")),
+    (Settings(prefill_attention="blockwise"), ("fused", "amx", "amx", "native", "amx"), ("blockwise", "bfloat16")),
+    (Settings(prefill_attention="sdpa"), ("fused", "amx", "amx", "native", "amx"), ("sdpa", "bfloat16")),
+    (Settings(fused=False), ("layered", "native", "vector", "torch", "vector"), ("amx", "amx")),
+    (Settings(native_attention=False), ("layered", "torch", "vector", "torch", "vector"), ("sdpa", "bfloat16")),
+])
+def test_settings_steer_the_choice(settings, want_rows, want_prefill):
+    p = plan(AMX, settings=settings)
+    assert rows(p) == want_rows and prefill(p) == want_prefill
+
+
+def test_more_than_4_query_heads_per_kv_head_keep_prompts_off_amx():
+    p = plan(AMX, dict(head_dim=64, n_heads=10, n_kv_heads=2, head_k=640))
+    assert prefill(p) == ("sdpa", "bfloat16") and p.rows_attention == "amx"   # decode takes up to 8
+
+
+def test_settings_from_the_environment(monkeypatch):
+    monkeypatch.setenv("AGENTSPEC_DECODE_LINEARS", "vector")
+    monkeypatch.setenv("AGENTSPEC_CPU_FUSED", "0")
+    s = Settings.from_env()
+    assert s.decode_linears == "vector" and not s.fused and s.native_attention
+    monkeypatch.setenv("AGENTSPEC_PREFILL_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="AGENTSPEC_PREFILL_ATTENTION='flash'"):
+        Settings.from_env()
+
+
+def test_the_plan_says_itself():
+    p = plan(AMX)
+    assert "amx" in p.describe() and dict(p.table())["decode/verify rows: attention"] == "amx"
+    assert p.to_dict()["rows_linears"] == "amx"
+
+
+def test_a_model_asks_for_the_plan_of_the_facts_it_is_given():
+    from helpers.models import random_model
+
+    args, model = random_model(packed_linears=True)
+    assert model.plan(AVX2).rows_attention == "rows"
+    assert model.plan(AMX).rows_linears == ("amx" if model.layers[0].amx_linears else "vector")
