@@ -95,41 +95,47 @@ def _session(state: ServerState, tenant: Tenant, req) -> str | None:
 
 @dataclass
 class Call:
-    """One generation request after parsing, shared by the three endpoints."""
+    """One generation request after parsing, shared by the three endpoints: the request the
+    backend runs (``request``: prompt, sampling, the route's spec and drafters, the prediction,
+    the id) and what only the response and the log need."""
 
     endpoint: str
     tenant: Tenant
-    ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str]
+    request: GenerationRequest
     route: Route
     spec_reason: str                    # set when the request or its route turned speculation off
-    prediction: list[int] | None
     session: str | None
     stream: bool
     include_usage: bool
     want_stats: bool
-    request_id: str
     model: str
     t0: float                           # monotonic time the request arrived
     created: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
-def _resolve(state: ServerState, *, endpoint: str, tenant: Tenant, model: str, ids: list[int], temperature: float,
-             top_p: float | None, top_k: int | None, seed: int | None, stop, max_tokens: int | None,
-             speculation: bool | None, prediction: str | list[int] | None, session: str | None, stream: bool,
-             include_usage: bool, want_stats: bool, t0: float, prefix: str, route_name: str | None = None) -> Call:
+    @property
+    def ids(self) -> list[int]:
+        return self.request.prompt_ids
+
+
+def _resolve(state: ServerState, body: Any, *, endpoint: str, tenant: Tenant, model: str, ids: list[int],
+             max_tokens: int | None, prediction: str | list[int] | None, session: str | None, t0: float,
+             prefix: str, include_usage: bool, want_stats: bool) -> Call:
+    """The ``Call`` of a decoded request ``body`` (its sampling fields, ``speculation``, ``stream``
+    and ``route``; what an endpoint lacks takes its default): the route resolved, the default
+    ``max_tokens`` filled in, the prediction tokenized."""
     backend = state.backend
+    temperature = getattr(body, "temperature", None)
+    temperature = 1.0 if temperature is None else temperature   # OpenAI's default when unset
     try:
         route = state.router.resolve(endpoint=endpoint, tenant=tenant.name, model=model, temperature=temperature,
-                                     name=route_name)
+                                     name=getattr(body, "route", None))
     except UnknownRouteError as e:
         raise APIError(400, str(e), param="route", code="invalid_value") from None
-    if speculation is False and route.spec is not None:
+    if getattr(body, "speculation", None) is False and route.spec is not None:
         route = Route(name=route.name, spec=None, reason="request: speculation = false", drafters=route.drafters)
     room = backend.max_context - len(ids)
     if room < 1:
@@ -140,13 +146,16 @@ def _resolve(state: ServerState, *, endpoint: str, tenant: Tenant, model: str, i
         max_tokens = min(state.config.server.default_max_tokens, room)
     pred_ids = backend.encode_text(prediction) if isinstance(prediction, str) and prediction else (
         prediction or None)
-    if isinstance(stop, str):
-        stop = [stop]
-    return Call(endpoint=endpoint, tenant=tenant, ids=ids, max_tokens=max_tokens, temperature=temperature,
-                top_p=1.0 if top_p is None else top_p, top_k=max(top_k or 0, 0), seed=seed, stop=list(stop or []),
-                route=route, spec_reason=route.reason, prediction=pred_ids, session=session, stream=stream,
-                include_usage=include_usage, want_stats=want_stats,
-                request_id=f"{prefix}-{secrets.token_hex(12)}", model=model, t0=t0)
+    stop = getattr(body, "stop", None)
+    top_p, top_k = getattr(body, "top_p", None), getattr(body, "top_k", None)
+    request = GenerationRequest(
+        prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=1.0 if top_p is None else top_p,
+        top_k=max(top_k or 0, 0), seed=getattr(body, "seed", None), stop=[stop] if isinstance(stop, str) else list(stop or []),
+        spec=route.spec, drafters=route.drafters, tenant=tenant.name, request_id=f"{prefix}-{secrets.token_hex(12)}",
+        prediction_ids=pred_ids)
+    return Call(endpoint=endpoint, tenant=tenant, request=request, route=route, spec_reason=route.reason,
+                session=session, stream=getattr(body, "stream", False), include_usage=include_usage,
+                want_stats=want_stats, model=model, t0=t0)
 
 
 # ---- response shapes ----------------------------------------------------------------------------------
@@ -173,8 +182,8 @@ def usage(call: Call, completion_ids: Sequence[int], stats: GenerationStats | No
                          "total_tokens": len(call.ids) + len(completion_ids),
                          # prompt tokens whose KV the prefix cache served (OpenAI's field)
                          "prompt_tokens_details": {"cached_tokens": getattr(stats, "cached_tokens", 0)}}
-    if call.prediction is not None:
-        acc, rej = prediction_usage(call.prediction, completion_ids)
+    if call.request.prediction_ids is not None:
+        acc, rej = prediction_usage(call.request.prediction_ids, completion_ids)
         u["completion_tokens_details"] = {"accepted_prediction_tokens": acc, "rejected_prediction_tokens": rej}
     return u
 
@@ -222,13 +231,10 @@ def _chat(state: ServerState, tenant: Tenant, req: ChatCompletionRequest, model:
         ids = state.backend.encode_chat(messages)
     except InvalidRequestError as e:
         raise APIError(400, str(e), param="messages", code="invalid_value") from None
-    call = _resolve(state, endpoint="chat.completions", tenant=tenant, model=model, ids=ids,
-                    temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p,
-                    top_k=req.top_k, seed=req.seed, stop=req.stop,
-                    max_tokens=req.max_completion_tokens or req.max_tokens, speculation=req.speculation,
-                    prediction=prediction, session=session, stream=req.stream,
-                    include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                    want_stats=req.spec_stats, t0=t0, prefix="chatcmpl", route_name=req.route)
+    call = _resolve(state, req, endpoint="chat.completions", tenant=tenant, model=model, ids=ids,
+                    max_tokens=req.max_completion_tokens or req.max_tokens, prediction=prediction, session=session,
+                    t0=t0, prefix="chatcmpl", include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                    want_stats=req.spec_stats)
     base = {"id": call.request_id, "created": call.created, "model": model}
 
     def respond(gen) -> dict:
@@ -273,14 +279,11 @@ def _completion(state: ServerState, tenant: Tenant, req: CompletionRequest, mode
                        param="prompt", code="invalid_value")
     else:
         ids = list(prompt)  # token ids: the backend checks them at submit (param "prompt")
-    call = _resolve(state, endpoint="completions", tenant=tenant, model=model, ids=ids,
-                    temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p,
-                    top_k=req.top_k, seed=req.seed, stop=req.stop, max_tokens=req.max_tokens,
-                    speculation=req.speculation,
+    call = _resolve(state, req, endpoint="completions", tenant=tenant, model=model, ids=ids, max_tokens=req.max_tokens,
                     prediction=_text(req.prediction.content) if req.prediction is not None else None,
-                    session=session, stream=req.stream,
+                    session=session, t0=t0, prefix="cmpl",
                     include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                    want_stats=req.spec_stats, t0=t0, prefix="cmpl", route_name=req.route)
+                    want_stats=req.spec_stats)
     base = {"id": call.request_id, "object": "text_completion", "created": call.created, "model": model}
 
     def respond(gen) -> dict:
@@ -334,10 +337,9 @@ def _apply(state: ServerState, tenant: Tenant, req: ApplyRequest, model: str, se
     max_tokens = req.max_tokens
     if max_tokens is None:  # room for the whole file and the update, within the context window
         max_tokens = plan.max_tokens(state.backend.max_context - len(ids))
-    call = _resolve(state, endpoint="apply", tenant=tenant, model=model, ids=ids, temperature=req.temperature,
-                    top_p=None, top_k=None, seed=req.seed, stop=None, max_tokens=max_tokens,
-                    speculation=req.speculation, prediction=plan.prediction_ids, session=session, stream=req.stream,
-                    include_usage=True, want_stats=True, t0=t0, prefix="apply", route_name=req.route)
+    call = _resolve(state, req, endpoint="apply", tenant=tenant, model=model, ids=ids, max_tokens=max_tokens,
+                    prediction=plan.prediction_ids, session=session, t0=t0, prefix="apply", include_usage=True,
+                    want_stats=True)
     base = {"id": call.request_id, "object": "apply", "created": call.created, "model": model}
     if req.path is not None:
         base["path"] = req.path
@@ -425,11 +427,7 @@ def submit(state: ServerState, call: Call, emit: Callable[[str, Any], None], *,
     limits a 429. ``deadline`` (monotonic): default the arrival plus ``request_timeout_s``. When
     the job finishes, whatever its end, its tenant's acceptance log gets one record."""
     tenant = call.tenant.name
-    request = GenerationRequest(
-        prompt_ids=call.ids, max_tokens=call.max_tokens, temperature=call.temperature, top_p=call.top_p,
-        top_k=call.top_k, seed=call.seed, stop=call.stop, spec=call.route.spec, drafters=call.route.drafters,
-        tenant=tenant, route=call.route.name, request_id=call.request_id,
-        prediction_ids=call.prediction)
+    request = call.request
     if state.draining:
         raise shutting_down()
     try:
@@ -534,7 +532,7 @@ class StreamShaper:
 
     def __init__(self, prepared: Prepared, tokenizer: Any) -> None:
         self.prepared = prepared
-        self.text = TextStream(tokenizer, prepared.call.stop)
+        self.text = TextStream(tokenizer, prepared.call.request.stop)
 
     def events(self, job: Job, kind: str, value: Any) -> tuple[list[dict], APIError | None, bool]:
         p = self.prepared

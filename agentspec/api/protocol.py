@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from ..backends.protocol import MAX_TEMPERATURE
 from ..config import unknown_field
 
 __all__ = ["APIError", "ApplyRequest", "ChatCompletionRequest", "CompletionRequest", "SessionCreateRequest",
@@ -74,7 +75,7 @@ Stop = str | list[str] | None
 
 class _Sampling(_Strict):
     model: str | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None      # extension (vLLM): -1/0 = off
     seed: int | None = None
@@ -144,7 +145,7 @@ class ApplyRequest(_Strict, kw_only=True):
     stream: bool = False
     model: str | None = None
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] = 0.0
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=MAX_TEMPERATURE)] = 0.0
     seed: int | None = None
     speculation: bool | None = None
     prompt_cache_key: str | None = None

@@ -25,10 +25,12 @@ from ..decode.results import Generation
 from ..config import SpecConfig
 from ..errors import ContextLengthError, InvalidRequestError, QueueFullError
 
-__all__ = ["Backend", "ContextLengthError", "GenerationRequest", "InvalidRequestError", "OnDone", "OnTokens",
-           "QueueFullError", "Sampling", "TokenizerLike", "check_drafter_names", "check_float", "check_int",
-           "check_messages", "check_sampling", "check_token_ids", "collect", "request_drafters",
+__all__ = ["MAX_TEMPERATURE", "Backend", "ContextLengthError", "GenerationRequest", "InvalidRequestError", "OnDone",
+           "OnTokens", "QueueFullError", "Sampling", "TokenizerLike", "check_drafter_names", "check_float", "check_int",
+           "check_messages", "check_request", "check_sampling", "check_token_ids", "collect", "request_drafters",
            "stream_via_submit"]
+
+MAX_TEMPERATURE = 2.0   # the OpenAI range, [0, 2], for the API and the engine alike
 
 OnTokens = Callable[[list[int]], None]
 """Called with the tokens each scheduler step committed (from the backend's scheduler thread)."""
@@ -42,12 +44,14 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
 
     ``prompt_ids``: the prompt's token ids (chat template already applied where wanted).
     ``spec``: how the request speculates; None is plain decoding. ``drafters``: the drafter names
-    of the request's route (``agentspec.drafting.registry``). ``tenant`` scopes drafting (its
-    workspace, its history, its predictions); ``route`` is for the backend's own
-    bookkeeping. ``request_id``: the id ``cancel`` takes ("" : the backend assigns one and
-    ``submit`` returns it). ``prediction_ids``: tokens the client predicts the output to contain;
-    the backend makes them a draft source for this request only (within its tenant) and drops
-    them at its end."""
+    of the request's route (``agentspec.drafting.registry``); a ``spec.drafters`` of its own
+    overrides them. ``tenant`` scopes drafting (its workspace, its history, its predictions).
+    ``request_id``: the id ``cancel`` takes ("" : the backend assigns one and ``submit`` returns
+    it). ``prediction_ids``: tokens the client predicts the output to contain; the backend makes
+    them a draft source for this request only (within its tenant) and drops them at its end.
+
+    A backend checks a request once, where it is submitted (``check_request``), and hands the
+    checked one on: nothing behind ``submit`` checks it again."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -59,9 +63,19 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     spec: SpecConfig | None = SpecConfig()
     drafters: tuple[str, ...] = ("suffix",)
     tenant: str = "default"
-    route: str = "default"
     request_id: str = ""
     prediction_ids: list[int] | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy decoding (the target's argmax), decided by the temperature alone: 0 is greedy."""
+        return self.temperature <= 0
+
+    @property
+    def drafter_names(self) -> tuple[str, ...]:
+        """The drafters it drafts with: its own ``spec.drafters`` when set, over its route's."""
+        spec = self.spec
+        return tuple(spec.drafters) if spec is not None and spec.drafters is not None else tuple(self.drafters)
 
 
 @runtime_checkable
@@ -265,7 +279,7 @@ def check_sampling(*, max_tokens: Any, temperature: Any = 0.0, top_p: Any = 1.0,
     from ..text import check_stop
 
     check_int("max_tokens", max_tokens, lo=1)
-    temperature = check_float("temperature", temperature, lo=0.0, hi=100.0)
+    temperature = check_float("temperature", temperature, lo=0.0, hi=MAX_TEMPERATURE)
     top_p = check_float("top_p", top_p, lo=0.0, hi=1.0)
     if top_p == 0.0:
         raise InvalidRequestError("top_p must be in (0, 1], got 0", param="top_p")
@@ -292,8 +306,35 @@ def check_drafter_names(names: Sequence[str] | str) -> tuple[str, ...]:
 
 
 def request_drafters(request: GenerationRequest) -> tuple[str, ...]:
-    """The drafter list ``request`` drafts with, checked: its own ``spec.drafters`` when set, over
-    its route's ``drafters``."""
-    spec = request.spec
-    return check_drafter_names(spec.drafters if spec is not None and spec.drafters is not None
-                               else request.drafters)
+    """The drafter list ``request`` drafts with, checked (``GenerationRequest.drafter_names``)."""
+    return check_drafter_names(request.drafter_names)
+
+
+def check_request(request: Any, *, vocab_size: int, max_context: int,
+                  max_prompt: int | None = None) -> GenerationRequest:
+    """The one check of a request, where a backend takes it (``Backend.submit``): its type, the
+    prompt's and the prediction's token ids, the sampling options, the drafter names and the
+    context window (``max_prompt``: a shorter limit on the prompt alone, where the backend has
+    one). Raises InvalidRequestError / ContextLengthError naming the bad value (``param``);
+    returns the request normalised (lists of ints, the stop list, the drafter names resolved
+    into ``drafters``), which nothing behind ``submit`` checks again."""
+    if not isinstance(request, GenerationRequest):
+        raise InvalidRequestError(f"request must be a GenerationRequest, got {type(request).__name__}",
+                                  param="request")
+    ids = check_token_ids(request.prompt_ids, vocab_size=vocab_size, name="prompt", param="prompt")
+    v = check_sampling(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+                       top_k=request.top_k, seed=request.seed, stop=request.stop, spec=request.spec)
+    drafters = request_drafters(request)
+    prediction = None
+    if request.prediction_ids is not None:
+        prediction = check_token_ids(request.prediction_ids, vocab_size=vocab_size, name="prediction_ids",
+                                     param="prediction_ids", empty_ok=True) or None
+    if max_prompt is not None and len(ids) > max_prompt:
+        raise ContextLengthError(f"prompt of {len(ids)} tokens exceeds the {max_prompt} tokens this server takes "
+                                 f"(context window {max_context})", param="prompt")
+    if len(ids) + v.max_tokens > max_context:
+        raise ContextLengthError(
+            f"prompt of {len(ids)} tokens plus max_tokens={v.max_tokens} exceeds the context window of "
+            f"{max_context} tokens", param="max_tokens" if len(ids) < max_context else "prompt")
+    return msgspec.structs.replace(request, prompt_ids=ids, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
+                                   seed=v.seed, stop=v.stops, drafters=drafters, prediction_ids=prediction)

@@ -41,6 +41,7 @@ from .verify import greedy_verify, seeded_target
 
 if TYPE_CHECKING:   # the embedded engine's model runs the step's forwards; the step does not import it
     from ..backends.embedded.model import KVCache
+    from ..backends.protocol import GenerationRequest
 
 # canonical prefix-cache chunks per prefill forward where prefill rows are split-invariant (8:
 # 2048 rows, a 1.5k-token prompt in one forward; ~5% faster prefill than 4 on the AMX path: fewer
@@ -64,14 +65,13 @@ class Segment:
 _ids = itertools.count()
 
 
-def spec_decision(spec: SpecConfig | None, temperature: float) -> tuple[bool, str]:
+def spec_decision(spec: SpecConfig | None, greedy: bool) -> tuple[bool, str]:
     """Whether a request speculates, and why (``GenerationStats.spec_reason``)."""
     if spec is None:
         return False, "disabled by request (spec=None)"
     if spec.budget == 0:
         return False, "budget 0"
-    return True, ("sampled: exact tree speculative sampling (Gumbel-max, seeded)" if temperature > 0
-                  else "greedy")
+    return True, "greedy" if greedy else "sampled: exact tree speculative sampling (Gumbel-max, seeded)"
 
 
 @dataclass(eq=False)
@@ -80,6 +80,7 @@ class SeqState:
 
     ids: list[int]                       # the prompt
     max_tokens: int
+    greedy: bool                         # the target's argmax (temperature 0); else seeded sampling
     temperature: float
     top_p: float
     top_k: int
@@ -122,13 +123,15 @@ class Decoder:
 
     # ---- a request's life ---------------------------------------------------------------------
 
-    def sequence(self, ids: list[int], *, max_tokens: int, temperature: float, top_p: float, top_k: int,
-                 seed: int | None, stops: list[str], spec: SpecConfig | None, drafter: Drafter | None,
-                 tenant: str, off_reason: str | None = None, note: str = "") -> SeqState:
-        """A request's state. ``off_reason``: turn speculation off for this reason (a caller's
-        policy); ``note``: appended to the reason it is on."""
+    def sequence(self, request: GenerationRequest, *, drafter: Drafter | None, off_reason: str | None = None,
+                 note: str = "") -> SeqState:
+        """A request's state, from the request its backend checked (``check_request``): nothing is
+        checked again here. ``drafter``: what it drafts with (None: nothing); ``off_reason``: turn
+        speculation off for this reason (a caller's policy); ``note``: appended to the reason it
+        is on."""
         e = self.engine
-        on, reason = spec_decision(spec, temperature)
+        spec, greedy = request.spec, request.greedy
+        on, reason = spec_decision(spec, greedy)
         if on and off_reason:
             on, reason = False, off_reason
         width = e.deterministic_width if e.deterministic else 0
@@ -141,10 +144,12 @@ class Decoder:
         if any(not -n <= i < n for i in layers):
             raise ValueError(f"{type(drafter).__name__}.hidden_layers {layers} must be layer indices in [-{n}, {n})")
         # sampled requests: the noise key (the request's seed, or a random one, recorded in the stats)
-        key = None if temperature <= 0 else secrets.randbits(63) if seed is None else int(seed)
-        return SeqState(ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                        seed=key or 0, stops=stops, spec_on=on, policy=policy, drafter=drafter if on else None,
-                        tenant=tenant, width=width, hidden_layers=layers,
+        key = None if greedy else secrets.randbits(63) if request.seed is None else int(request.seed)
+        ids = request.prompt_ids
+        return SeqState(ids=ids, max_tokens=request.max_tokens, greedy=greedy, temperature=request.temperature,
+                        top_p=request.top_p, top_k=request.top_k, seed=key or 0, stops=list(request.stop),
+                        spec_on=on, policy=policy, drafter=drafter if on else None, tenant=request.tenant,
+                        width=width, hidden_layers=layers,
                         stats=GenerationStats(prompt_tokens=len(ids), spec_enabled=on, spec_reason=reason,
                                               seed=key))
 
@@ -328,7 +333,7 @@ class Decoder:
         tok_t, pos_t = torch.tensor(toks, device=dev), torch.tensor(poss, device=dev)
         # an all-greedy step reads only argmaxes: the logits in the head's own dtype (no float32
         # copy), read by ``argmax_rows`` (native for bfloat16 on CPU): the same indices
-        sampled = any(s.temperature > 0 for s in seqs)
+        sampled = not all(s.greedy for s in seqs)
         if single:
             s = seqs[0]
             out = model(tok_t, pos_t, s.cache, segs[0].mask, key_len=s.key_len if s.width else None,
@@ -347,7 +352,7 @@ class Decoder:
             start = s.cache.length
             if id(s) in verified:
                 path, bonus = verified[id(s)]
-            elif s.temperature > 0:
+            elif not s.greedy:
                 targets = _LazyTargets(lambda i, lg=lg, s=s, start=start, depths=depths:
                                        self._target(s, lg[i], start + depths[i] + 1))
                 path, bonus = greedy_verify(tokens, parents, targets)
@@ -380,7 +385,7 @@ class Decoder:
 
     def _target(self, seq: SeqState, logits: torch.Tensor, position: int) -> int:
         """The target's token at ``position`` from the logits of the row before it."""
-        if seq.temperature <= 0:
+        if seq.greedy:
             return int(logits.argmax())
         return seeded_target(logits, seed=seq.seed, position=position, temperature=seq.temperature,
                              top_p=seq.top_p, top_k=seq.top_k)
@@ -422,7 +427,7 @@ class Decoder:
         """Greedy requests verified at once with ``agentspec.kernels`` (Triton on CUDA, the torch
         reference elsewhere): one device-to-host copy per step. Sampled requests walk their
         accepted path row by row (``seeded_target`` per row on the path)."""
-        group = [(s, sg, lay) for s, sg, lay in zip(seqs, segs, layout) if s.temperature <= 0]
+        group = [(s, sg, lay) for s, sg, lay in zip(seqs, segs, layout) if s.greedy]
         if not group:
             return {}
         dev = logits.device

@@ -57,15 +57,12 @@ from agentspec.backends.protocol import (
     OnDone,
     OnTokens,
     check_messages,
-    check_sampling,
-    check_token_ids,
-    request_drafters,
+    check_request,
     stream_via_submit,
 )
 from agentspec.errors import (
     BackendClosedError,
     ConfigError,
-    ContextLengthError,
     InvalidRequestError,
     ModelLoadError,
     QueueFullError,
@@ -330,25 +327,11 @@ class SGLangBackend:
                should_stop: Callable[[], bool] | None = None) -> str:
         """Queue ``request``; its id. Raises InvalidRequestError / ContextLengthError (bad input,
         ``param`` naming it), QueueFullError, or BackendClosedError."""
-        if not isinstance(request, GenerationRequest):
-            raise InvalidRequestError(f"request must be a GenerationRequest, got {type(request).__name__}",
-                                      param="request")
-        ids = check_token_ids(request.prompt_ids, vocab_size=self._vocab_size, name="prompt_ids")
-        v = check_sampling(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
-                           top_k=request.top_k, seed=request.seed, stop=request.stop, spec=request.spec)
-        temperature, top_p, top_k, stops, spec = v.temperature, v.top_p, v.top_k, v.stops, request.spec
-        request_drafters(request)   # names SGLang cannot run were refused at start-up (check_route_drafters)
-        prediction = None
-        if request.prediction_ids is not None:
-            prediction = check_token_ids(request.prediction_ids, vocab_size=self._vocab_size, name="prediction_ids",
-                                         param="prediction_ids", empty_ok=True)
-        if len(ids) > self._max_prompt:
-            raise ContextLengthError(f"prompt of {len(ids)} tokens exceeds the {self._max_prompt} tokens this "
-                                     f"server takes (context window {self._max_context})", param="prompt")
-        if len(ids) + request.max_tokens > self._max_context:
-            raise ContextLengthError(
-                f"prompt of {len(ids)} tokens plus max_tokens={request.max_tokens} exceeds the context window of "
-                f"{self._max_context} tokens", param="max_tokens")
+        # names SGLang cannot run were refused at start-up (check_route_drafters)
+        request = check_request(request, vocab_size=self._vocab_size, max_context=self._max_context,
+                                max_prompt=self._max_prompt)
+        ids, prediction, spec = request.prompt_ids, request.prediction_ids, request.spec
+        temperature, top_p, top_k, stops = request.temperature, request.top_p, request.top_k, request.stop
 
         sampling: dict[str, Any] = {"max_new_tokens": request.max_tokens, "temperature": temperature, "top_p": top_p,
                                     "top_k": top_k if top_k > 0 else -1}
@@ -361,9 +344,9 @@ class SGLangBackend:
         if self.speculative in _POLICY:
             from agentspec.integrations.sglang.config import request_params
 
-            names = request_drafters(request)
+            names = request.drafters
             sampling["custom_params"] = request_params(
-                tenant=request.tenant, route=request.route, spec=spec is not None,
+                tenant=request.tenant, spec=spec is not None, greedy=request.greedy,
                 budget=spec.budget if spec is not None else None, prediction=prediction,
                 # the hybrid: the route's own list; the default list ("suffix") leaves the
                 # worker's default: both drafters, merged as siblings

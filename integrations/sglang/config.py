@@ -20,8 +20,8 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["ALGORITHM", "ENV", "HYBRID_ALGORITHM", "KEY_BUDGET", "KEY_DRAFTERS", "KEY_PREDICTION", "KEY_ROUTE",
-           "KEY_SPEC", "KEY_TENANT", "SOURCE_KEY", "SchedulerConfig", "TenantWorkspace", "cache_salt",
+__all__ = ["ALGORITHM", "ENV", "HYBRID_ALGORITHM", "KEY_BUDGET", "KEY_DRAFTERS", "KEY_GREEDY", "KEY_PREDICTION",
+           "KEY_SPEC", "KEY_TENANT", "SOURCE_KEY", "SchedulerConfig", "TenantWorkspace", "cache_salt", "read_request_greedy",
            "read_request_drafters", "read_request_params", "read_source_records", "request_params", "source_record"]
 
 ALGORITHM = "AGENTSPEC"
@@ -33,7 +33,7 @@ ENV = "AGENTSPEC_SGLANG"
 """The environment variable carrying the ``SchedulerConfig`` (JSON) into SGLang's processes."""
 
 KEY_TENANT = "agentspec_tenant"
-KEY_ROUTE = "agentspec_route"
+KEY_GREEDY = "agentspec_greedy"        # True: greedy (temperature 0), decided by the request, not guessed
 KEY_SPEC = "agentspec_spec"            # False: speculation off (a root-only draft)
 KEY_BUDGET = "agentspec_budget"        # max draft tokens (the verify width caps it)
 KEY_PREDICTION = "agentspec_prediction"  # Predicted Outputs: token ids, a draft source for this request
@@ -80,11 +80,11 @@ class SchedulerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return msgspec.json.decode(raw.encode(), type=cls)
 
 
-def request_params(*, tenant: str = "default", route: str = "default", spec: bool = True,
+def request_params(*, tenant: str = "default", spec: bool = True, greedy: bool = True,
                    budget: int | None = None, prediction: Sequence[int] | None = None,
                    drafters: Sequence[str] | None = None) -> dict[str, Any]:
     """The ``custom_params`` entries that carry one request's draft policy into the scheduler."""
-    out: dict[str, Any] = {KEY_TENANT: str(tenant), KEY_ROUTE: str(route), KEY_SPEC: bool(spec)}
+    out: dict[str, Any] = {KEY_TENANT: str(tenant), KEY_SPEC: bool(spec), KEY_GREEDY: bool(greedy)}
     if budget is not None:
         out[KEY_BUDGET] = int(budget)
     if prediction:
@@ -138,6 +138,15 @@ def read_source_records(values: Any) -> dict[str, list[int]]:
             row[1] += d
             row[2] += a
     return out
+
+
+def read_request_greedy(custom: Any, sampling_params: Any) -> bool:
+    """Whether a request is greedy: what its ``custom_params`` say (``request_params``); for a
+    request from another client, SGLang's own normalisation (it makes a temperature-0 request
+    ``top_k = 1``)."""
+    if isinstance(custom, dict) and isinstance(custom.get(KEY_GREEDY), bool):
+        return custom[KEY_GREEDY]
+    return getattr(sampling_params, "top_k", 1) <= 1
 
 
 def read_request_params(custom: Any) -> tuple[str, bool, int | None, list[int] | None]:

@@ -65,7 +65,7 @@ from agentspec.decode.policy import DraftPolicy
 from agentspec.drafting import EMPTY_DRAFT, Draft, FallbackDrafter
 from agentspec.drafting.registry import FALLBACK_MIN_EXPECTED
 
-from .worker import SuffixState, _Req, record_step, sample_rows_as_argmax
+from .worker import SuffixState, record_step, sample_rows_as_argmax
 
 logger = logging.getLogger(__name__)
 
@@ -515,7 +515,7 @@ class AgentSpecEagle3Worker(SuffixState, EAGLEWorkerV2):
         def sampled(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
             if kwargs.get("is_verify"):
-                sample_rows_as_argmax(result.logits_output.next_token_logits, batch, width)
+                sample_rows_as_argmax(result.logits_output.next_token_logits, batch, width, self.sampled_flags(batch))
             return result
 
         tw.forward_batch_generation = sampled

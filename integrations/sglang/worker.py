@@ -57,7 +57,14 @@ from sglang.srt.utils import is_cpu
 
 from agentspec.decode.policy import DraftPolicy
 
-from .config import SOURCE_KEY, SchedulerConfig, read_request_drafters, read_request_params, source_record
+from .config import (
+    SOURCE_KEY,
+    SchedulerConfig,
+    read_request_drafters,
+    read_request_greedy,
+    read_request_params,
+    source_record,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +231,7 @@ class SuffixState:
         tenant, spec, budget, prediction = read_request_params(custom)
         drafters = read_request_drafters(custom)
         prompt = list(req.origin_input_ids_unpadded)
-        sampled = sp.top_k > 1
+        sampled = not read_request_greedy(custom, sp)
         doc = None
         if self.index is not None:
             try:
@@ -243,6 +250,13 @@ class SuffixState:
         r = _Req(req.rid, req, tenant, spec, budget, doc, len(prompt), sampled, drafters)
         self._reqs[req.rid] = r
         return r
+
+    def sampled_flags(self, batch: Any) -> list[bool]:
+        """Per request of ``batch``: whether it samples (decided when it was opened, from what the
+        request says: ``read_request_greedy``)."""
+        return [self._reqs[req.rid].sampled if req.rid in self._reqs
+                else not read_request_greedy(getattr(req.sampling_params, "custom_params", None), req.sampling_params)
+                for req in batch.reqs]
 
     def _sync(self, r: _Req, committed_out: list[int]) -> None:
         """Extend the index with the request's committed tokens it has not seen yet."""
@@ -366,14 +380,15 @@ class AgentSpecWorker(SuffixState, NGRAMWorker):
         def forward_batch_generation(batch: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(batch, *args, **kwargs)
             if kwargs.get("is_verify") and not batch.sampling_info.is_all_greedy:
-                sample_rows_as_argmax(result.logits_output.next_token_logits, batch, self.draft_token_num)
+                sample_rows_as_argmax(result.logits_output.next_token_logits, batch, self.draft_token_num,
+                                      self.sampled_flags(batch))
             return result
 
         tw.forward_batch_generation = forward_batch_generation
 
 
-def sample_rows_as_argmax(logits: torch.Tensor, batch: Any, width: int) -> None:
-    """For each sampled request (top_k > 1) of ``batch``, draw one token per verify row with
+def sample_rows_as_argmax(logits: torch.Tensor, batch: Any, width: int, sampled: list[bool]) -> None:
+    """For each sampled request of ``batch`` (``sampled``, per request), draw one token per verify row with
     SGLang's own sampler (``top_k_top_p_min_p_sampling_from_probs_torch``: the same temperature,
     top-k, top-p, min-p and, for a seeded request, the same position-keyed randomness as its
     plain decode step), after the logit adjustments ``eagle_sample`` applies, and overwrite the
@@ -383,7 +398,7 @@ def sample_rows_as_argmax(logits: torch.Tensor, batch: Any, width: int) -> None:
     info = batch.sampling_info
     positions = batch.spec_info.positions
     for i, req in enumerate(batch.reqs):
-        if req.sampling_params.top_k <= 1:
+        if not sampled[i]:
             continue
         sl = slice(i * width, (i + 1) * width)
         rows = logits[sl].float()

@@ -149,7 +149,7 @@ def test_sampled_rows_follow_the_target_distribution_and_greedy_rows_stay():
     for _ in range(n // width):
         logits = torch.cat([greedy_rows.clone(), base.repeat(width, 1)])
         batch = fake_batch(top_k=1 << 30, top_p=top_p, temperature=temp, width=width, greedy_first=True)
-        sample_rows_as_argmax(logits, batch, width)
+        sample_rows_as_argmax(logits, batch, width, [False, True])
         assert torch.equal(logits[:width], greedy_rows), "a greedy request's rows are untouched"
         picked = logits[width:].argmax(-1)
         assert torch.isinf(logits[width:]).sum() == width * (vocab - 1)

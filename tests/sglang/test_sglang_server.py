@@ -135,7 +135,7 @@ def test_stream_tokens_eos_and_spec_stats():
     b.engine.script = [(text[:2], None, {}), (text[2:5], None, {}),
                        (text[5:] + [eos], {"type": "stop", "matched": eos}, meta)]
     try:
-        req = GenerationRequest(prompt_ids=[1, 2, 3], max_tokens=20, tenant="acme", route="r")
+        req = GenerationRequest(prompt_ids=[1, 2, 3], max_tokens=20, tenant="acme")
         rid, chunks, gen, err = _run(b, req)
         assert err is None
         assert chunks == [text[:2], text[2:5], text[5:]]      # new tokens per chunk, no EOS

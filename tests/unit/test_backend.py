@@ -28,7 +28,7 @@ def test_request_defaults_and_json_roundtrip():
 
     r = GenerationRequest(prompt_ids=[1, 2, 3], max_tokens=8)
     assert r.spec == SpecConfig() and r.drafters == ("suffix",) and r.stop == [] and r.prediction_ids is None
-    assert r.tenant == "default" and r.route == "default" and r.request_id == ""
+    assert r.tenant == "default" and r.request_id == "" and r.greedy
     back = msgspec.json.decode(msgspec.json.encode(r), type=GenerationRequest)
     assert back == r
     plain = msgspec.json.decode(b'{"prompt_ids": [5], "max_tokens": 2, "spec": null}', type=GenerationRequest)

@@ -28,8 +28,7 @@ from ..protocol import (
     OnTokens,
     check_drafter_names,
     check_messages,
-    check_token_ids,
-    request_drafters,
+    check_request,
     stream_via_submit,
 )
 from ...errors import AgentSpecError, BackendClosedError, ConfigError, InvalidRequestError, QueueFullError
@@ -152,20 +151,11 @@ class EmbeddedBackend:
                should_stop: Callable[[], bool] | None = None) -> str:
         """Queue ``request``; its id. Raises InvalidRequestError / ContextLengthError (bad input,
         ``param`` naming it) or QueueFullError (``max_queue`` requests already wait)."""
-        if not isinstance(request, GenerationRequest):
-            raise InvalidRequestError(f"request must be a GenerationRequest, got {type(request).__name__}",
-                                      param="request")
-        ids = request.prompt_ids
-        if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Sequence):
-            raise InvalidRequestError(f"prompt_ids must be a list of token ids, got {type(ids).__name__}",
-                                      param="prompt")
+        request = check_request(request, vocab_size=self.vocab_size, max_context=self.max_context)
         # the request's own spec.drafters, when set, over its route's list; a request that does
         # not speculate builds nothing (its route's draft head is not loaded for it)
-        names = request_drafters(request)
-        drafter = self.drafter_for(names) if request.spec is not None else None
-        prediction = None if request.prediction_ids is None else check_token_ids(
-            request.prediction_ids, vocab_size=self.vocab_size, name="prediction_ids", param="prediction_ids",
-            empty_ok=True) or None
+        drafter = self.drafter_for(request.drafters) if request.spec is not None else None
+        prediction = request.prediction_ids
         rid = request.request_id or f"embedded-{next(_ids)}-{secrets.token_hex(6)}"
         doc = prediction_doc_id(rid) if prediction else None
         cancelled = threading.Event()
@@ -193,10 +183,8 @@ class EmbeddedBackend:
                 self._index.add_document(doc, prediction, tenant=request.tenant)
             self._active[rid] = cancelled
             try:
-                self._batch.submit(list(ids), max_tokens=request.max_tokens, temperature=request.temperature,
-                                   top_p=request.top_p, top_k=request.top_k, seed=request.seed,
-                                   stop=list(request.stop) or None, spec=request.spec, drafter=drafter,
-                                   tenant=request.tenant, on_tokens=on_tokens, on_done=done, should_stop=stop)
+                self._batch.submit_request(request, drafter=drafter, on_tokens=on_tokens, on_done=done,
+                                           should_stop=stop)
             except BaseException:
                 self._release(rid, doc)
                 raise

@@ -36,6 +36,7 @@ from ...kernels.tree import tree_mask
 from ...decode.costs import StepCostModel, lower_convex_hull
 from ...decode.results import Generation, GenerationStats
 from ..engine import DEFAULT_SPEC
+from ..protocol import GenerationRequest
 from .model import round_up
 from ...decode.step import Segment, SeqState
 
@@ -233,21 +234,27 @@ class BatchEngine:
                on_tokens: Callable[[list[int]], None] = lambda t: None,
                on_done: Callable[[Any, Any], None] = lambda g, e: None,
                should_stop: Callable[[], bool] | None = None) -> None:
-        """Queue a request (validated now: bad input raises here). ``on_tokens(new)`` is called
-        from the scheduler thread after each step that committed tokens; ``on_done(generation,
-        error)`` once at the end. The drafter: ``drafter`` when given, else what ``spec.drafters``
-        names (built once per list by the engine, ``EmbeddedEngine.drafter_for``), else the
-        engine's own."""
+        """Queue a request given as the engine's API takes one (``prompt``: text, messages or
+        token ids), checked now (``check_request``: bad input raises here). ``on_tokens(new)``
+        is called from the scheduler thread after each step that committed tokens;
+        ``on_done(generation, error)`` once at the end. The drafter: ``drafter`` when given,
+        else what ``spec.drafters`` names (built once per list by the engine,
+        ``EmbeddedEngine.drafter_for``), else the engine's own."""
         e = self.engine
-        v = e.validate_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                               seed=seed, stop=stop, spec=spec)
-        if drafter is None and spec is not None and spec.drafters is not None:
-            drafter = e.drafter_for(spec.drafters)   # here, not in a step: a head that cannot load fails the call
+        request = e.check(e.encode(prompt), max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                          seed=seed, stop=stop, spec=spec, tenant=tenant)
+        self.submit_request(request, drafter=e.request_drafter(drafter, spec), on_tokens=on_tokens,
+                            on_done=on_done, should_stop=should_stop)
+
+    def submit_request(self, request: GenerationRequest, *, drafter: Drafter | None,
+                       on_tokens: Callable[[list[int]], None] = lambda t: None,
+                       on_done: Callable[[Any, Any], None] = lambda g, e: None,
+                       should_stop: Callable[[], bool] | None = None) -> None:
+        """Queue a request its backend checked (``check_request``), drafting with ``drafter``
+        (None: nothing). Nothing is checked again here."""
+        e = self.engine
         off = "batch budget policy 'off'" if self.budget == "off" else getattr(e, "spec_off_reason", None)
-        seq = self.decoder.sequence(v["ids"], max_tokens=max_tokens, temperature=v["temperature"], top_p=v["top_p"],
-                                    top_k=top_k, seed=seed, stops=v["stops"], spec=spec,
-                                    drafter=drafter if drafter is not None else e.drafter, tenant=tenant,
-                                    off_reason=off, note=f", batched ({self.budget})")
+        seq = self.decoder.sequence(request, drafter=drafter, off_reason=off, note=f", batched ({self.budget})")
         req = _Request(seq=seq, on_tokens=on_tokens, on_done=on_done, should_stop=should_stop)
         with self._cv:
             if self._closed:

@@ -18,11 +18,11 @@ import torch
 
 from ...config import SpecConfig, check_drafters
 from ...drafting import Drafter, default_drafter
-from ...errors import ConfigError, ContextLengthError, InvalidRequestError
+from ...errors import ConfigError, InvalidRequestError
 from ...kernels import cpu_linear
 from ...kernels import cpu_isa as _cpu_isa
 from ...kernels.tree import tree_mask
-from ..protocol import check_sampling, check_token_ids
+from ..protocol import GenerationRequest, check_request
 from ...decode.results import Generation
 from ..engine import DEFAULT_SPEC, Engine
 from .model import KVCache, Transformer, round_up
@@ -343,7 +343,8 @@ class EmbeddedEngine(Engine):
         return self.args.vocab_size
 
     def encode(self, prompt: str | Sequence[int] | Sequence[dict]) -> list[int]:
-        """Token ids for a prompt: text and messages get the chat template; ids are used as given."""
+        """Token ids for a prompt: text and messages get the chat template; ids are used as given
+        (``check`` checks them with the rest of the request)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", param="prompt")
@@ -365,7 +366,7 @@ class EmbeddedEngine(Engine):
                     raise InvalidRequestError(f"messages[{i}] needs string 'role' and 'content', got {m!r}",
                                               param="prompt")
             return self.tokenizer.encode(self.tokenizer.apply_chat_template(items))
-        return check_token_ids(items, vocab_size=self.vocab_size)
+        return items   # token ids: checked with the rest of the request (``check``)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -414,11 +415,9 @@ class EmbeddedEngine(Engine):
         ``should_stop`` is called before every step; when it returns True the generation ends
         with finish_reason "cancelled" (a server uses it for disconnects and timeouts).
         """
-        req = self.validate_request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                    top_k=top_k, seed=seed, stop=stop, spec=spec)
-        return self._run(req["ids"], max_tokens=max_tokens, temperature=req["temperature"], top_p=req["top_p"],
-                         top_k=top_k, seed=seed, stops=req["stops"], spec=spec,
-                         drafter=self.request_drafter(drafter, spec), tenant=tenant, should_stop=should_stop)
+        request = self.check(self.encode(prompt), max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                             top_k=top_k, seed=seed, stop=stop, spec=spec, tenant=tenant)
+        return self._run(request, drafter=self.request_drafter(drafter, spec), should_stop=should_stop)
 
     # ------------------------------------------------------------------------------------------
     # drafters named by a request
@@ -459,25 +458,22 @@ class EmbeddedEngine(Engine):
                 self._named_drafters[(key, id(index))] = d
         return d
 
-    def validate_request(self, prompt, *, max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
-                         spec=DEFAULT_SPEC) -> dict:
-        """Check one request's arguments (InvalidRequestError naming the bad value); returns the
-        prompt's token ids and normalised values."""
-        ids = self.encode(prompt)
-        v = check_sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                           stop=stop, spec=spec)
-        temperature, top_p, stops = v.temperature, v.top_p, v.stops
-        if len(ids) + max_tokens > self.max_context:
-            raise ContextLengthError(
-                f"prompt of {len(ids)} tokens plus max_tokens={max_tokens} exceeds the context window of "
-                f"{self.max_context} tokens", param="max_tokens" if len(ids) < self.max_context else "prompt")
-        return {"ids": ids, "temperature": temperature, "top_p": top_p, "stops": stops}
+    def check(self, ids: Sequence[int], *, max_tokens: Any, temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0,
+              seed: Any = None, stop: Any = None, spec: Any = DEFAULT_SPEC, tenant: str = "default") -> GenerationRequest:
+        """The engine API's arguments as a checked ``GenerationRequest`` (``check_request``, the
+        one check every backend runs: InvalidRequestError / ContextLengthError naming the bad
+        value)."""
+        try:
+            request = GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                        top_k=top_k, seed=seed, stop=[stop] if isinstance(stop, str) else stop or [],
+                                        spec=spec, tenant=tenant)
+        except TypeError as e:   # a value msgspec.Struct cannot take (not type-checked at construction)
+            raise InvalidRequestError(str(e), param="request") from None
+        return check_request(request, vocab_size=self.vocab_size, max_context=self.max_context)
 
-    def _run(self, ids: list[int], *, max_tokens, temperature, top_p, top_k, seed, stops, spec, drafter,
-             tenant, should_stop=None) -> Iterator[list[int]]:
-        seq = self.decoder.sequence(ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    seed=seed, stops=stops, spec=spec, drafter=drafter, tenant=tenant,
-                                    off_reason=self.spec_off_reason)
+    def _run(self, request: GenerationRequest, *, drafter: Drafter | None,
+             should_stop: Callable[[], bool] | None = None) -> Iterator[list[int]]:
+        seq = self.decoder.sequence(request, drafter=drafter, off_reason=self.spec_off_reason)
         with self._lock:
             need = self.decoder.cache_need(seq)
             seq.cache = self._ensure_cache(need)
