@@ -14,7 +14,7 @@ import msgspec
 from .drafting.registry import drafter_names, parse_drafters
 from .errors import ConfigError
 
-__all__ = ["RouteRule", "RouteWhen", "ServerConfig", "ServerSection", "SpecConfig", "TenantConfig", "UnknownField",
+__all__ = ["DEFAULT_SPEC", "RouteRule", "RouteWhen", "ServerConfig", "ServerSection", "SpecConfig", "TenantConfig", "UnknownField",
            "check_drafters", "load_server_config", "unknown_field"]
 
 
@@ -50,6 +50,9 @@ class SpecConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"SpecConfig.min_prob must be in [0, 1], got {self.min_prob!r}")
         if self.drafters is not None:
             msgspec.structs.force_setattr(self, "drafters", check_drafters(self.drafters, "SpecConfig.drafters"))
+
+
+DEFAULT_SPEC = SpecConfig()   # a request's speculation when it names none
 
 
 def check_drafters(names: object, what: str = "drafters") -> tuple[str, ...]:

@@ -34,6 +34,7 @@ __all__ = [
     "tree_attention_triton",
     "tree_depths",
     "tree_mask",
+    "verify_rows",
     "with_root",
 ]
 
@@ -49,6 +50,27 @@ def tree_depths(parents: Sequence[int]) -> list[int]:
     for i, p in enumerate(parents):
         depth.append(0 if p < 0 else depth[p] + 1)
     return depth
+
+
+def verify_rows(token_ids: Sequence[int], parents: Sequence[int], root: int, width: int, *,
+                pad: str = "orphan") -> tuple[list[int], list[int], list[int]]:
+    """A draft (``token_ids`` and ``parents``, -1 = the root) as the ``width`` rows a verify
+    forward of fixed width takes: ``(tokens, parents, depths)`` with the root first (parent -1,
+    depth 0), then the draft's first ``width - 1`` nodes (parents precede children, so any
+    prefix is a tree), then padding: ``pad="orphan"`` rows repeat the root's token with parent -2
+    (in no tree: each sees only itself); ``"root_child"`` rows are token 0 children of the root
+    (SGLang NGRAM's padding). The embedded engine builds its rows with ``with_root`` /
+    ``tree_depths`` and pads its own way (``decode.step``); every fixed-width row set is built here."""
+    if pad not in ("orphan", "root_child"):
+        raise ValueError(f"pad must be 'orphan' or 'root_child', got {pad!r}")
+    n = min(len(token_ids), width - 1)
+    tokens = [root, *token_ids[:n]]
+    par = with_root(parents[:n])
+    depths = tree_depths(par)
+    k = width - len(tokens)
+    if pad == "orphan":
+        return tokens + [root] * k, par + [-2] * k, depths + [1] * k
+    return tokens + [0] * k, par + [0] * k, depths + [1] * k
 
 
 def tree_mask(parents: Sequence[int], *, device=None) -> torch.Tensor:

@@ -128,10 +128,14 @@ def cycles(files: dict[str, Path]) -> list[list[str]]:
                 comp = sorted(comp)
                 out.append(comp + [f"{a} -> {b}" for a in comp for b in sorted(edges[a]) if b in comp])
 
-    sys.setrecursionlimit(10_000)
-    for v in sorted(files):
-        if v not in index:
-            strong(v)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10_000))   # the walk recurses once per module on a path
+    try:
+        for v in sorted(files):
+            if v not in index:
+                strong(v)
+    finally:
+        sys.setrecursionlimit(limit)
     return out
 
 

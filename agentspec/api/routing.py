@@ -16,7 +16,6 @@ from collections.abc import Sequence
 import msgspec
 
 from ..config import RouteRule, SpecConfig
-from ..drafting.registry import DEFAULT_DRAFTERS
 
 __all__ = ["Route", "Router", "UnknownRouteError"]
 
@@ -29,8 +28,9 @@ class Route(msgspec.Struct, frozen=True, kw_only=True):
     name: str                   # the matched rule, or "default"
     spec: SpecConfig | None     # None: speculation off
     reason: str                 # why speculation is off ("" when on)
-    drafters: tuple[str, ...]   # which drafters propose (agentspec.drafting.registry.build_drafter;
-                                # e.g. ("suffix", "eagle3"): the suffix index backed by the EAGLE-3 head)
+    # which drafters propose (agentspec.drafting.registry.build_drafter; e.g. ("suffix", "eagle3"): the
+    # suffix index backed by the EAGLE-3 head); None: the rule names none, so the backend's default
+    drafters: tuple[str, ...] | None = None
 
 
 def _matches(value, want) -> bool:
@@ -39,7 +39,7 @@ def _matches(value, want) -> bool:
     return value in ([want] if isinstance(want, str) else want)
 
 
-_DEFAULT = Route(name="default", spec=SpecConfig(), reason="", drafters=DEFAULT_DRAFTERS)
+_DEFAULT = Route(name="default", spec=SpecConfig(), reason="")
 
 
 class Router:
@@ -80,7 +80,7 @@ class Router:
 
     @staticmethod
     def _route(rule: RouteRule) -> Route:
-        drafters = tuple(rule.drafters or DEFAULT_DRAFTERS)
+        drafters = tuple(rule.drafters) if rule.drafters else None
         if not rule.speculation:
             return Route(name=rule.name, spec=None, reason=f"route {rule.name!r}: speculation = false",
                          drafters=drafters)

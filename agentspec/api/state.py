@@ -169,6 +169,7 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
         raise ConfigError("sglang_options need backend='sglang'")
     from ..backends import Engine
     from ..backends.embedded.backend import EmbeddedBackend
+    from ..drafting.registry import DEFAULT_DRAFTERS
     from ..telemetry import Metrics, TenantLogSink
     from ..workspace import Workspace
 
@@ -184,7 +185,8 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
     # every speculating route's drafters, built now: a draft head ("eagle3") that is missing or
     # does not fit the model stops the start with a ConfigError naming the route and the problem,
     # instead of failing its first request; routes that do not name a head load none
-    route_drafters = {f"route {r.name!r}": r.drafters for r in router.configured() if r.spec is not None}
+    route_drafters = {f"route {r.name!r}": r.drafters or DEFAULT_DRAFTERS for r in router.configured()
+                      if r.spec is not None}
     backend = EmbeddedBackend(engine, model_name=cfg.model_name or _engine_model_id(engine),
                               max_queue=cfg.max_queue, max_batch=max_batch or cfg.max_batch,
                               budget_policy=cfg.budget_policy,
@@ -225,7 +227,8 @@ def _build_sglang_state(config: ServerConfig, *, repo: str | Path | None, engine
         raise ConfigError("the SGLang backend needs a model: a Hugging Face folder (--model PATH)")
     cfg = config.server
     router = Router(config.routes)
-    route_drafters = {f"route {r.name!r}": r.drafters for r in router.configured() if r.spec is not None}
+    route_drafters = {f"route {r.name!r}": r.drafters for r in router.configured()
+                      if r.spec is not None and r.drafters is not None}
     specs = config.tenants or []
     names = [(t.name, t.workspace) for t in specs] or [(default_tenant, None)]
     roots: dict[str, Path | None] = {}

@@ -1,13 +1,11 @@
-"""The ``Engine`` role (``Engine.embedded(...)``) and the default speculation config."""
+"""The ``Engine`` role: what generates text for prompts (``Engine.embedded(...)`` builds the torch one)."""
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-
-from ..config import SpecConfig
+from ..config import DEFAULT_SPEC, SpecConfig
 from ..decode.results import Generation
 
 if TYPE_CHECKING:
@@ -15,20 +13,12 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_SPEC", "Engine"]
 
-DEFAULT_SPEC = SpecConfig()
 
+@runtime_checkable
+class Engine(Protocol):
+    """Generates text for prompts, speculating as ``spec`` says. ``EmbeddedEngine`` is one (it
+    does not subclass this: a protocol knows no implementation); ``Engine.embedded(...)`` builds it."""
 
-class Engine(abc.ABC):
-    """Generates text for prompts, speculating as ``spec`` says."""
-
-    @staticmethod
-    def embedded(**options: Any) -> "EmbeddedEngine":
-        """The torch engine on CPU or one GPU; the bundled model unless ``model=PATH``."""
-        from .embedded.engine import EmbeddedEngine
-
-        return EmbeddedEngine(**options)
-
-    @abc.abstractmethod
     def generate(
         self,
         prompt: str | Sequence[int] | Sequence[dict],
@@ -38,3 +28,10 @@ class Engine(abc.ABC):
         spec: SpecConfig | None = DEFAULT_SPEC,
         **options: Any,
     ) -> Generation: ...
+
+    @staticmethod
+    def embedded(**options: Any) -> "EmbeddedEngine":
+        """The torch engine on CPU or one GPU; the bundled model unless ``model=PATH``."""
+        from .embedded.engine import EmbeddedEngine
+
+        return EmbeddedEngine(**options)

@@ -44,8 +44,9 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
 
     ``prompt_ids``: the prompt's token ids (chat template already applied where wanted).
     ``spec``: how the request speculates; None is plain decoding. ``drafters``: the drafter names
-    of the request's route (``agentspec.drafting.registry``); a ``spec.drafters`` of its own
-    overrides them. ``tenant`` scopes drafting (its workspace, its history, its predictions).
+    of the request's route (``agentspec.drafting.registry``), None for the backend's default (the
+    embedded engine's ``DEFAULT_DRAFTERS``; on SGLang, what its algorithm drafts with); a
+    ``spec.drafters`` of its own overrides them. ``tenant`` scopes drafting (its workspace, its history, its predictions).
     ``request_id``: the id ``cancel`` takes ("" : the backend assigns one and ``submit`` returns
     it). ``prediction_ids``: tokens the client predicts the output to contain; the backend makes
     them a draft source for this request only (within its tenant) and drops them at its end.
@@ -61,7 +62,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     seed: int | None = None
     stop: list[str] = []
     spec: SpecConfig | None = SpecConfig()
-    drafters: tuple[str, ...] = ("suffix",)
+    drafters: tuple[str, ...] | None = None
     tenant: str = "default"
     request_id: str = ""
     prediction_ids: list[int] | None = None
@@ -72,10 +73,13 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
         return self.temperature <= 0
 
     @property
-    def drafter_names(self) -> tuple[str, ...]:
-        """The drafters it drafts with: its own ``spec.drafters`` when set, over its route's."""
+    def drafter_names(self) -> tuple[str, ...] | None:
+        """The drafters it drafts with: its own ``spec.drafters`` when set, over its route's (None:
+        the backend's default)."""
         spec = self.spec
-        return tuple(spec.drafters) if spec is not None and spec.drafters is not None else tuple(self.drafters)
+        if spec is not None and spec.drafters is not None:
+            return tuple(spec.drafters)
+        return None if self.drafters is None else tuple(self.drafters)
 
 
 @runtime_checkable
@@ -305,9 +309,11 @@ def check_drafter_names(names: Sequence[str] | str) -> tuple[str, ...]:
     return key
 
 
-def request_drafters(request: GenerationRequest) -> tuple[str, ...]:
-    """The drafter list ``request`` drafts with, checked (``GenerationRequest.drafter_names``)."""
-    return check_drafter_names(request.drafter_names)
+def request_drafters(request: GenerationRequest) -> tuple[str, ...] | None:
+    """The drafter list ``request`` drafts with, checked (``GenerationRequest.drafter_names``;
+    None: the backend's default)."""
+    names = request.drafter_names
+    return None if names is None else check_drafter_names(names)
 
 
 def check_request(request: Any, *, vocab_size: int, max_context: int,

@@ -48,19 +48,10 @@ if TYPE_CHECKING:   # the embedded engine's model runs the step's forwards; the 
 # passes over the weights and fewer forwards' set-up)
 PREFILL_CHUNKS = 8
 
-__all__ = ["MAX_STEP_ROWS", "Decoder", "Segment", "SeqState", "run_single", "spec_decision"]
+__all__ = ["MAX_STEP_ROWS", "Decoder", "SeqState", "run_single", "spec_decision"]
 
 
 
-@dataclass
-class Segment:
-    """One request's rows in a multi-request forward (``Transformer.forward_segments``): ``rows``
-    tokens written at ``cache[cache.length : cache.length + rows]``, attending as ``mask`` says."""
-
-    cache: KVCache
-    rows: int
-    mask: torch.Tensor   # [rows, cache.length + rows] bool
-    offset: int = 0      # first row in the batch (set by ``forward_segments``)
 
 _ids = itertools.count()
 
@@ -305,7 +296,7 @@ class Decoder:
                                                      and not model.row_invariant(seqs[0].cache))
         toks: list[int] = []
         poss: list[int] = []
-        segs: list[Segment] = []
+        segs: list = []   # [model.Segment]
         layout = []
         for s, d in zip(seqs, drafts):
             start = s.cache.length
@@ -326,7 +317,7 @@ class Decoder:
                 mask[i, start + i] = True
             toks += tokens + [tokens[0]] * (rows - T)
             poss += [start + x for x in depths] + [start] * (rows - T)
-            segs.append(Segment(cache=s.cache, rows=rows, mask=mask))
+            segs.append(model.Segment(cache=s.cache, rows=rows, mask=mask))   # the model's own record
             layout.append((tokens, parents, depths, T))
         layers = self._layers(seqs)
         # [R] int64 each: R = sum of the requests' rows, request after request (segs[i].offset)

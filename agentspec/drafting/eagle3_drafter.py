@@ -523,13 +523,7 @@ def head_path_for(engine, path=None):
     for p in (path, getattr(engine, "eagle3", None), os.environ.get("AGENTSPEC_EAGLE3")):
         if p:
             return Path(p).expanduser()
-    from ..backends.embedded.weights import bundled_model_path
-
-    try:
-        bundled = Path(engine.model_path).resolve() == bundled_model_path().resolve()
-    except Exception:  # noqa: BLE001 - no bundled model installed
-        bundled = False
-    if bundled:
+    if getattr(engine, "runs_bundled_model", False):
         return bundled_head_path()
     raise ModelLoadError(f"no EAGLE-3 head for model {engine.model_path!r}: pass eagle3=DIR (--eagle3 DIR) "
                          f"or train one with `agentspec train-eagle3 --target MODEL --data FILES --out DIR`")
@@ -545,7 +539,7 @@ def for_engine(engine, *, path=None, gate: bool | None = None, **options) -> Eag
     if engine is None:
         raise ValueError("the eagle3 drafter needs the engine (it reads the target's hidden states)")
     where = head_path_for(engine, path)
-    cache = engine.__dict__.setdefault("_eagle3_heads", {})
+    cache = engine.draft_heads   # the engine's own: a head is loaded once per engine and path
     key = str(where.resolve()) if where.exists() else str(where)
     if key not in cache:
         from ..errors import ModelLoadError

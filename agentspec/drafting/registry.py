@@ -21,7 +21,7 @@ Importing this module loads no drafter: the factories import their modules when 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,18 +103,31 @@ def parse_drafters(names: Sequence[str] | str) -> tuple[tuple[str, ...], ...]:
     return tuple(chains)
 
 
-def build_drafter(names: Sequence[str] | str, *, index: Any = None, engine: Any = None) -> Drafter:
+def build_drafter(names: Sequence[str] | str, *, index: Any = None, engine: Any = None,
+                  makers: Mapping[str, Callable[[], Drafter]] | None = None,
+                  head_expected: float | None = None) -> Drafter:
     """The drafter a route names (see the module docstring): one name -> that drafter; several
     -> ``MergedDrafter`` of them; ``"a>b"`` -> ``FallbackDrafter(a, b)``. A draft head (an entry
-    registered with ``fallback=True``, e.g. ``"eagle3"``) listed beside others backs them:
-    ``["suffix", "eagle3"]`` -> ``FallbackDrafter(suffix, eagle3, mode="merge",
-    min_expected=FALLBACK_MIN_EXPECTED)``: the head is asked only when the suffix draft expects
-    fewer accepted tokens, and then both trees are siblings under the root. ``index``: the
-    shared ``SuffixIndex`` for drafters that use one (None: they build their own); ``engine``:
-    the embedded engine, for drafters that read the target (a draft head)."""
+    registered with ``fallback=True``, e.g. ``"eagle3"``) backing other drafters is asked only when
+    their draft is unsure: listed beside them, ``["suffix", "eagle3"]`` -> ``FallbackDrafter(suffix,
+    eagle3, mode="merge", min_expected=FALLBACK_MIN_EXPECTED)`` (both trees siblings under the
+    root when it is asked); as the fallback of a chain, ``"suffix>eagle3"`` ->
+    ``FallbackDrafter(suffix, eagle3, mode="switch", min_expected=max(head_expected,
+    FALLBACK_MIN_EXPECTED))`` (the larger expected draft wins; ``head_expected``: what the head
+    has been giving this request, where the caller tracks it).
+
+    ``index``: the shared ``SuffixIndex`` for drafters that use one (None: they build their
+    own); ``engine``: the embedded engine, for drafters that read the target (a draft head).
+    ``makers``: name -> a function making that drafter, in place of the registered factories
+    (SGLang's workers compose the drafters of their own step this way); a name it lacks is a
+    ValueError. Every backend composes drafters here and nowhere else."""
     from .combine import FallbackDrafter, MergedDrafter
 
     def make(name: str) -> Drafter:
+        if makers is not None:
+            if name not in makers:
+                raise ValueError(f"drafter {name!r} does not run here (available: {sorted(makers)})")
+            return makers[name]()
         entry = _REGISTRY[name]
         if entry.needs_engine:
             if engine is None:
@@ -124,8 +137,10 @@ def build_drafter(names: Sequence[str] | str, *, index: Any = None, engine: Any 
 
     def chain(parts: tuple[str, ...]) -> Drafter:
         d = make(parts[-1])
-        for name in reversed(parts[:-1]):
-            d = FallbackDrafter(make(name), d)
+        for i in range(len(parts) - 2, -1, -1):
+            head_backs = i == len(parts) - 2 and _REGISTRY[parts[-1]].fallback and not _REGISTRY[parts[i]].fallback
+            d = FallbackDrafter(make(parts[i]), d, mode="switch",
+                                min_expected=max(head_expected or 0.0, FALLBACK_MIN_EXPECTED) if head_backs else None)
         return d
 
     chains = parse_drafters(names)

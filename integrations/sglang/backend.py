@@ -344,13 +344,12 @@ class SGLangBackend:
         if self.speculative in _POLICY:
             from agentspec.integrations.sglang.config import request_params
 
-            names = request.drafters
             sampling["custom_params"] = request_params(
                 tenant=request.tenant, spec=spec is not None, greedy=request.greedy,
                 budget=spec.budget if spec is not None else None, prediction=prediction,
-                # the hybrid: the route's own list; the default list ("suffix") leaves the
-                # worker's default: both drafters, merged as siblings
-                drafters=names if self.speculative == "hybrid" and names != ("suffix",) else None)
+                # the hybrid: the route's own list as it names it; a route naming none leaves the
+                # worker's default (both drafters, merged as siblings)
+                drafters=request.drafters if self.speculative == "hybrid" else None)
         # NGRAM and EAGLE3 cannot be turned off per request: they draft for every one
         spec_on = self.algorithm is not None and (spec is not None or self.speculative not in _POLICY)
         rid = request.request_id or f"sglang-{next(_ids)}-{secrets.token_hex(6)}"

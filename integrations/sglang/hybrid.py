@@ -61,9 +61,9 @@ from sglang.srt.speculative.eagle_info import EagleVerifyInput
 from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 from sglang.srt.utils import is_cpu
 
-from agentspec.decode.policy import DraftPolicy
-from agentspec.drafting import EMPTY_DRAFT, Draft, FallbackDrafter
-from agentspec.drafting.registry import FALLBACK_MIN_EXPECTED
+from agentspec.drafting import EMPTY_DRAFT, Draft
+from agentspec.drafting.registry import build_drafter
+from agentspec.kernels.tree import tree_mask, verify_rows
 
 from .worker import SuffixState, record_step, sample_rows_as_argmax
 
@@ -274,41 +274,20 @@ class _Fixed:
     start = extend = stop = _HeadProposals.start
 
 
-def compose(names: Sequence[str], suffix: Any, head: Any, head_expected: float) -> Any:
-    """The step's drafter for a request's drafter list (see the module docstring); None when the
-    list names neither drafter. ``head_expected``: the head's expected accepted tokens for this
-    request (a suffix draft expecting at least that is final in "switch" mode)."""
-    flat = [n.strip() for entry in names for n in entry.split(">")]
-    has_s, has_h = "suffix" in flat, HEAD_SOURCE in flat
-    if has_s and has_h:
-        if any(">" in entry for entry in names):
-            # switch: the head wins only with a larger expected length than the suffix draft's.
-            # A suffix draft expecting at least FALLBACK_MIN_EXPECTED and at least what the head
-            # has been giving this request (head_expected) is final: the head's forwards are
-            # skipped for it. Otherwise both are drafted and compared node by node.
-            first_is_suffix = flat.index("suffix") < flat.index(HEAD_SOURCE)
-            primary, fallback = (suffix, head) if first_is_suffix else (head, suffix)
-            return FallbackDrafter(primary, fallback, mode="switch",
-                                   min_expected=max(head_expected, FALLBACK_MIN_EXPECTED) if first_is_suffix else None)
-        return FallbackDrafter(suffix, head, mode="merge", min_expected=FALLBACK_MIN_EXPECTED)
-    if has_s:
-        return suffix
-    if has_h:
-        return head
-    return None
+def compose(names: Sequence[str] | None, suffix: Any, head: Any, head_expected: float) -> Any:
+    """The step's drafter for a request's drafter list (None: ``DEFAULT_DRAFTERS``, both merged),
+    composed by the registry (``build_drafter``) over this step's suffix drafts and head
+    proposals. ``head_expected``: the head's expected accepted tokens for this request (a suffix
+    draft expecting at least that is final in "switch" mode)."""
+    return build_drafter(DEFAULT_DRAFTERS if names is None else names,
+                         makers={"suffix": lambda: suffix, HEAD_SOURCE: lambda: head}, head_expected=head_expected)
 
 
 def tree_rows(draft: Draft, root: int, width: int) -> tuple[list[int], list[int], list[int]]:
-    """``(tokens, parents, depths)`` of ``width`` verify rows: the root (parent -1, depth 0), the
-    draft's first ``width - 1`` nodes, then orphan rows (parent -2: reached by no walk)."""
-    n = min(len(draft.token_ids), width - 1)
-    tokens = [root, *draft.token_ids[:n]]
-    parents = [-1, *(p + 1 for p in draft.parents[:n])]
-    depths = [0]
-    for p in parents[1:]:
-        depths.append(depths[p] + 1)
-    pad = width - len(tokens)
-    return tokens + [root] * pad, parents + [-2] * pad, depths + [1] * pad
+    """``(tokens, parents, depths)`` of ``width`` verify rows (``kernels.tree.verify_rows``): the
+    root (parent -1, depth 0), the draft's first ``width - 1`` nodes, then orphan rows (parent -2:
+    reached by no walk)."""
+    return verify_rows(draft.token_ids, draft.parents, root, width, pad="orphan")
 
 
 def tree_links(parents: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -316,20 +295,17 @@ def tree_links(parents: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     mask[i, j] when j is i or an ancestor of i (an orphan sees only itself); each node's first
     child and next sibling in row order (-1: none)."""
     d = len(parents)
-    mask = np.zeros((d, d), dtype=bool)
     nxt = np.full(d, -1, dtype=np.int64)
     sib = np.full(d, -1, dtype=np.int64)
     last_child: dict[int, int] = {}
     for i, p in enumerate(parents):
         if p >= 0:
-            mask[i, : p + 1] = mask[p, : p + 1]
             if p in last_child:
                 sib[last_child[p]] = i
             else:
                 nxt[p] = i
             last_child[p] = i
-        mask[i, i] = True
-    return mask, nxt, sib
+    return tree_mask(parents).numpy(), nxt, sib
 
 
 class AgentSpecEagle3Worker(SuffixState, EAGLEWorkerV2):
@@ -430,15 +406,12 @@ class AgentSpecEagle3Worker(SuffixState, EAGLEWorkerV2):
             self._sync(r, list(req.output_ids))
             budget = 0
             if r.spec and width > 1:
-                policy = DraftPolicy(budget=min(self.config.default_budget if r.budget is None else r.budget,
-                                                width - 1))
-                left = getattr(req.sampling_params, "max_new_tokens", None)
-                budget = policy.budget if left is None else policy.budget_for(left - len(req.output_ids))
+                _, budget = self.step_budget(r, req, len(req.output_ids), width)
             budgets.append(budget)
             if budget <= 0:
                 continue
             names = r.drafters or DEFAULT_DRAFTERS
-            if any("suffix" in n for n in names):
+            if any("suffix" in n.split(">") for n in names):
                 suffix_drafts[req.rid] = self.drafter.propose(req.rid, budget)
         suffix = _Fixed(suffix_drafts)
         plan = [EMPTY_DRAFT] * bs
@@ -446,11 +419,10 @@ class AgentSpecEagle3Worker(SuffixState, EAGLEWorkerV2):
             r = self._reqs[req.rid]
             if budgets[i] <= 0:
                 continue
-            drafter = compose(r.drafters or DEFAULT_DRAFTERS, suffix, head, self.head_estimate.get(req.rid))
-            if drafter is None:
-                continue
-            d = drafter.propose_batch([req.rid], [budgets[i]])[0]
-            plan[i] = DraftPolicy(budget=budgets[i]).shape(d.prefix(budgets[i]))
+            drafter = compose(r.drafters, suffix, head, self.head_estimate.get(req.rid))
+            d = drafter.propose_batch([req.rid], [budgets[i]])[0].prefix(budgets[i])
+            d.validate(budgets[i])
+            plan[i] = self.step_budget(r, req, len(req.output_ids), self.speculative_num_draft_tokens)[0].shape(d)
         if head.verify is not None:
             self.head_steps += 1
         verify = self._verify_input(batch, plan, roots, head.verify)

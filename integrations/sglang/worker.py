@@ -55,7 +55,9 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 from sglang.srt.utils import is_cpu
 
+from agentspec.config import SpecConfig
 from agentspec.decode.policy import DraftPolicy
+from agentspec.kernels.tree import tree_mask, verify_rows
 
 from .config import (
     SOURCE_KEY,
@@ -77,24 +79,16 @@ def prediction_doc_id(rid: str) -> str:
 
 def draft_rows(tokens: list[int], parents: list[int], root: int, width: int) -> tuple[list[int], list[int]]:
     """A draft tree (``Draft.token_ids``/``parents``, parent -1 = the root) as ``width`` verify
-    rows: the root token first, then the draft's first ``width-1`` nodes (parents precede
-    children, so any prefix is a tree), then padding (token 0, child of the root)."""
-    n = min(len(tokens), width - 1)
-    rows = [root, *tokens[:n]]
-    par = [-1, *(p + 1 for p in parents[:n])]
-    pad = width - len(rows)
-    return rows + [0] * pad, par + [0] * pad
+    rows (``kernels.tree.verify_rows``): the root token first, then the draft's first ``width-1``
+    nodes (parents precede children, so any prefix is a tree), then padding NGRAM's way (token 0,
+    a child of the root)."""
+    rows, par, _ = verify_rows(tokens, parents, root, width, pad="root_child")
+    return rows, par
 
 
 def ancestor_mask(parents: list[int]) -> np.ndarray:
     """``mask[i, j]`` = 1 when node j is node i or one of its ancestors (parents precede children)."""
-    d = len(parents)
-    m = np.zeros((d, d), dtype=bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            m[i, : p + 1] = m[p, : p + 1]
-        m[i, i] = True
-    return m
+    return tree_mask(parents).numpy()
 
 
 class _Req:
@@ -251,6 +245,16 @@ class SuffixState:
         self._reqs[req.rid] = r
         return r
 
+    def step_budget(self, r: _Req, req: Any, produced: int, width: int) -> tuple[DraftPolicy, int]:
+        """The request's draft policy (``DraftPolicy.for_request``, as the embedded engine builds
+        it: the request's budget, else the configured default, capped by the ``width - 1`` draft
+        rows SGLang verifies; no cost cut, SGLang verifies the whole width anyway) and its budget
+        this step (capped by the tokens it has left after ``produced``)."""
+        spec = SpecConfig(budget=self.config.default_budget if r.budget is None else r.budget) if r.spec else None
+        policy = DraftPolicy.for_request(spec, row_cost=0.0, max_rows=width)
+        left = getattr(req.sampling_params, "max_new_tokens", None)
+        return policy, policy.budget if left is None else policy.budget_for(left - produced)
+
     def sampled_flags(self, batch: Any) -> list[bool]:
         """Per request of ``batch``: whether it samples (decided when it was opened, from what the
         request says: ``read_request_greedy``)."""
@@ -329,12 +333,11 @@ class AgentSpecWorker(SuffixState, NGRAMWorker):
             d_tokens: list[int] = []
             d_parents: list[int] = []
             if r.spec and width > 1:
-                policy = DraftPolicy(budget=min(self.config.default_budget if r.budget is None else r.budget,
-                                                width - 1))
-                left = getattr(req.sampling_params, "max_new_tokens", None)
-                budget = policy.budget if left is None else policy.budget_for(left - len(out))
+                policy, budget = self.step_budget(r, req, len(out), width)
                 if budget > 0:
-                    d = policy.shape(self.drafter.propose(r.rid, budget))
+                    d = self.drafter.propose(r.rid, budget)
+                    d.validate(budget)
+                    d = policy.shape(d)
                     d_tokens, d_parents = d.token_ids, d.parents
             rows, parents = draft_rows(d_tokens, d_parents, root, width)
             drafted.append((req, min(len(d_tokens), width - 1)))

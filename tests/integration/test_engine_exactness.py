@@ -256,7 +256,7 @@ def test_greedy_steps_logits_in_the_heads_dtype_are_the_float32_ones(engine, rew
     """An all-greedy step asks for the head's own dtype (``float_logits=False``: no float32 copy
     of [rows, vocab]); those are the very float32 logits before conversion, so every argmax, and
     every token, is the same. Both forward paths: one request's rows and several requests' segments."""
-    from agentspec.decode.step import Segment
+    from agentspec.backends.embedded.model import Segment
 
     model = engine.model
     caches = []

@@ -27,7 +27,7 @@ def test_request_defaults_and_json_roundtrip():
     import msgspec
 
     r = GenerationRequest(prompt_ids=[1, 2, 3], max_tokens=8)
-    assert r.spec == SpecConfig() and r.drafters == ("suffix",) and r.stop == [] and r.prediction_ids is None
+    assert r.spec == SpecConfig() and r.drafters is None and r.stop == [] and r.prediction_ids is None
     assert r.tenant == "default" and r.request_id == "" and r.greedy
     back = msgspec.json.decode(msgspec.json.encode(r), type=GenerationRequest)
     assert back == r

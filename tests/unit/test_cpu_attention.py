@@ -165,7 +165,7 @@ def test_engine_uses_the_native_kernel(monkeypatch):
     the fused QKVAttention once per layer; with it off (AGENTSPEC_CPU_FUSED=0), or for a float32
     model, the native float32 attention."""
     from agentspec.backends.embedded.model import KVCache, ModelArgs, Transformer
-    from agentspec.decode.step import Segment
+    from agentspec.backends.embedded.model import Segment
 
     args = ModelArgs(dim=576, n_layers=2, n_heads=9, n_kv_heads=3, hidden_dim=64, vocab_size=50, max_seq_len=256)
     calls = {"decode": 0, "segments": 0, "fused": 0}
@@ -328,7 +328,7 @@ def test_isa_cap_and_bad_names(restore_isa):
 def test_fused_segments_equal_each_request_alone(packed_linears, decode_linears, monkeypatch):
     """forward_segments with the fused attention: each request's logits and cache as when it
     runs alone through forward (packed linears on vector units and on AMX tiles)."""
-    from agentspec.decode.step import Segment
+    from agentspec.backends.embedded.model import Segment
 
     args, model = random_model(packed_linears)
     model.set_kernel_settings(Settings(decode_linears=decode_linears))

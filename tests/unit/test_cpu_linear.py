@@ -115,7 +115,7 @@ def test_model_decode_rows_use_packed_linears(monkeypatch):
     ``__call__``; where AMX runs, decode rows take ``PackedLinear.prefill`` by default:
     test_cpu_attention.py::test_amx_decode_linears_run_and_match_the_vector_ones_closely.)"""
     from agentspec.backends.embedded.model import KVCache, ModelArgs, Transformer
-    from agentspec.decode.step import Segment
+    from agentspec.backends.embedded.model import Segment
 
     from agentspec.backends.embedded.plan import Settings
 

@@ -103,3 +103,10 @@ def test_a_model_asks_for_the_plan_of_the_facts_it_is_given():
     args, model = random_model(packed_linears=True)
     assert model.plan(AVX2).rows_attention == "rows"
     assert model.plan(AMX).rows_linears == ("amx" if model.layers[0].amx_linears else "vector")
+
+
+def test_a_step_never_verifies_more_rows_than_the_decode_kernels_take():
+    from agentspec.backends.embedded.model import SMALL_T
+    from agentspec.decode.policy import MAX_STEP_ROWS
+
+    assert MAX_STEP_ROWS <= SMALL_T

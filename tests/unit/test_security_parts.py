@@ -72,7 +72,7 @@ def test_operator_keys_are_checked_and_no_tenants(tmp_path):
 
 
 @pytest.mark.parametrize("body", [b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-                                  b'{"prompt": ' + b"[" * 3000 + b"1" + b"]" * 3000 + b"}"])
+                                  b'{"prompt": ' + b"[" * 300_000 + b"1" + b"]" * 300_000 + b"}"])
 def test_a_nested_body_is_a_400_not_a_crash(body):
     with pytest.raises(APIError) as e:
         decode_body(body, CompletionRequest)

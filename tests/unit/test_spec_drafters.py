@@ -97,7 +97,7 @@ name = "rest"
 """)
     routes = Router(load_server_config(p).routes).configured()
     assert [(r.name, r.drafters, r.spec is not None) for r in routes] == [
-        ("chat", ("suffix", "eagle3"), True), ("off", ("eagle3",), False), ("rest", ("suffix",), True)]
+        ("chat", ("suffix", "eagle3"), True), ("off", ("eagle3",), False), ("rest", None, True)]   # None: the backend's default
 
 
 def test_route_unknown_drafter_names_it(tmp_path):
@@ -120,6 +120,7 @@ def _stand_in_engine(head_dir: Path | None) -> types.SimpleNamespace:
     ns = types.SimpleNamespace(deterministic=False, vocab_size=TINY.vocab_size, args=TINY, dtype=torch.float32,
                                device=torch.device("cpu"), model_path="/nowhere/tiny.gguf",
                                eagle3=None if head_dir is None else str(head_dir), drafter=None,
+                               runs_bundled_model=False, draft_heads={},
                                _named_drafters={}, _named_lock=threading.Lock())
     ns.drafter_for = lambda names, index=None: EmbeddedEngine.drafter_for(ns, names, index=index)   # the real one
     return ns

@@ -31,6 +31,7 @@ from ..protocol import (
     check_request,
     stream_via_submit,
 )
+from ...drafting.registry import DEFAULT_DRAFTERS
 from ...errors import AgentSpecError, BackendClosedError, ConfigError, InvalidRequestError, QueueFullError
 
 __all__ = ["EmbeddedBackend", "model_name_for", "prediction_doc_id"]
@@ -154,7 +155,7 @@ class EmbeddedBackend:
         request = check_request(request, vocab_size=self.vocab_size, max_context=self.max_context)
         # the request's own spec.drafters, when set, over its route's list; a request that does
         # not speculate builds nothing (its route's draft head is not loaded for it)
-        drafter = self.drafter_for(request.drafters) if request.spec is not None else None
+        drafter = self.drafter_for(request.drafters or DEFAULT_DRAFTERS) if request.spec is not None else None
         prediction = request.prediction_ids
         rid = request.request_id or f"embedded-{next(_ids)}-{secrets.token_hex(6)}"
         doc = prediction_doc_id(rid) if prediction else None

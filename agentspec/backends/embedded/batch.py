@@ -29,16 +29,16 @@ from typing import Any
 
 import torch
 
-from ...config import SpecConfig
+from ...config import DEFAULT_SPEC, SpecConfig
 from ...drafting import Drafter
 from ...errors import BackendClosedError, InvalidRequestError
 from ...kernels.tree import tree_mask
 from ...decode.costs import StepCostModel, lower_convex_hull
 from ...decode.results import Generation, GenerationStats
-from ..engine import DEFAULT_SPEC
 from ..protocol import GenerationRequest
 from .model import round_up
-from ...decode.step import Segment, SeqState
+from ...decode.step import SeqState
+from .model import Segment
 
 __all__ = ["BatchEngine", "BudgetPolicy", "lower_convex_hull", "select_slots"]
 

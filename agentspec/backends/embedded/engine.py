@@ -16,7 +16,7 @@ from typing import Any, TypedDict, Unpack
 
 import torch
 
-from ...config import SpecConfig, check_drafters
+from ...config import DEFAULT_SPEC, SpecConfig, check_drafters
 from ...drafting import Drafter, default_drafter
 from ...errors import ConfigError, InvalidRequestError
 from ...kernels import cpu_linear
@@ -24,7 +24,6 @@ from ...kernels import cpu_isa as _cpu_isa
 from ...kernels.tree import tree_mask
 from ..protocol import GenerationRequest, check_request
 from ...decode.results import Generation
-from ..engine import DEFAULT_SPEC, Engine
 from .model import KVCache, Transformer, round_up
 from .plan import KernelPlan, Settings
 from .prefix_cache import CHUNK_TOKENS, PrefixCache
@@ -32,7 +31,7 @@ from .spec_device import spec_off_reason
 from ...decode.step import Decoder, run_single
 from .threads import ThreadGovernor
 from .tokenizer import Tokenizer
-from .weights import load_checkpoint
+from .weights import bundled_model_path, load_checkpoint
 
 __all__ = ["EmbeddedEngine", "GenerateOptions"]
 
@@ -49,7 +48,7 @@ class GenerateOptions(TypedDict, total=False):
     should_stop: Callable[[], bool] | None
 
 
-class EmbeddedEngine(Engine):
+class EmbeddedEngine:
     """Torch engine for the families in ``engine.families`` (Llama, Mistral, Qwen2, Qwen3).
 
     Options (keyword-only):
@@ -160,6 +159,9 @@ class EmbeddedEngine(Engine):
         ckpt = load_checkpoint(model, quiet=quiet)
         self.args = ckpt.args
         self.model_path = ckpt.source
+        # the bundled model (its EAGLE-3 head ships with agentspec: drafting.eagle3_drafter)
+        self.runs_bundled_model = model is None or _same_file(ckpt.source, bundled_model_path)
+        self.draft_heads: dict = {}   # EAGLE-3 heads loaded for this model, by path (eagle3_drafter.for_engine)
         self.tokenizer: Tokenizer = ckpt.tokenizer
         self.model = Transformer(ckpt.args, init_weights=False)  # every weight is loaded next
         self.model.set_kernel_settings(settings)
@@ -488,6 +490,16 @@ class EmbeddedEngine(Engine):
             self._cache = None
             self._cache = self.new_cache(max(cap, need))
         return self._cache
+
+
+def _same_file(path: str, other) -> bool:
+    """Whether ``path`` is the file ``other()`` names (False when ``other`` has none)."""
+    from pathlib import Path
+
+    try:
+        return Path(path).resolve() == Path(other()).resolve()
+    except Exception:  # noqa: BLE001 - the bundled model is not installed
+        return False
 
 
 def _weight_copies_setting() -> str:

@@ -17,11 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import cpu_attention, cpu_linear, rope
-from ...decode.step import MAX_STEP_ROWS, Segment
 from ...kernels.rope import apply_rope, rope_cos_sin
 from .plan import Facts, KernelPlan, Settings
 
-__all__ = ["KVCache", "ModelArgs", "Transformer"]
+__all__ = ["KVCache", "ModelArgs", "Segment", "Transformer"]
 
 
 @dataclass(frozen=True)
@@ -137,6 +136,17 @@ class KVCache(nn.Module):
             self.v[:, :, dst] = self.v[:, :, src]
             self.sync(dst)
         self.length += n
+
+
+@dataclass
+class Segment:
+    """One request's rows in a multi-request forward (``Transformer.forward_segments``): ``rows``
+    tokens written at ``cache[cache.length : cache.length + rows]``, attending as ``mask`` says."""
+
+    cache: KVCache
+    rows: int
+    mask: torch.Tensor   # [rows, cache.length + rows] bool
+    offset: int = 0      # first row in the batch (set by ``forward_segments``)
 
 
 def skip_init(cls, *args, **kwargs):
@@ -408,9 +418,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, star
 
 
 SMALL_T = 128  # up to this many new tokens, attention runs as plain matmuls (decode/verify)
-# the rows one request verifies in one forward (root + draft): past SMALL_T the forward leaves the
-# row-invariant decode kernels, and forward_segments refuses larger segments
-assert MAX_STEP_ROWS <= SMALL_T
+# (the rows one request verifies in one forward, decode.policy.MAX_STEP_ROWS, must not exceed it:
+# past SMALL_T the forward leaves the row-invariant decode kernels, and forward_segments refuses
+# larger segments; tests/unit/test_plan.py checks the two)
 
 
 KEY_CHUNK = 256  # the key axis of decode attention is padded to a multiple of this
@@ -509,6 +519,8 @@ def causal_mask(start: int, T: int, device) -> torch.Tensor:
 
 
 class Transformer(nn.Module):
+    Segment = Segment   # the record forward_segments takes (the decode step builds them through the model)
+
     def __init__(self, args: ModelArgs, *, init_weights: bool = True):
         """``init_weights=False``: the projections (``skip_init``) and the embedding are left
         uninitialised for a caller that loads every weight next (``EmbeddedEngine``: the random
