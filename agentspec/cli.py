@@ -23,43 +23,35 @@ class UsageError(Exception):
     """Bad input to a command (exit 2): the message names the value and says what to do instead."""
 
 
-def _positive_int(name: str):
-    def parse(text: str) -> int:
+def _number(name: str, kind: type, *, low: float, strict: bool):
+    """An argparse type: ``text`` as ``kind`` (int or float), > ``low`` when ``strict``, else >= ``low``;
+    otherwise an error naming ``name`` and the value."""
+    what = "an integer" if kind is int else "a number"
+    bound = f"{'>' if strict else '>='} {low:g}"
+
+    def parse(text: str):
         try:
-            v = int(text)
+            v = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {v}")
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
+        if not (v > low if strict else v >= low):   # NaN fails both
+            raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {text if kind is float else v}")
         return v
 
+    parse.describes = f"{'integer' if kind is int else 'number'} {bound}"   # docs/configuration.md's type column
     return parse
+
+
+def _positive_int(name: str):
+    return _number(name, int, low=0, strict=True)
 
 
 def _nonneg_int(name: str):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if v < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {v}")
-        return v
-
-    return parse
+    return _number(name, int, low=0, strict=False)
 
 
 def _nonneg_float(name: str):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if not v >= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {text}")
-        return v
-
-    return parse
+    return _number(name, float, low=0, strict=False)
 
 
 _CUDA = re.compile(r"cuda(?::(\d+))?")

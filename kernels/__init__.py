@@ -1,8 +1,8 @@
 """Tree-speculation kernels (installed as ``agentspec.kernels``).
 
-Tree attention mask and positions and greedy tree verification, batched over ragged requests:
-torch references (``*_torch``), Triton kernels (``*_triton``, needing the optional ``triton``),
-and dispatchers (Triton for CUDA tensors, torch elsewhere). Layout and outputs:
+Tree masks and positions (one tree) and greedy tree verification batched over ragged requests:
+a torch reference (``*_torch``), a Triton kernel (``*_triton``, needing the optional ``triton``)
+and a dispatcher (Triton for CUDA tensors, torch elsewhere). Layout and outputs:
 ``agentspec.kernels.tree``. (Sampled requests are verified by the keyed Gumbel-max rule,
 ``agentspec.decode.verify.seeded_target``, which needs no kernel of its own.)
 """

@@ -162,7 +162,7 @@ def prefill_attention(
     threads: int = 0,
 ) -> torch.Tensor:     # [T, H * D] bfloat16 (the output projection's input)
     """Causal attention of a prompt chunk at positions ``[start, start + T)`` over every key from
-    position 0, with AMX tiles (kernels/csrc/prefill_amx.cpp); first writes the chunk's keys and
+    position 0, with AMX tiles (kernels/csrc/amx.cpp); first writes the chunk's keys and
     values into the layer's packed copies ``kt2`` / ``vp`` (the float32 ``k`` / ``v`` are the
     caller's to write). A row's bits do not depend on the chunk it sits in or the thread count."""
     H, T, D = q.shape

@@ -1,4 +1,4 @@
-"""Tree attention mask, positions and verification: torch references and dispatchers.
+"""Tree masks, positions and verification: torch references and dispatchers.
 
 One tree (lists): ``with_root``, ``tree_depths``, ``tree_mask``.
 
@@ -28,10 +28,6 @@ __all__ = [
     "greedy_verify_batch",
     "greedy_verify_batch_torch",
     "greedy_verify_batch_triton",
-    "pack_trees",
-    "tree_attention",
-    "tree_attention_torch",
-    "tree_attention_triton",
     "tree_depths",
     "tree_mask",
     "verify_rows",
@@ -84,27 +80,7 @@ def tree_mask(parents: Sequence[int], *, device=None) -> torch.Tensor:
     return m.to(device) if device is not None else m
 
 
-def pack_trees(trees: Sequence[tuple[Sequence[int], Sequence[int]]], *, device=None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[(tokens, parents), ...]`` (root included) -> flat ``tokens [N]``, ``parents [N]``,
-    ``offsets [B + 1]`` (int64)."""
-    lengths = [len(t) for t, _ in trees]
-    offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
-    tokens = torch.tensor([x for t, _ in trees for x in t], dtype=torch.int64)
-    parents = torch.tensor([x for _, p in trees for x in p], dtype=torch.int64)
-    return tokens.to(device), parents.to(device), offsets.to(device)
-
-
 # ---------------------------------------------------------------------------------- dispatch
-
-
-def tree_attention(parents: torch.Tensor, offsets: torch.Tensor, *, width: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tree attention mask ``[B, width, width]`` bool and depths ``[N]`` int64 (positions are
-    the start position plus depth). ``mask[b, i, j]``: row i of request b sees row j (j is i
-    or an ancestor). Padding rows (i >= T_b) see only themselves. ``width`` defaults to W."""
-    fn = tree_attention_triton if parents.is_cuda else tree_attention_torch
-    return fn(parents, offsets, width=width)
 
 
 def greedy_verify_batch(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor,
@@ -127,11 +103,6 @@ def _triton():
     return tree_triton
 
 
-def tree_attention_triton(parents, offsets, *, width=None):
-    """Triton version of ``tree_attention``."""
-    return _triton().tree_attention(parents, offsets, width=width)
-
-
 def greedy_verify_batch_triton(tokens, parents, target, offsets):
     """Triton version of ``greedy_verify_batch``."""
     return _triton().greedy_verify_batch(tokens, parents, target, offsets)
@@ -143,7 +114,7 @@ def greedy_verify_batch_triton(tokens, parents, target, offsets):
 class _Padded:
     """The ragged batch as padded ``[B, W]`` views (requests walk in lockstep over columns)."""
 
-    def __init__(self, parents: torch.Tensor, offsets: torch.Tensor, width: int | None = None) -> None:
+    def __init__(self, parents: torch.Tensor, offsets: torch.Tensor) -> None:
         check_layout(parents, offsets)
         dev = parents.device
         self.offsets = offsets.long()
@@ -151,10 +122,6 @@ class _Padded:
         self.lengths = self.offsets.diff()                               # [B]
         self.B = self.lengths.numel()
         self.W = int(self.lengths.max()) if self.B else 0
-        if width is not None:
-            if width < self.W:
-                raise ValueError(f"width {width} is smaller than the largest tree ({self.W} rows)")
-            self.W = width
         self.col = torch.arange(self.W, device=dev)                      # [W]
         self.valid = self.col < self.lengths[:, None]                    # [B, W]
         self.rows = torch.where(self.valid, self.start[:, None] + self.col, 0)  # [B, W] flat row
@@ -183,23 +150,6 @@ def check_layout(parents: torch.Tensor, offsets: torch.Tensor) -> None:
         i = int(bad.nonzero()[0])
         raise ValueError(f"parents[{i}] = {int(p[i])} (row {int(local[i])} of its tree) must be "
                          f"{'-1 for a root' if int(local[i]) == 0 else f'in [0, {int(local[i])})'}")
-
-
-def tree_attention_torch(parents: torch.Tensor, offsets: torch.Tensor, *, width: int | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of ``tree_attention``."""
-    pad = _Padded(parents, offsets, width)
-    B, W = pad.B, pad.W
-    mask = torch.zeros(B, W, W, dtype=torch.bool, device=parents.device)
-    depth = torch.zeros(B, W, dtype=torch.int64, device=parents.device)
-    b = torch.arange(B, device=parents.device)
-    for i in range(W):
-        par = pad.parents[:, i].clamp(min=0)                             # [B]
-        has_parent = pad.parents[:, i] >= 0
-        mask[:, i] = mask[b, par] & has_parent[:, None]                  # the parent's ancestors
-        depth[:, i] = torch.where(has_parent, depth[b, par] + 1, 0)
-        mask[:, i, i] = True
-    return mask, depth[pad.valid]
 
 
 def greedy_verify_batch_torch(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Triton kernels for tree attention and tree verification (layout: ``agentspec.kernels.tree``).
+"""Triton kernel for tree verification (layout: ``agentspec.kernels.tree``).
 
 Imported lazily by ``agentspec.kernels.tree`` (triton is optional). On CPU they run under
 Triton's interpreter when ``TRITON_INTERPRET=1`` is set before this module is imported.
@@ -13,33 +13,7 @@ import triton.language as tl
 
 from .tree import check_layout
 
-__all__ = ["greedy_verify_batch", "tree_attention"]
-
-
-@triton.jit
-def _tree_attention_kernel(
-    parents_ptr,   # [N] local parent rows
-    offsets_ptr,   # [B + 1]
-    mask_ptr,      # [B, W, W] uint8, zeroed
-    depth_ptr,     # [N]
-    W,
-):
-    b = tl.program_id(0)
-    i = tl.program_id(1)
-    start = tl.load(offsets_ptr + b)
-    T = tl.load(offsets_ptr + b + 1) - start
-    row = mask_ptr + (b.to(tl.int64) * W + i) * W
-    if i < T:
-        # walk from row i up to the root, marking every ancestor
-        j = i.to(tl.int64)
-        d = -1
-        while j >= 0:
-            tl.store(row + j, 1)
-            j = tl.load(parents_ptr + start + j).to(tl.int64)
-            d += 1
-        tl.store(depth_ptr + start + i, d)
-    else:
-        tl.store(row + i, 1)   # padding rows see only themselves
+__all__ = ["greedy_verify_batch"]
 
 
 @triton.jit
@@ -89,25 +63,6 @@ def _check_device(*tensors: torch.Tensor) -> None:
         raise ValueError(f"all tensors must be on one device, got {[str(t.device) for t in tensors]}")
     if dev.type != "cuda" and not INTERPRETED:
         raise ValueError(f"the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {dev}")
-
-
-def tree_attention(parents: torch.Tensor, offsets: torch.Tensor, *, width: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_device(parents, offsets)
-    check_layout(parents, offsets)
-    parents, offsets = _int(parents), _int(offsets)
-    B = offsets.numel() - 1
-    W = int(offsets.diff().max()) if B else 0
-    if width is not None:
-        if width < W:
-            raise ValueError(f"width {width} is smaller than the largest tree ({W} rows)")
-        W = width
-    mask = torch.zeros(B, W, W, dtype=torch.bool, device=parents.device)
-    depth = torch.zeros(parents.numel(), dtype=torch.int64, device=parents.device)
-    if B and W:
-        _tree_attention_kernel[(B, W)](parents, offsets, mask.view(torch.uint8), depth, W,
-                                       enable_fp_fusion=False)
-    return mask, depth
 
 
 def greedy_verify_batch(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor,

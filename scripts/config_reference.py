@@ -53,12 +53,10 @@ EXAMPLES: dict[str, tuple[object, bool]] = {
 }
 
 # argparse `type=` callables of agentspec/cli.py, by qualified name, as the value a user writes
+# (a callable with a `describes` attribute says it itself: cli._number)
 CLI_TYPES = {
     "int": "integer",
     "float": "number",
-    "_positive_int.<locals>.parse": "integer > 0",
-    "_nonneg_int.<locals>.parse": "integer >= 0",
-    "_nonneg_float.<locals>.parse": "number >= 0",
     "_port": "port, 1-65535",
     "_draft_tokens": "integer >= 2",
     "_sglang_arg": "KEY=VALUE",
@@ -299,7 +297,8 @@ def _value_text(a: argparse.Action) -> str:
         return "switch"
     if a.choices is not None:
         return " \\| ".join(f"`{c}`" for c in a.choices)
-    kind = CLI_TYPES.get(getattr(a.type, "__qualname__", ""), "") if a.type is not None else ""
+    kind = (getattr(a.type, "describes", None) or CLI_TYPES.get(getattr(a.type, "__qualname__", ""), "")
+            if a.type is not None else "")
     meta = a.metavar if a.metavar is not None else (a.dest if not a.option_strings else a.dest.upper())
     text = f"`{meta}`"
     if a.nargs in ("+", "*"):

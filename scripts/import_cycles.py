@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = {"agentspec": ROOT / "agentspec", "agentspec.kernels": ROOT / "kernels",
           "agentspec.integrations": ROOT / "integrations", "suffix_index": ROOT / "suffix_index"}
-SKIP_PARTS = {"csrc", "gpu_kit", "editor", "__pycache__"}
+SKIP_PARTS = {"csrc", "editor", "__pycache__"}
 
 
 def modules() -> dict[str, Path]:

@@ -92,7 +92,7 @@ class ServerState:
 
 
 def model_id_for(model: str | None) -> str:
-    from ..backends.embedded.backend import model_name_for
+    from ..backends.protocol import model_name_for
 
     return model_name_for(model)
 
@@ -170,7 +170,6 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
     from ..backends import Engine
     from ..backends.embedded.backend import EmbeddedBackend
     from ..drafting.registry import DEFAULT_DRAFTERS
-    from ..telemetry import Metrics, TenantLogSink
     from ..workspace import Workspace
 
     opts = dict(engine_options or {})
@@ -192,15 +191,11 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
                               budget_policy=cfg.budget_policy,
                               drafters=route_drafters)
     tenants: dict[str, Tenant] = {}
-    specs = config.tenants or []
-    names = [(t.name, t.workspace) for t in specs] or [(default_tenant, None)]
-    for name, ws_path in names:
-        root = ws_path if ws_path is not None else repo
+    for name, root in _tenant_roots(config, repo, default_tenant):
         ws = None
         if root is not None:
             if not quiet:
-                print(f"[agentspec] indexing workspace {Path(root).resolve()} for tenant {name!r}",
-                      file=sys.stderr, flush=True)
+                print(f"[agentspec] indexing workspace {root} for tenant {name!r}", file=sys.stderr, flush=True)
             ws = Workspace(root, tenant=name, index=backend.index, tokenizer=backend.tokenizer, watch=watch,
                            exclude=owned, progress=not quiet and sys.stderr.isatty())
             if not quiet:
@@ -208,19 +203,69 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
                 print(f"[agentspec]   {s['files']} files, {s['chunks']} chunks, {s['tokens']} tokens "
                       f"in {s['seconds']:.1f}s", file=sys.stderr, flush=True)
         tenants[name] = Tenant(name=name, workspace=ws, root=ws.root if ws is not None else None)
-    keys = {k: t.name for t in specs for k in t.api_keys}
-    sink = TenantLogSink(config.server.log_dir, max_bytes=config.server.log_max_bytes,
-                         backups=config.server.log_backups)
-    metrics = Metrics(max_tenants=config.server.metrics_max_tenants)
+    return _state(config, backend, tenants, router, owned)
+
+
+def _tenant_roots(config: ServerConfig, repo: str | Path | None, default_tenant: str) -> list[tuple[str, Path | None]]:
+    """Each tenant's workspace folder, resolved (its own, else ``repo``, else None): the config's
+    tenants, or the one ``default_tenant`` when it names none."""
+    out = []
+    for name, ws in [(t.name, t.workspace) for t in config.tenants or []] or [(default_tenant, None)]:
+        root = ws if ws is not None else repo
+        out.append((name, Path(root).resolve() if root is not None else None))
+    return out
+
+
+def _state(config: ServerConfig, backend: Any, tenants: dict[str, Tenant], router: Router,
+           owned: tuple) -> ServerState:
+    """The server state around a started backend and its tenants: their keys, the per-tenant
+    log sink and the metrics. A failure here closes the backend (and the tenants' workspaces)."""
+    from ..telemetry import Metrics, TenantLogSink
+
+    cfg = config.server
+    try:
+        sink = TenantLogSink(cfg.log_dir, max_bytes=cfg.log_max_bytes, backups=cfg.log_backups)
+        metrics = Metrics(max_tenants=cfg.metrics_max_tenants)
+    except BaseException:
+        for t in tenants.values():
+            if t.workspace is not None:
+                t.workspace.close()
+        backend.close()   # an engine's processes and threads do not outlive a failed start
+        raise
+    keys = {k: t.name for t in config.tenants or [] for k in t.api_keys}
     return ServerState(backend=backend, config=config, tenants=tenants, router=router, sink=sink,
-                       metrics=metrics, model_id=backend.model_name, require_key=bool(specs), keys=keys, owned=owned)
+                       metrics=metrics, model_id=backend.model_name, require_key=bool(config.tenants), keys=keys,
+                       owned=owned)
+
+
+# [server] keys the SGLang backend cannot honour (SGLang batches, queues and caches prefixes
+# itself; the model comes from --model): a config that sets one is refused, not ignored
+SGLANG_REFUSED = {
+    "model": "pass the Hugging Face folder as --model (sglang_options['model'])",
+    "max_batch": "SGLang batches by its own max_running_requests (--sglang-arg max_running_requests=N)",
+    "budget_policy": "SGLang's speculation verifies its fixed draft width (--draft-tokens)",
+    "prefix_cache_bytes": "SGLang's radix cache holds prefixes (--sglang-arg mem_fraction_static=F)",
+    "prefix_cache_shared": "SGLang's radix cache is shared by every request",
+}
+
+
+def check_sglang_config(config: ServerConfig) -> None:
+    """ConfigError naming each ``[server]`` key set away from its default that the SGLang backend
+    cannot honour (``SGLANG_REFUSED``), with what to use instead."""
+    from ..config import ServerSection
+
+    default = ServerSection()
+    bad = [k for k in SGLANG_REFUSED if getattr(config.server, k) != getattr(default, k)]
+    if bad:
+        raise ConfigError("[server] " + "; ".join(f"{k} = {getattr(config.server, k)!r} does not apply to "
+                                                   f"--backend sglang: {SGLANG_REFUSED[k]}" for k in bad))
 
 
 def _build_sglang_state(config: ServerConfig, *, repo: str | Path | None, engine: Any, options: dict | None,
                         watch: bool, quiet: bool, default_tenant: str, owned: tuple = ()) -> ServerState:
     from agentspec.integrations.sglang.backend import SGLangBackend
-    from ..telemetry import Metrics, TenantLogSink
 
+    check_sglang_config(config)
     opts = dict(options or {})
     model = opts.pop("model", None)
     if model is None:
@@ -229,12 +274,7 @@ def _build_sglang_state(config: ServerConfig, *, repo: str | Path | None, engine
     router = Router(config.routes)
     route_drafters = {f"route {r.name!r}": r.drafters for r in router.configured()
                       if r.spec is not None and r.drafters is not None}
-    specs = config.tenants or []
-    names = [(t.name, t.workspace) for t in specs] or [(default_tenant, None)]
-    roots: dict[str, Path | None] = {}
-    for name, ws_path in names:
-        root = ws_path if ws_path is not None else repo
-        roots[name] = Path(root).resolve() if root is not None else None
+    roots = dict(_tenant_roots(config, repo, default_tenant))
     opts.setdefault("max_queue", cfg.max_queue)
     backend = SGLangBackend(model, tenants={n: (str(r) if r is not None else None) for n, r in roots.items()},
                             watch=watch, model_name=cfg.model_name, drafters=route_drafters, engine=engine,
@@ -245,14 +285,4 @@ def _build_sglang_state(config: ServerConfig, *, repo: str | Path | None, engine
                 print(f"[agentspec] tenant {name!r}: workspace {root} (indexed by SGLang's scheduler processes)",
                       file=sys.stderr, flush=True)
     tenants = {name: Tenant(name=name, workspace=None, root=root) for name, root in roots.items()}
-    keys = {k: t.name for t in specs for k in t.api_keys}
-    try:
-        sink = TenantLogSink(cfg.log_dir, max_bytes=cfg.log_max_bytes, backups=cfg.log_backups)
-        metrics = Metrics(max_tenants=cfg.metrics_max_tenants)
-    except BaseException:
-        backend.close()   # the engine's processes do not outlive a failed start
-        raise
-    return ServerState(backend=backend, config=config, tenants=tenants, router=router, sink=sink,
-                       metrics=metrics, model_id=backend.model_name, require_key=bool(specs), keys=keys, owned=owned)
-
-
+    return _state(config, backend, tenants, router, owned)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import operator
 import queue
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -25,10 +26,19 @@ from ..decode.results import Generation
 from ..config import SpecConfig
 from ..errors import ContextLengthError, InvalidRequestError, QueueFullError
 
-__all__ = ["MAX_TEMPERATURE", "Backend", "ContextLengthError", "GenerationRequest", "InvalidRequestError", "OnDone",
+__all__ = ["MAX_TEMPERATURE", "Backend", "model_name_for", "ContextLengthError", "GenerationRequest", "InvalidRequestError", "OnDone",
            "OnTokens", "QueueFullError", "Sampling", "TokenizerLike", "check_drafter_names", "check_float", "check_int",
            "check_messages", "check_request", "check_sampling", "check_token_ids", "collect", "request_drafters",
            "stream_via_submit"]
+
+
+def model_name_for(model: str | Path | None) -> str:
+    """The model id a server reports for a model path (None: the bundled model), whichever backend
+    runs it."""
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    p = Path(model)
+    return p.name.removesuffix(".gguf") if p.suffix == ".gguf" else p.name
 
 MAX_TEMPERATURE = 2.0   # the OpenAI range, [0, 2], for the API and the engine alike
 

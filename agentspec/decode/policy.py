@@ -15,7 +15,7 @@ from ..drafting.draft import EMPTY_DRAFT, Draft, cut_for_cost, drop_unlikely
 __all__ = ["MAX_STEP_ROWS", "DraftPolicy", "main_chain"]
 
 # Most rows one request verifies in one decode step (the root and up to 127 draft tokens): what
-# the engine's row-invariant decode kernels take in one forward (``engine.model.SMALL_T``).
+# the engine's row-invariant decode kernels take in one forward (``agentspec.backends.embedded.model.SMALL_T``).
 MAX_STEP_ROWS = 128
 
 

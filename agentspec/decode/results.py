@@ -24,7 +24,7 @@ class GenerationStats(msgspec.Struct, kw_only=True):
     mean_acceptance_length: float = 0.0  # MAT over steps
     draft_sources: dict[str, int] = {}   # steps whose draft came from each source (``Draft.source``)
     # by the source of each draft node (``Draft.source_of``: a merged draft's nodes name their own
-    # drafter, e.g. "suffix:request" and "eagle3" under "suffix:request+eagle3"):
+    # drafter, e.g. "suffix" and "eagle3" under "suffix+eagle3"):
     source_steps: dict[str, int] = {}    # steps whose verified draft had nodes from the source
     source_drafted: dict[str, int] = {}  # draft tokens proposed and verified
     source_accepted: dict[str, int] = {}  # draft tokens that passed verification (same keys)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["gumbel_noise", "greedy_verify", "process_logits", "sample", "seeded_target"]
+__all__ = ["gumbel_noise", "greedy_verify", "process_logits", "seeded_target"]
 
 
 def greedy_verify(
@@ -58,7 +58,7 @@ def process_logits(
     to the top-k tokens (ties with the k-th kept) and then to the smallest prefix, by
     probability, whose mass reaches ``top_p``. ``temperature <= 0`` gives the argmax as a
     point mass (the first one on ties), so sampling verification reduces to greedy.
-    Same processing as the engine's ``sample``.
+    The engine samples from it through ``seeded_target``.
     """
     x = logits.float()
     if temperature <= 0:
@@ -111,12 +111,6 @@ def seeded_target(
     p = process_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k)
     score = torch.log(p.double().cpu()) + gumbel_noise(seed, position, p.shape[-1])
     return int(score.argmax())
-
-
-def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen) -> int:
-    """Draw one token from ``process_logits(logits, ...)`` with ``gen`` (``torch.multinomial``)."""
-    probs = process_logits(logits, temperature=temperature, top_p=top_p, top_k=top_k)
-    return int(torch.multinomial(probs, 1, generator=gen))
 
 
 def _children(parents: Sequence[int]) -> dict[int, list[int]]:

@@ -32,7 +32,7 @@ class Draft(msgspec.Struct, frozen=True):
     parents: list[int]
     probs: list[float]
     score: float = 0.0   # expected accepted tokens (sum of survival estimates)
-    source: str = ""     # "prompt_lookup", "suffix:request", "suffix:workspace", ...
+    source: str = ""     # the drafter: "suffix", "prompt_lookup", "lookahead", "eagle3"; merged: "suffix+eagle3"
     node_sources: list[str] | None = None  # per node, when nodes came from different drafters
 
     def __len__(self) -> int:

@@ -26,10 +26,6 @@ class SuffixDrafter:
         if index is not None and index_options:
             raise ValueError(f"pass either an index or index options, not both (got {sorted(index_options)})")
         self.index = index if index is not None else SuffixIndex(**index_options)
-        # the protocol's methods are the index's own where no conversion is needed (one call less per step)
-        self.start = self.index.start
-        self.extend = self.index.extend
-        self.stop = self.index.stop
 
     def start(self, req_id: str, prompt: Sequence[int], *, tenant: str = "default") -> None:
         self.index.start(req_id, prompt, tenant=tenant)

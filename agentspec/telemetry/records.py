@@ -9,7 +9,7 @@ Per-position counts: draft position ``i`` (1-based depth in the verified draft t
 that accepted >= i draft tokens. ``acceptance_per_pos[i - 1]`` = accepted / drafted at depth i.
 
 Per-source counts (``by_source``): steps, draft tokens and accepted tokens by the drafter that
-proposed each draft node (``Draft.source_of``), so a merged draft ("suffix:request+eagle3")
+proposed each draft node (``Draft.source_of``), so a merged draft ("suffix+eagle3")
 credits each of its drafters with its own tokens.
 """
 

@@ -14,6 +14,6 @@ if ! [ -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import vllm' 2>/dev/n
     "$VENV/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 if ! [ -f "$HF/model.safetensors" ]; then
-    .venv/bin/python benchmarks/peers/convert_gguf_to_hf.py --out "$HF"
+    .venv/bin/python -P -m agentspec.integrations.sglang.convert "$HF"
 fi
 echo "[setup_vllm] $VENV and $HF ready" >&2

@@ -10,7 +10,7 @@ report / setup script), never the project venv:
 spec.json (keys marked * are optional):
 
     {
-      "model": "/work/models/smollm2-hf",     # Hugging Face folder (convert_gguf_to_hf.py)
+      "model": "/work/models/smollm2-hf",     # Hugging Face folder (python -m agentspec.integrations.sglang.convert)
       "prompts": [[1, 2, 3], ...],            # prompts as token ids (no template added)
       "max_tokens": 192,                      # new tokens per prompt (stops early at EOS)
       "methods": ["plain", "ngram", "suffix"],

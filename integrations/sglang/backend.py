@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import json
 import os
 import secrets
 import sys
@@ -52,6 +51,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from agentspec.backends.files import read_json_object
 from agentspec.backends.protocol import (
     GenerationRequest,
     OnDone,
@@ -175,8 +175,8 @@ class SGLangBackend:
                  engine_kwargs: Mapping[str, Any] | None = None, max_queue: int = 256,
                  drafters: Mapping[str, Sequence[str]] | None = None, engine: Any = None,
                  quiet: bool = False, exclude: Sequence[tuple[str, str]] = ()) -> None:
-        from agentspec.backends.embedded.backend import model_name_for
-        from agentspec.backends.embedded.tokenizer import Tokenizer
+        from agentspec.backends.protocol import model_name_for
+        from agentspec.backends.tokenizer import Tokenizer
 
         if speculative is not None and speculative not in ALGORITHMS:
             raise ConfigError(f"speculative must be one of {sorted(ALGORITHMS)} or None, got {speculative!r}")
@@ -210,7 +210,7 @@ class SGLangBackend:
             self._tokenizer = Tokenizer.load(self.model_path)
         except Exception as e:  # noqa: BLE001 - a bad tokenizer.json, missing files
             raise ModelLoadError(f"cannot load the tokenizer of {str(root)!r}: {e}") from e
-        model_cfg = _read_json(self.model_path / "config.json")
+        model_cfg = read_json_object(self.model_path / "config.json")
         vocab = model_cfg.get("vocab_size")
         self._vocab_size = int(vocab) if isinstance(vocab, int) and vocab > 0 else self._tokenizer.vocab_size
         self._eos = sorted(self._tokenizer.eos_token_ids)
@@ -739,14 +739,6 @@ def _check_plugin(speculative: str = "agentspec") -> None:
 
 def _int(v: Any) -> int:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _sglang_version() -> str | None:

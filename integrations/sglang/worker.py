@@ -185,7 +185,7 @@ class SuffixState:
         self.drafter = SuffixDrafter(self.index)
         if not self.config.tenants:
             return
-        from agentspec.backends.embedded.tokenizer import Tokenizer
+        from agentspec.backends.tokenizer import Tokenizer
         from agentspec.workspace import OwnedPath, Workspace
         from pathlib import Path
 

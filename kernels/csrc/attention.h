@@ -180,7 +180,7 @@ void qkv_attention_amx(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t s
 
 }  // namespace attn
 
-// The AMX phases of qkv_attention's AMX kernel (prefill_amx.cpp, "AMX phases")
+// The AMX phases of qkv_attention's AMX kernel (amx.cpp, "AMX phases")
 void amx_decode_tiles(bool on);
 void amx_decode_scores(const uint16_t* qb, int ntiles, const uint16_t* kt2, int64_t cap, int j0, int j1,
                        const uint8_t* need, float* S, int64_t ss);

@@ -33,7 +33,7 @@ int agentspec_isa();
 void linear_bf16(uintptr_t x, int64_t x_st, int64_t M, uintptr_t wp, int64_t N, int64_t K, uintptr_t out,
                  int64_t o_st, int threads);
 
-// prefill_amx.cpp: AMX prefill attention, RMSNorm rows and linears
+// amx.cpp: AMX prefill attention, RMSNorm rows, linears and the AMX phases of decode attention
 bool prefill_amx_available();
 void prefill_attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, int64_t k_sh, int64_t k_st,
                        uintptr_t v, int64_t v_sh, int64_t v_st, uintptr_t kt2, uintptr_t vp, int64_t cap,

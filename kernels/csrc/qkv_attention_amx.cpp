@@ -6,7 +6,7 @@
 // AMX decode / verify attention (bfloat16 models; qkv_attention's mode 1, the default where the
 // CPU has AMX): the rows of one request share each kv head's keys and values, so rather than one
 // task per (row, kv head) that streams them all, the work runs in phases over all of a request's
-// rows at once, on AMX tiles (prefill_amx.cpp, "AMX phases"):
+// rows at once, on AMX tiles (amx.cpp, "AMX phases"):
 //   rows    per row: its visible slots, their count, the leading run at their own slots, and
 //           which 64-slot blocks it sees (plus rotary and the cache writes);
 //   scores  per (kv head, 256-slot chunk), every row tile of the request;

@@ -93,7 +93,7 @@ def write_tokenizer(folder: Path, template: str, added: list[str], eos: str, fam
     ``vocab_size``: pad the vocabulary to this many with unused special tokens (a real model's shape)."""
     from tokenizers import AddedToken, Tokenizer
 
-    from agentspec.backends.embedded.tokenizer import _pre_tokenizer
+    from agentspec.backends.tokenizer import _pre_tokenizer
 
     tok = Tokenizer.from_str(bundled_tokenizer_json())
     tok.pre_tokenizer = _pre_tokenizer(PRE[family])

@@ -47,7 +47,7 @@ def reference(plain_greedy, prompts):
 
 @pytest.mark.parametrize("policy", ["off", "fixed", "load_aware"])
 def test_batched_greedy_equals_single_request_plain(engine, prompts, reference, step_costs, policy):
-    with BatchEngine(engine, budget=policy, step_costs=step_costs, background=False) as be:
+    with BatchEngine(engine, budget_policy=policy, step_costs=step_costs, background=False) as be:
         out = be.generate_many(prompts, max_tokens=MAX_TOKENS)
     bad = [i for i, (a, r) in enumerate(zip(out, reference)) if a.token_ids != r.token_ids]
     assert not bad, f"batched ({policy}) output differs from plain decoding on prompts {bad}"
@@ -70,7 +70,7 @@ def test_requests_join_and_leave_mid_run(engine, prompts, reference, step_costs)
     results: dict[int, object] = {}
     streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     done = threading.Event()
-    with BatchEngine(engine, budget="load_aware", step_costs=step_costs, max_batch=4) as be:
+    with BatchEngine(engine, budget_policy="load_aware", step_costs=step_costs, max_batch=4) as be:
         def submit(i):
             def on_done(g, err, i=i):
                 results[i] = err or g
@@ -100,7 +100,7 @@ def test_finished_requests_caches_serve_the_next_ones(engine, prompts, reference
     made = []
     new_cache = engine.new_cache
     monkeypatch.setattr(engine, "new_cache", lambda cap: made.append(cap) or new_cache(cap))
-    with BatchEngine(engine, budget="load_aware", step_costs=step_costs, max_batch=2, background=False) as be:
+    with BatchEngine(engine, budget_policy="load_aware", step_costs=step_costs, max_batch=2, background=False) as be:
         out = be.generate_many(prompts, max_tokens=MAX_TOKENS)
         assert be._free_caches == []       # idle at the end: nothing kept
     assert [g.token_ids for g in out] == [r.token_ids for r in reference]
@@ -124,7 +124,7 @@ def test_cancel_and_bad_input(engine, prompts, step_costs):
         with pytest.raises(ValueError, match="max_tokens"):
             be.submit(prompts[0], max_tokens=0)
         with pytest.raises(ValueError, match="budget"):
-            BatchEngine(engine, budget="greedy", step_costs=step_costs)
+            BatchEngine(engine, budget_policy="greedy", step_costs=step_costs)
     g = got["g"]
     assert g.finish_reason == "cancelled" and 0 < len(g.token_ids) < 500
 

@@ -54,7 +54,7 @@ def test_budget_past_one_forward_is_clamped_not_a_crash(engine, plain_greedy):
     assert g.token_ids == want.token_ids
     assert f"clamped to {MAX_STEP_ROWS - 1}" in g.stats.spec_reason
     assert max(g.stats.draft_depths) <= MAX_STEP_ROWS - 1
-    with BatchEngine(engine, background=False, budget="fixed", step_costs=COSTS) as be:
+    with BatchEngine(engine, background=False, budget_policy="fixed", step_costs=COSTS) as be:
         out = be.generate_many([ids, ids, "Say hello."], max_tokens=64, spec=big)
     assert out[0].token_ids == want.token_ids and out[1].token_ids == want.token_ids
     assert all("clamped" in o.stats.spec_reason for o in out)

@@ -90,7 +90,7 @@ def test_greedy_fallback_merge_equals_plain(engine, plain_greedy, head, rewrite_
 def test_greedy_batched_with_head_equals_plain(engine, plain_greedy, head):
     prompts = [engine.encode(p) for p in PROMPTS]
     d = _drafter(engine, head, topk=2, depth=4)
-    with BatchEngine(engine, max_batch=4, budget="fixed", step_costs={2: 1.0, 264: 1.0}, background=False) as be:
+    with BatchEngine(engine, max_batch=4, budget_policy="fixed", step_costs={2: 1.0, 264: 1.0}, background=False) as be:
         gens = be.generate_many(prompts, max_tokens=40, drafter=d, spec=SpecConfig(row_cost=0))
     for ids, g in zip(prompts, gens):
         assert g.token_ids == plain_greedy(ids, 40).token_ids

@@ -122,7 +122,7 @@ def test_spec_drafters_suffix_eagle3_greedy_equals_plain(eagle_engine, plain):
 
 def test_batch_submit_uses_spec_drafters(eagle_engine, plain):
     prompts = [eagle_engine.encode(p) for p in PROMPTS]
-    with BatchEngine(eagle_engine, max_batch=4, budget="fixed", step_costs={2: 1.0, 264: 1.0},
+    with BatchEngine(eagle_engine, max_batch=4, budget_policy="fixed", step_costs={2: 1.0, 264: 1.0},
                      background=False) as be:
         gens = be.generate_many(prompts, max_tokens=40, spec=SpecConfig(drafters=["suffix", "eagle3"], row_cost=0))
     for ids, g in zip(prompts, gens):
@@ -138,7 +138,7 @@ def test_explicit_drafter_wins_and_no_head_is_loaded_for_it(eagle_engine, tmp_pa
     spec = SpecConfig(drafters=["eagle3"], budget=8)
     g = eagle_engine.generate(ids, max_tokens=8, spec=spec, drafter=SuffixDrafter())
     assert _eagle_steps(g.stats) == 0
-    with BatchEngine(eagle_engine, budget="fixed", step_costs={2: 1.0, 264: 1.0}, background=False) as be:
+    with BatchEngine(eagle_engine, budget_policy="fixed", step_costs={2: 1.0, 264: 1.0}, background=False) as be:
         (g2,) = be.generate_many([ids], max_tokens=8, spec=spec, drafter=SuffixDrafter())
     assert g2.token_ids == g.token_ids
 
@@ -192,7 +192,7 @@ def test_engine_request_with_a_bad_head_fails_at_the_call(eagle_engine, tmp_path
     ids = eagle_engine.encode(PROMPTS[1])
     with pytest.raises(ModelLoadError, match="hidden_size 64 != target hidden size 576"):
         eagle_engine.generate(ids, max_tokens=4, spec=SpecConfig(drafters=["suffix", "eagle3"]))
-    with (BatchEngine(eagle_engine, budget="fixed", step_costs={2: 1.0, 264: 1.0}, background=False) as be,
+    with (BatchEngine(eagle_engine, budget_policy="fixed", step_costs={2: 1.0, 264: 1.0}, background=False) as be,
           pytest.raises(ModelLoadError, match="hidden_size 64")):
         be.submit(ids, max_tokens=4, spec=SpecConfig(drafters=["suffix", "eagle3"]))
     assert eagle_engine.generate(ids, max_tokens=4, spec=None).token_ids

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import agentspec
-from agentspec import ContextLengthError, InvalidRequestError, ModelLoadError, SpecConfig
+from agentspec import ConfigError, ContextLengthError, InvalidRequestError, ModelLoadError, SpecConfig
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def test_public_defaults():
 
 def test_bad_row_cost():  # was a second test_bad_engine_options, shadowed by the one below: never ran
     for bad in (-0.5, "cheap", 11):
-        with pytest.raises(InvalidRequestError, match="row_cost must be a number in"):
+        with pytest.raises(ConfigError, match="row_cost must be a number in"):
             agentspec.Engine.embedded(row_cost=bad)
 
 
@@ -211,11 +211,11 @@ def test_cli_generate_json_and_errors(tmp_path):
 
 
 def test_bad_engine_options():
-    with pytest.raises(InvalidRequestError, match="dtype must be float32, bfloat16 or float16, got 'fp8'"):
+    with pytest.raises(ConfigError, match="dtype must be float32, bfloat16 or float16, got 'fp8'"):
         agentspec.Engine.embedded(dtype="fp8", quiet=True)
-    with pytest.raises(InvalidRequestError, match="kv_dtype must be float32, bfloat16 or float16, got 'int8'"):
+    with pytest.raises(ConfigError, match="kv_dtype must be float32, bfloat16 or float16, got 'int8'"):
         agentspec.Engine.embedded(kv_dtype="int8", quiet=True)
-    with pytest.raises(InvalidRequestError, match="deterministic_width must be >= 2, got 1"):
+    with pytest.raises(ConfigError, match="deterministic_width must be >= 2, got 1"):
         agentspec.Engine.embedded(deterministic_width=1, quiet=True)
 
 

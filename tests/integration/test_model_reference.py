@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,14 +18,14 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
     """The bundled GGUF as a Hugging Face folder (config + float32 safetensors + tokenizer.json),
-    written by transformers' own GGUF conversion (benchmarks/peers/convert_gguf_to_hf.py): once
-    for the module, the reference model and the safetensors-loading test both read it."""
+    written by transformers' own GGUF loading through the shipped converter
+    (``python -m agentspec.integrations.sglang.convert``): once for the module, the reference
+    model and the safetensors-loading test both read it."""
     pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    pytest.importorskip("gguf")
     folder = tmp_path_factory.mktemp("hf") / "smollm2-hf"
-    converter = Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / "convert_gguf_to_hf.py"
-    r = subprocess.run([sys.executable, str(converter), "--out", str(folder), "--dtype", "float32"],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-P", "-m", "agentspec.integrations.sglang.convert", str(folder),
+                        "--dtype", "float32"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     return folder
 

@@ -1,4 +1,4 @@
-"""The bundled model's prompt prefill on the AMX path (kernels/csrc/prefill_amx.cpp through
+"""The bundled model's prompt prefill on the AMX path (kernels/csrc/amx.cpp through
 Block.forward_amx): a prompt's logits and KV bits do not depend on how it is split into forwards,
 so the prefix cache's chunks are the same whichever way a prompt was prefilled (skipped on CPUs
 without AMX-BF16, and under an ISA cap below avx512bf16)."""

@@ -1,5 +1,6 @@
-"""Start-up: a port in use fails fast (before the model loads), and the step-cost profiles are
-cached on disk per machine, build and model (``agentspec.backends.embedded.profile_cache``)."""
+"""Start-up: a port in use fails fast (before the model loads), and the step-cost profile
+(``agentspec.backends.embedded.step_profile``) is cached on disk per machine, build and model
+(``agentspec.backends.embedded.profile_cache``)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentspec.backends.embedded import profile_cache
-from agentspec.backends.embedded.batch import BatchEngine, lower_convex_hull, select_slots, stand_in_step_costs
-from agentspec.backends.embedded.engine import EmbeddedEngine
+from agentspec.backends.embedded import profile_cache, step_profile
+from agentspec.backends.embedded.batch import BatchEngine, lower_convex_hull, select_slots
+from agentspec.backends.embedded.step_profile import StepProfile
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def number(value):
+    """The value the cache tests store: a finite number in [0, 1] (else a miss)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value) if 0.0 <= value <= 1.0 else None
 
 
 @pytest.fixture
@@ -88,11 +96,11 @@ def test_bind_socket_names_the_address():
 
 
 def test_store_and_load_back(cache_env, fake_engine):
-    key = profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=5)
-    assert profile_cache.load(key, profile_cache.valid_row_cost) is None
+    key = profile_cache.engine_key("test", fake_engine, context=1024, rows=33, repeat=5)
+    assert profile_cache.load(key, number) is None
     path = profile_cache.store(key, 0.0425)
     assert path is not None and path.parent == cache_env and path.is_file()
-    assert profile_cache.load(key, profile_cache.valid_row_cost) == 0.0425
+    assert profile_cache.load(key, number) == 0.0425
     assert [p.name for p in cache_env.iterdir()] == [path.name]  # no temporary file left behind
     stored = json.loads(path.read_text())
     for field in ("machine", "threads", "native", "model", "dtype", "kv_dtype", "device", "params"):
@@ -102,24 +110,24 @@ def test_store_and_load_back(cache_env, fake_engine):
 
 
 def test_key_changes_are_misses(cache_env, fake_engine, monkeypatch):
-    key = profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=5)
+    key = profile_cache.engine_key("test", fake_engine, context=1024, rows=33, repeat=5)
     profile_cache.store(key, 0.05)
 
     def miss(**changes):
         eng = types.SimpleNamespace(**{**vars(fake_engine), **changes})
-        k = profile_cache.engine_key("row_cost", eng, context=1024, rows=33, repeat=5)
+        k = profile_cache.engine_key("test", eng, context=1024, rows=33, repeat=5)
         assert k != key
-        return profile_cache.load(k, profile_cache.valid_row_cost) is None
+        return profile_cache.load(k, number) is None
 
     assert miss(dtype=torch.float32)
     assert miss(kv_dtype=torch.bfloat16)
     assert miss(device=torch.device("meta"))
-    assert profile_cache.load(profile_cache.engine_key("row_cost", fake_engine, context=512, rows=33, repeat=5)) is None
+    assert profile_cache.load(profile_cache.engine_key("test", fake_engine, context=512, rows=33, repeat=5)) is None
     assert profile_cache.load(profile_cache.engine_key("step_costs", fake_engine, context=1024, rows=33,
                                                        repeat=5)) is None
     # the model file changes (size and mtime)
     Path(fake_engine.model_path).write_bytes(b"GGUF" + bytes(200))
-    assert profile_cache.load(profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33,
+    assert profile_cache.load(profile_cache.engine_key("test", fake_engine, context=1024, rows=33,
                                                        repeat=5)) is None
     Path(fake_engine.model_path).write_bytes(b"GGUF" + bytes(100))
     # another machine / thread count / kernel ISA
@@ -127,48 +135,48 @@ def test_key_changes_are_misses(cache_env, fake_engine, monkeypatch):
 
     info = cpu_isa.machine_info()
     monkeypatch.setattr(cpu_isa, "machine_info", lambda: {**info, "cpus_usable": 64})
-    assert profile_cache.load(profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33,
+    assert profile_cache.load(profile_cache.engine_key("test", fake_engine, context=1024, rows=33,
                                                        repeat=5)) is None
     monkeypatch.setattr(cpu_isa, "machine_info", lambda: info)
     active = cpu_isa.active
     monkeypatch.setattr(cpu_isa, "active", lambda: "some-other-isa")
-    assert profile_cache.load(profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33,
+    assert profile_cache.load(profile_cache.engine_key("test", fake_engine, context=1024, rows=33,
                                                        repeat=5)) is None
     monkeypatch.setattr(cpu_isa, "active", active)
-    assert profile_cache.load(key, profile_cache.valid_row_cost) == 0.05  # all back: a hit again
+    assert profile_cache.load(key, number) == 0.05  # all back: a hit again
     monkeypatch.setenv("AGENTSPEC_CPU_LINEAR", "0")  # a kernel switch
-    assert profile_cache.load(profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33,
+    assert profile_cache.load(profile_cache.engine_key("test", fake_engine, context=1024, rows=33,
                                                        repeat=5)) is None
 
 
 def test_same_file_name_other_key_is_a_miss(cache_env, fake_engine):
-    key = profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=5)
+    key = profile_cache.engine_key("test", fake_engine, context=1024, rows=33, repeat=5)
     path = profile_cache.store(key, 0.05)
     data = json.loads(path.read_text())
     data["key"]["threads"] += 1  # as if another key hashed to this name
     path.write_text(json.dumps(data))
-    assert profile_cache.load(key, profile_cache.valid_row_cost) is None
+    assert profile_cache.load(key, number) is None
 
 
 @pytest.mark.parametrize("content", ["", "{", "not json", "[]", "null", '{"format": 1}',
                                      '{"format": 1, "key": {}, "value": 0.1}'])
 def test_corrupt_file_is_a_miss_and_is_replaced(cache_env, fake_engine, content):
-    key = profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=5)
+    key = profile_cache.engine_key("test", fake_engine, context=1024, rows=33, repeat=5)
     path = profile_cache.path_for(key)
     path.parent.mkdir(parents=True)
     path.write_text(content)
-    assert profile_cache.load(key, profile_cache.valid_row_cost) is None
+    assert profile_cache.load(key, number) is None
     path.write_bytes(b"\xff\xfe\x00garbage")
-    assert profile_cache.load(key, profile_cache.valid_row_cost) is None
+    assert profile_cache.load(key, number) is None
     assert profile_cache.store(key, 0.07) == path
-    assert profile_cache.load(key, profile_cache.valid_row_cost) == 0.07
+    assert profile_cache.load(key, number) == 0.07
 
 
 def test_bad_values_are_misses(cache_env, fake_engine):
-    key = profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=5)
+    key = profile_cache.engine_key("test", fake_engine, context=1024, rows=33, repeat=5)
     for bad in (5.0, -0.1, "0.05", None, True, [0.05]):
         profile_cache.store(key, bad)
-        assert profile_cache.load(key, profile_cache.valid_row_cost) is None, bad
+        assert profile_cache.load(key, number) is None, bad
     skey = profile_cache.engine_key("step_costs", fake_engine, grid=[2, 8], context=1024, repeat=2)
     for bad in ([[2, 0.01]], [[2, 0.01], [2, 0.02]], [[2, -1.0], [8, 0.02]], [[0, 0.01], [8, 0.02]],
                 {"2": 0.01, "8": 0.02}, [[2, 0.01], [8, "x"]], [[2.5, 0.01], [8, 0.02]]):
@@ -179,14 +187,14 @@ def test_bad_values_are_misses(cache_env, fake_engine):
 
 
 def test_disabled_by_env(cache_env, fake_engine, monkeypatch):
-    key = profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=5)
+    key = profile_cache.engine_key("test", fake_engine, context=1024, rows=33, repeat=5)
     profile_cache.store(key, 0.05)
     monkeypatch.setenv("AGENTSPEC_NO_PROFILE_CACHE", "1")
     assert not profile_cache.enabled()
-    assert profile_cache.load(key, profile_cache.valid_row_cost) is None
+    assert profile_cache.load(key, number) is None
     assert profile_cache.store(key, 0.06) is None
     monkeypatch.setenv("AGENTSPEC_NO_PROFILE_CACHE", "0")
-    assert profile_cache.load(key, profile_cache.valid_row_cost) == 0.05
+    assert profile_cache.load(key, number) == 0.05
 
 
 def test_unwritable_cache_dir_does_not_fail(tmp_path, fake_engine, monkeypatch):
@@ -194,9 +202,9 @@ def test_unwritable_cache_dir_does_not_fail(tmp_path, fake_engine, monkeypatch):
     blocker.write_text("x")
     monkeypatch.setenv("AGENTSPEC_CACHE_DIR", str(blocker))  # profiles/ cannot be created under a file
     monkeypatch.delenv("AGENTSPEC_NO_PROFILE_CACHE", raising=False)
-    key = profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=5)
+    key = profile_cache.engine_key("test", fake_engine, context=1024, rows=33, repeat=5)
     assert profile_cache.store(key, 0.05) is None
-    assert profile_cache.load(key, profile_cache.valid_row_cost) is None
+    assert profile_cache.load(key, number) is None
 
 
 def test_default_cache_dir(monkeypatch, tmp_path):
@@ -211,37 +219,38 @@ def test_default_cache_dir(monkeypatch, tmp_path):
 # ---- the engines use it ---------------------------------------------------------------------------
 
 
-def test_row_cost_measured_once_then_cached(cache_env, fake_engine, monkeypatch):
-    calls = []
-    values = iter([0.0375, 0.9, 0.5])
-    fake = types.SimpleNamespace(**vars(fake_engine), _row_cost_note="")
-    fake._profile_row_cost = lambda context, rows, repeat: calls.append((context, rows, repeat)) or next(values)
-    assert EmbeddedEngine._cached_row_cost(fake) == 0.0375
-    assert calls == [(1024, 33, 5)] and fake._row_cost_note == ""
-    # a hit: the stored number, and only a short warm-up run of the same forwards (result dropped)
-    assert EmbeddedEngine._cached_row_cost(fake) == 0.0375
-    assert calls == [(1024, 33, 5), (64, 33, 1)] and fake._row_cost_note == " (cached)"
-    monkeypatch.setenv("AGENTSPEC_NO_PROFILE_CACHE", "1")
-    fake._row_cost_note = ""
-    assert EmbeddedEngine._cached_row_cost(fake) == 0.5
-    assert calls[-1] == (1024, 33, 5) and fake._row_cost_note == ""
+def test_row_cost_measured_once_then_cached(cache_env, fake_engine, fake_profile):
+    """At an engine's start, on a miss, the row cost's two points are measured and stored (a
+    partial profile); on a hit, the same forwards run once over a short context (a warm-up,
+    result dropped)."""
+    p = StepProfile(fake_engine, base=1)
+    assert p.row_cost() is None and p.source == "none"
+    expected = (MEASURED[33] - MEASURED[1]) / (32 * MEASURED[1])
+    assert p.start() == pytest.approx(expected)
+    assert fake_profile == [((1, 33), 1024, step_profile.REPEAT)]
+    assert profile_cache.load(p.key, profile_cache.valid_step_costs) == {1: MEASURED[1], 33: MEASURED[33]}
+    hit = StepProfile(fake_engine, base=1)
+    assert hit.source == "cached" and not hit.complete and hit.start() == pytest.approx(expected)
+    assert fake_profile[1:] == [((1, 33), 64, 1)]
+    # a row_cost of 2 rows for engines whose rows are not invariant
+    assert StepProfile(fake_engine, base=2).row_cost() is None
 
 
-MEASURED = {2: 0.020, 8: 0.025, 16: 0.040, 33: 0.050, 66: 0.090, 132: 0.180, 264: 0.400}
+MEASURED = {1: 0.019, 2: 0.020, 8: 0.025, 16: 0.040, 33: 0.050, 66: 0.090, 132: 0.180, 264: 0.400}
 
 
 @pytest.fixture
 def fake_profile(monkeypatch):
-    """BatchEngine._profile_runs without a model: yields per 'forward', returns MEASURED."""
+    """step_profile.measure without a model: yields per 'forward', returns MEASURED."""
     runs = []
 
-    def profile_runs(self, grid, context, repeat):
+    def measure(engine, grid, context, repeat):
         runs.append((tuple(grid), context, repeat))
         for _ in range(5):
             yield
         return {n: MEASURED[n] for n in grid}
 
-    monkeypatch.setattr(BatchEngine, "_profile_runs", profile_runs)
+    monkeypatch.setattr(step_profile, "measure", measure)
     return runs
 
 
@@ -250,17 +259,32 @@ def test_step_costs_miss_then_cached(cache_env, fake_engine, fake_profile):
     assert be.step_costs_source == "stand-in" and fake_profile == []  # not measured yet
     assert be.step_cost(2) > 0
     assert be.step_costs == lower_convex_hull(MEASURED)  # read with no scheduler: measured now
-    assert be.step_costs_source == "measured" and fake_profile == [(BatchEngine.PROFILE_GRID, 1024, 2)]
+    assert be.step_costs_source == "measured" and fake_profile == [(step_profile.GRID, 1024, step_profile.REPEAT)]
     be.close()
     be2 = BatchEngine(fake_engine, background=False)
     assert be2.step_costs_source == "cached" and len(fake_profile) == 1
     assert be2.step_costs == lower_convex_hull(MEASURED)
     # reading it ran the check: two points timed again, in agreement, so the cached one stands
-    assert fake_profile[1:] == [(BatchEngine.PROFILE_CHECK, 1024, 2)] and be2.step_costs_source == "cached"
+    assert fake_profile[1:] == [(step_profile.CHECK, 1024, step_profile.REPEAT)] and be2.step_costs_source == "cached"
     be2.close()
     given = BatchEngine(fake_engine, background=False, step_costs={2: 1.0, 264: 2.0})
     assert given.step_costs_source == "given" and given.step_costs == {2: 1.0, 264: 2.0}
     given.close()
+
+
+def test_the_batch_measures_only_what_the_engine_start_left(cache_env, fake_engine, fake_profile):
+    """One profile: the points the engine's start measured for its row cost are not measured
+    again; the scheduler measures the rest of the grid and stores the whole."""
+    start = StepProfile(fake_engine, base=1)
+    start.start()
+    eng = types.SimpleNamespace(**vars(fake_engine), step_profile=start)
+    be = BatchEngine(eng, background=False)
+    assert be.profile is start and be.step_costs_source == "stand-in"
+    assert be.step_costs == lower_convex_hull(MEASURED) and be.step_costs_source == "measured"
+    rest = tuple(n for n in step_profile.GRID if n not in (1, 33))
+    assert fake_profile == [((1, 33), 1024, step_profile.REPEAT), (rest, 1024, step_profile.REPEAT)]
+    assert profile_cache.load(start.key, profile_cache.valid_step_costs) == MEASURED
+    be.close()
 
 
 def test_a_cached_profile_that_the_machine_no_longer_matches_is_measured_again(cache_env, fake_engine,
@@ -268,14 +292,14 @@ def test_a_cached_profile_that_the_machine_no_longer_matches_is_measured_again(c
     """A profile cached while other work shared the cores (every point ~18x slow, the small row
     counts worst) is found out by the start-up check and replaced, on disk too."""
     be = BatchEngine(fake_engine, background=False)
-    key = be._profile_key
+    key = be.profile.key
     be.close()
-    stale = {2: 0.482, 8: 0.461, 16: 0.434, 33: 2.34, 66: 2.74, 132: 2.89, 264: 6.57}
+    stale = {1: 0.470, 2: 0.482, 8: 0.461, 16: 0.434, 33: 2.34, 66: 2.74, 132: 2.89, 264: 6.57}
     profile_cache.store(key, [[n, c] for n, c in sorted(stale.items())])
     be = BatchEngine(fake_engine, background=False)
     assert be.step_costs_source == "cached" and be._step_costs == lower_convex_hull(stale)
     assert be.step_costs == lower_convex_hull(MEASURED) and be.step_costs_source == "measured"
-    assert fake_profile == [(BatchEngine.PROFILE_CHECK, 1024, 2), (BatchEngine.PROFILE_GRID, 1024, 2)]
+    assert fake_profile == [(step_profile.CHECK, 1024, step_profile.REPEAT), (step_profile.GRID, 1024, step_profile.REPEAT)]
     assert profile_cache.load(key, profile_cache.valid_step_costs) == MEASURED
     be.close()
 
@@ -341,14 +365,14 @@ def test_step_costs_measured_by_the_idle_scheduler(cache_env, fake_engine, fake_
         deadline = time.monotonic() + 30
         while be.step_costs_source != "measured" and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert be.step_costs_source == "measured" and fake_profile == [(BatchEngine.PROFILE_GRID, 1024, 2)]
+        assert be.step_costs_source == "measured" and fake_profile == [(step_profile.GRID, 1024, step_profile.REPEAT)]
         assert be.step_costs == lower_convex_hull(MEASURED)
-    assert profile_cache.load(be._profile_key, profile_cache.valid_step_costs) == MEASURED
+    assert profile_cache.load(be.profile.key, profile_cache.valid_step_costs) == MEASURED
 
 
 def test_stand_in_costs_are_increasing_and_conservative():
     for rc in (0.0, 0.04, 0.3, 1.0, 7.0):
-        c = stand_in_step_costs(rc, BatchEngine.PROFILE_GRID)
+        c = step_profile.stand_in(rc)
         ns = sorted(c)
         assert all(c[a] <= c[b] for a, b in zip(ns, ns[1:]))
         assert lower_convex_hull(c) == pytest.approx(c)  # already convex
@@ -358,12 +382,12 @@ def test_stand_in_costs_are_increasing_and_conservative():
 
 @pytest.mark.slow
 def test_real_profile_runs_one_forward_at_a_time(engine, cache_env, monkeypatch):
-    """The generator behind the profile on the real model: the numbers, and that a pending
+    """The measurement behind the profile on the real model: the numbers, and that a pending
     profile lets requests through (the background scheduler measures only while idle)."""
-    with BatchEngine(engine, background=False, step_costs={2: 1.0, 264: 2.0}) as be:
-        costs = be.profile_step_costs(grid=(2, 8), context=300, repeat=1)
+    costs = step_profile.profile(engine, grid=(2, 8), context=300, repeat=1)
     assert sorted(costs) == [2, 8] and all(v > 0 and math.isfinite(v) for v in costs.values())
-    monkeypatch.setattr(BatchEngine, "PROFILE_GRID", (2, 8))
+    monkeypatch.setattr(step_profile, "GRID", (2, 8))
+    monkeypatch.setattr(engine, "step_profile", StepProfile(engine))   # in this test's cache folder
     with BatchEngine(engine) as be:
         assert be.step_costs_source == "stand-in"
         [g] = be.generate_many(["Say hi."], max_tokens=4)
@@ -372,6 +396,7 @@ def test_real_profile_runs_one_forward_at_a_time(engine, cache_env, monkeypatch)
         while be.step_costs_source != "measured" and time.monotonic() < deadline:
             time.sleep(0.05)
         assert be.step_costs_source == "measured" and sorted(be.step_costs) == [2, 8]
+    monkeypatch.setattr(engine, "step_profile", StepProfile(engine))   # a new start: read from disk
     with BatchEngine(engine, background=False) as be:
         assert be.step_costs_source == "cached"
 
@@ -454,10 +479,10 @@ def test_old_profiles_are_pruned(cache_env, fake_engine, monkeypatch):
     monkeypatch.setattr(profile_cache, "KEEP", 3)
     paths = []
     for i in range(5):
-        key = profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=i)
+        key = profile_cache.engine_key("test", fake_engine, context=1024, rows=33, repeat=i)
         paths.append(profile_cache.store(key, 0.01 * (i + 1)))
         os.utime(paths[-1], ns=(i * 10**9, i * 10**9))  # distinct ages
-    profile_cache.store(profile_cache.engine_key("row_cost", fake_engine, context=1024, rows=33, repeat=9), 0.5)
+    profile_cache.store(profile_cache.engine_key("test", fake_engine, context=1024, rows=33, repeat=9), 0.5)
     left = sorted(p.name for p in cache_env.iterdir())
     assert len(left) == 3 and paths[0].name not in left and paths[4].name in left
 
@@ -467,27 +492,27 @@ def test_a_profile_that_no_idle_machine_gives_is_measured_again_and_never_kept(c
     """Other work on the cores made the measurement non-monotone (2 rows 317 ms, 8 rows 230): it is
     measured again; kept from disk, it counts as a miss; measured so every time, it is used for
     this process but not stored."""
-    bad = {2: 0.317, 8: 0.230, 16: 0.235, 33: 0.375, 66: 0.351, 132: 0.411, 264: 0.337}
+    bad = {1: 0.300, 2: 0.317, 8: 0.230, 16: 0.235, 33: 0.375, 66: 0.351, 132: 0.411, 264: 0.337}
     seq = [bad, MEASURED]
     runs = []
 
-    def profile_runs(self, grid, context, repeat):
+    def measure(engine, grid, context, repeat):
         runs.append(tuple(grid))
         yield
         got = seq.pop(0) if seq else bad
         return {n: got[n] for n in grid}
 
-    monkeypatch.setattr(BatchEngine, "_profile_runs", profile_runs)
-    assert not BatchEngine.plausible(bad) and BatchEngine.plausible(MEASURED)
+    monkeypatch.setattr(step_profile, "measure", measure)
+    assert not step_profile.plausible(bad) and step_profile.plausible(MEASURED)
     be = BatchEngine(fake_engine, background=False)
     assert be.step_costs == lower_convex_hull(MEASURED) and len(runs) == 2   # the bad one measured again
-    key = be._profile_key
+    key = be.profile.key
     be.close()
     profile_cache.store(key, [[n, c] for n, c in sorted(bad.items())])     # an older start kept a bad one
     runs.clear()
     be = BatchEngine(fake_engine, background=False)
     assert be.step_costs_source == "stand-in"                               # not trusted: a miss
     assert be.step_costs == lower_convex_hull(bad)                          # every attempt bad: used ...
-    assert len(runs) == BatchEngine.PROFILE_ATTEMPTS
+    assert len(runs) == step_profile.ATTEMPTS
     assert profile_cache.load(key, profile_cache.valid_step_costs) == bad   # ... and not stored over
     be.close()

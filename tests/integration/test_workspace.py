@@ -341,7 +341,7 @@ def test_engine_drafts_from_its_workspace(tmp_path, tokenizer):
     with Workspace(tmp_path, tokenizer=tokenizer, watch=False) as ws:
         eng = agentspec.Engine.embedded(workspace=ws, quiet=True, row_cost=0.05)
         assert eng.drafter.index is ws.index
-        with pytest.raises(agentspec.InvalidRequestError, match="either drafter or workspace"):
+        with pytest.raises(agentspec.ConfigError, match="either drafter or workspace"):
             agentspec.Engine.embedded(workspace=ws, drafter=SuffixDrafter(), quiet=True)
     with pytest.raises(ValueError, match="not a directory"):
         Workspace(tmp_path / "nope", tokenizer=tokenizer)

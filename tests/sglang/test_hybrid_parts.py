@@ -66,7 +66,8 @@ def test_compose_follows_the_registry_meaning_of_drafter_lists():
     s, h = _Stub(Draft.chain([1, 2], 0.9, source="suffix")), _Stub(Draft.chain([3], 1.0, source="eagle3"))
     assert compose(["suffix"], s, h, 1.0) is s
     assert compose(["eagle3"], s, h, 1.0) is h
-    assert compose(["lookahead"], s, h, 1.0) is None
+    with pytest.raises(ValueError, match="'lookahead' does not run here"):   # start-up refuses such routes
+        compose(["lookahead"], s, h, 1.0)
     switch = compose(["suffix>eagle3"], s, h, 2.5)
     assert isinstance(switch, FallbackDrafter) and switch.mode == "switch" and switch.min_expected == 3.0
     assert compose(["suffix>eagle3"], s, h, 4.5).min_expected == 4.5

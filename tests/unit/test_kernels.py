@@ -45,28 +45,19 @@ def _random_batch(g: torch.Generator, *, trees: int, max_nodes: int, vocab: int)
     return out
 
 
+def pack_trees(trees, *, device=None):
+    """``[(tokens, parents), ...]`` (root included) -> flat ``tokens [N]``, ``parents [N]``,
+    ``offsets [B + 1]`` (int64): the batched layout of ``agentspec.kernels.tree``."""
+    lengths = [len(t) for t, _ in trees]
+    offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+    tokens = torch.tensor([x for t, _ in trees for x in t], dtype=torch.int64)
+    parents = torch.tensor([x for _, p in trees for x in p], dtype=torch.int64)
+    return tokens.to(device), parents.to(device), offsets.to(device)
+
+
 def _assert_same(a, b):
     for x, y in zip(a, b):
         assert x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu()), (x, y)
-
-
-def test_tree_attention_kernel_matches_reference():
-    g = torch.Generator().manual_seed(0)
-    trees = _random_batch(g, trees=5, max_nodes=9, vocab=4) + [([1], [-1]), ([1, 2, 3, 4], [-1, 0, 1, 2])]
-    _, par, off = K.pack_trees(trees, device=DEV)
-    ref = K.tree_attention_torch(par, off)
-    _assert_same(K.tree_attention_triton(par, off), ref)
-    _assert_same(K.tree_attention_triton(par, off, width=12), K.tree_attention_torch(par, off, width=12))
-    _assert_same(K.tree_attention(par, off), ref)                # dispatcher, with its defaults
-    mask, depth = ref
-    start = 0
-    for b, (_, parents) in enumerate(trees):                     # agrees with the one-tree functions
-        T = len(parents)
-        assert torch.equal(mask[b, :T, :T].cpu(), K.tree_mask(parents))
-        assert depth[start:start + T].tolist() == K.tree_depths(parents)
-        assert not mask[b, :T, T:].any() and not mask[b, T:, :T].any()
-        assert torch.equal(mask[b, T:, T:].cpu(), torch.eye(mask.shape[1] - T, dtype=torch.bool))
-        start += T
 
 
 @st.composite
@@ -84,7 +75,7 @@ def greedy_batches(draw, max_trees=4, max_nodes=10, vocab=3):
 @settings(max_examples=60 if not CUDA else 300, deadline=None)
 def test_greedy_kernel_matches_reference(batch):
     trees, targets = batch
-    tok, par, off = K.pack_trees(trees, device=DEV)
+    tok, par, off = pack_trees(trees, device=DEV)
     target = torch.tensor(targets, device=DEV)
     ref = K.greedy_verify_batch_torch(tok, par, target, off)
     _assert_same(K.greedy_verify_batch_triton(tok, par, target, off), ref)
@@ -97,24 +88,22 @@ def test_greedy_kernel_matches_reference(batch):
 
 
 def test_greedy_dispatcher_defaults():
-    tok, par, off = K.pack_trees([([5, 1, 2], [-1, 0, 1]), ([7, 3], [-1, 0])], device=DEV)
+    tok, par, off = pack_trees([([5, 1, 2], [-1, 0, 1]), ([7, 3], [-1, 0])], device=DEV)
     paths, lengths, bonus = K.greedy_verify_batch(tok, par, torch.tensor([1, 2, 9, 4, 4], device=DEV), off)
     assert paths.tolist() == [[0, 1, 2], [0, -1, -1]] and lengths.tolist() == [3, 1] and bonus.tolist() == [9, 4]
 
 
 def test_kernels_validate_inputs():
-    tok, par, off = K.pack_trees([([1, 2], [-1, 0])], device=DEV)
+    tok, par, off = pack_trees([([1, 2], [-1, 0])], device=DEV)
     with pytest.raises(ValueError, match=r"parents\[0\] = 0 \(row 0 of its tree\) must be -1"):
         K.greedy_verify_batch_triton(tok, torch.zeros_like(par), tok, off)
-    with pytest.raises(ValueError, match="width 1 is smaller than the largest tree"):
-        K.tree_attention_triton(par, off, width=1)
 
 
 def test_missing_triton_names_the_install(monkeypatch):
     monkeypatch.delitem(sys.modules, "agentspec.kernels.tree_triton")
     monkeypatch.delattr(K, "tree_triton")
     monkeypatch.setitem(sys.modules, "triton", None)
-    tok, par, off = K.pack_trees([([1], [-1])])
+    tok, par, off = pack_trees([([1], [-1])])
     with pytest.raises(ImportError, match=r"need triton: pip install triton"):
         K.greedy_verify_batch_triton(tok, par, tok, off)
 
@@ -129,7 +118,6 @@ def test_kernels_compile_for_cuda():
         from agentspec.kernels import tree_triton as K
         i64 = "*i64"
         sigs = {
-            K._tree_attention_kernel: ([i64, i64, "*u8", i64, "i32"], {}),
             K._greedy_kernel: ([i64] * 7 + ["i32"], {}),
         }
         for fn, (types, consts) in sigs.items():
@@ -152,9 +140,8 @@ def test_kernels_compile_for_cuda():
 def test_kernels_on_cuda_at_real_sizes():
     g = torch.Generator().manual_seed(3)
     batch = _random_batch(g, trees=64, max_nodes=64, vocab=151_936)
-    tok, par, off = K.pack_trees(batch, device="cuda")
+    tok, par, off = pack_trees(batch, device="cuda")
     N, V = tok.numel(), 151_936
-    _assert_same(K.tree_attention(par, off, width=64), K.tree_attention_torch(par, off, width=64))
     target = torch.randint(0, V, (N,), device="cuda")
     # row i often wants the next row's token (a child on chains): long accepted paths
     target[:-1] = torch.where(torch.rand(N - 1, device="cuda") < 0.7, tok[1:], target[:-1])

@@ -1,4 +1,4 @@
-"""The AMX prefill attention (kernels/csrc/prefill_amx.cpp): accuracy against a float32
+"""The AMX prefill attention (kernels/csrc/amx.cpp): accuracy against a float32
 reference, a row's bits independent of the chunk it is computed in and of the thread count, the
 packed cache it writes, bad arguments (skipped on CPUs without AMX-BF16); the bundled
 model's prefill on it is tested in tests/integration/test_prefill_amx_engine.py."""

@@ -19,7 +19,6 @@ import itertools
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from ..protocol import (
@@ -29,22 +28,15 @@ from ..protocol import (
     check_drafter_names,
     check_messages,
     check_request,
+    model_name_for,
     stream_via_submit,
 )
 from ...drafting.registry import DEFAULT_DRAFTERS
 from ...errors import AgentSpecError, BackendClosedError, ConfigError, InvalidRequestError, QueueFullError
 
-__all__ = ["EmbeddedBackend", "model_name_for", "prediction_doc_id"]
+__all__ = ["EmbeddedBackend", "prediction_doc_id"]
 
 _ids = itertools.count()
-
-
-def model_name_for(model: str | Path | None) -> str:
-    """The model id a server reports for a model path (None: the bundled model)."""
-    if model is None:
-        return "SmolLM2-135M-Instruct"
-    p = Path(model)
-    return p.name.removesuffix(".gguf") if p.suffix == ".gguf" else p.name
 
 
 def prediction_doc_id(request_id: str) -> str:
@@ -90,7 +82,7 @@ class EmbeddedBackend:
         self._drafters: dict[tuple[str, ...], Any] = {}
         for label, names in (drafters or {}).items():   # before the scheduler: nothing to close on failure
             self._prebuild(label, names)
-        self._batch = BatchEngine(engine, max_batch=max_batch, budget=budget_policy, background=False)
+        self._batch = BatchEngine(engine, max_batch=max_batch, budget_policy=budget_policy, background=False)
         self._lock = threading.Lock()
         self._active: dict[str, threading.Event] = {}   # request id -> its cancel flag
         self._thread: threading.Thread | None = None    # the background scheduler

@@ -31,14 +31,13 @@ import torch
 
 from ...config import DEFAULT_SPEC, SpecConfig
 from ...drafting import Drafter
-from ...errors import BackendClosedError, InvalidRequestError
-from ...kernels.tree import tree_mask
+from ...errors import BackendClosedError, ConfigError
 from ...decode.costs import StepCostModel, lower_convex_hull
 from ...decode.results import Generation, GenerationStats
 from ..protocol import GenerationRequest
-from .model import round_up
 from ...decode.step import SeqState
-from .model import Segment
+from . import step_profile
+from .model import round_up
 
 __all__ = ["BatchEngine", "BudgetPolicy", "lower_convex_hull", "select_slots"]
 
@@ -76,17 +75,6 @@ def select_slots(survivals: Sequence[Sequence[float]], base_rows: int, base_toke
     for r in order[:best_k]:
         taken[r] += 1
     return taken
-
-
-def stand_in_step_costs(row_cost: float, grid: Sequence[int]) -> dict[int, float]:
-    """A step-cost curve from the engine's row cost, in units of a one-row step, until the
-    profile is measured (a cache miss): ``1 + row_cost * (n - 1)`` up to 33 rows (the row cost
-    is measured at 33 rows), then proportional to the rows (compute-bound: every row costs a
-    33-row step's average), which lies at or above the measured CPU curves past 33 rows, so the
-    load-aware budget drafts less rather than more. ``select_slots`` only compares ratios."""
-    rc = min(max(float(row_cost), 0.0), 1.0)
-    c33 = 1.0 + 32.0 * rc
-    return {n: (1.0 + rc * (n - 1)) if n <= 33 else c33 * n / 33.0 for n in grid}
 
 
 class FairQueue:
@@ -158,7 +146,7 @@ class BatchEngine:
 
     Options:
       max_batch: running requests per step (more wait in arrival order).
-      budget: "load_aware" (global top-B slots, default), "fixed" (each request's own
+      budget_policy: "load_aware" (global top-B slots, default), "fixed" (each request's own
         ``cut_for_cost`` as in single-request decoding) or "off" (plain batched decoding).
       step_costs: {rows: seconds} to use instead of the profile (see ``step_costs``).
       live_costs: refresh the step-cost model from the steps this engine times (default): the
@@ -174,32 +162,32 @@ class BatchEngine:
         OpenMP teams, and a step then costs ~1.5x as much (measured on 2 cores: 39 vs 25 ms).
     """
 
-    def __init__(self, engine, *, max_batch: int = 16, budget: BudgetPolicy = "load_aware",
+    def __init__(self, engine, *, max_batch: int = 16, budget_policy: BudgetPolicy = "load_aware",
                  step_costs: dict[int, float] | None = None, background: bool = True,
                  verify: str = "auto", live_costs: bool = True) -> None:
         if engine.deterministic:
-            raise InvalidRequestError("continuous batching does not support the deterministic mode", param="engine")
-        if budget not in ("load_aware", "fixed", "off"):
-            raise InvalidRequestError(f"budget must be 'load_aware', 'fixed' or 'off', got {budget!r}", param="budget")
+            raise ConfigError("continuous batching does not support the deterministic mode")
+        if budget_policy not in ("load_aware", "fixed", "off"):
+            raise ConfigError(f"budget_policy must be 'load_aware', 'fixed' or 'off', got {budget_policy!r}")
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise InvalidRequestError(f"max_batch must be an integer >= 1, got {max_batch!r}", param="max_batch")
+            raise ConfigError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if verify not in ("auto", "batched", "reference"):
-            raise InvalidRequestError(f"verify must be 'auto', 'batched' or 'reference', got {verify!r}", param="verify")
+            raise ConfigError(f"verify must be 'auto', 'batched' or 'reference', got {verify!r}")
         self._batched_verify = verify == "batched" or (verify == "auto" and engine.device.type == "cuda")
         self.engine = engine
         self.decoder = getattr(engine, "decoder", None)  # (None: a test fake that never steps)
         self.max_batch = max_batch
-        self.budget = budget
+        self.budget_policy = budget_policy
         self._profile_lock = threading.Lock()
-        self._profile: Any = None  # a cache miss: the profile's measurement, run one forward at a time
-        self._profile_key: dict | None = None
-        self._profile_attempts = 0   # measurements taken (``plausible``)
+        self._profile: Any = None  # the profile's pending measurement, run one forward at a time
         self.live_costs = bool(live_costs)
-        self.costs: StepCostModel | None = None   # set with the profile (_set_step_costs)
+        self.costs: StepCostModel | None = None   # set with the curve (_set_step_costs)
+        self.profile: step_profile.StepProfile | None = None
         if step_costs:
             self._set_step_costs(dict(step_costs), "given")
         else:
-            self._start_profile()
+            self.profile = getattr(engine, "step_profile", None) or step_profile.StepProfile(engine)
+            self._take_profile()
         self._waiting = FairQueue()   # per tenant, served in turn (a flood waits behind itself)
         self._running: list[_Request] = []
         self._free_caches: list = []   # finished requests' KV caches, for the next ones (``_cache_for``)
@@ -253,8 +241,8 @@ class BatchEngine:
         """Queue a request its backend checked (``check_request``), drafting with ``drafter``
         (None: nothing). Nothing is checked again here."""
         e = self.engine
-        off = "batch budget policy 'off'" if self.budget == "off" else getattr(e, "spec_off_reason", None)
-        seq = self.decoder.sequence(request, drafter=drafter, off_reason=off, note=f", batched ({self.budget})")
+        off = "batch budget policy 'off'" if self.budget_policy == "off" else getattr(e, "spec_off_reason", None)
+        seq = self.decoder.sequence(request, drafter=drafter, off_reason=off, note=f", batched ({self.budget_policy})")
         req = _Request(seq=seq, on_tokens=on_tokens, on_done=on_done, should_stop=should_stop)
         with self._cv:
             if self._closed:
@@ -349,37 +337,22 @@ class BatchEngine:
 
     # ---- the step-cost profile ---------------------------------------------------------------
 
-    PROFILE_GRID = (2, 8, 16, 33, 66, 132, 264)
-    PROFILE_AFTER_IDLE_S = 1.0  # a pending profile runs once nothing ran for this long
-    PROFILE_CHECK = (2, 33)     # a cached profile's points timed again at start (_check_cached)
-    PROFILE_CHECK_TOLERANCE = 1.5
-    PROFILE_ATTEMPTS = 3        # measurements before an implausible one is used (never stored)
-
-    @staticmethod
-    def plausible(costs: Mapping[int, float], slack: float = 1.25) -> bool:
-        """Whether a measured profile can be this machine's idle curve: a forward with more rows
-        never runs much faster (each point at least 1/``slack`` of the one before). Other work on
-        the cores makes some points several times too slow (seen: 317 ms at 2 rows, 230 at 8; 36,
-        135, 248 then 59 ms at 33), a shape no idle machine gives; kept, it sets the draft rows'
-        price for every later start."""
-        pts = [costs[n] for n in sorted(costs)]
-        return all(b >= a / slack for a, b in zip(pts, pts[1:]))
+    PROFILE_AFTER_IDLE_S = 1.0  # a pending measurement runs once nothing ran for this long
 
     @property
     def step_costs(self) -> dict[int, float]:
-        """The step-cost profile {rows: seconds}, lowered onto its convex hull: given, cached on
-        disk for this machine, build and model (``profile_cache``), or measured.
+        """The step-cost curve {rows: seconds}, lowered onto its convex hull: given, or the
+        engine's step-cost profile (``step_profile.StepProfile``: cached on disk for this
+        machine, build and model, or measured).
 
-        On a cache miss the engine starts with a stand-in (``stand_in_step_costs``) and measures
-        in idle time: a serving scheduler (``serve_forever``, ``background=True``) runs the
-        measurement one forward at a time once nothing waited or ran for
-        ``PROFILE_AFTER_IDLE_S``, so the server answers at once and a request waits at most one
-        forward (~1.5 s at 264 rows on 2 cores); ``run_until_idle``,
-        ``generate_many(background=False)`` and a read of this property while no scheduler runs
-        finish it first (as the start-up profiling did). Stored once complete.
-        Not a second thread: it would time its forwards against requests on the same cores (and
-        cache the disturbed numbers for later starts), and a second thread running OpenMP teams
-        throttles libgomp for the scheduler's. ``step_costs_source`` says which it is."""
+        Until the profile is complete (a cache miss) the curve is a stand-in from the engine's
+        row cost (``step_profile.stand_in``) and the missing points are measured in idle time: a
+        serving scheduler (``serve_forever``, ``background=True``) runs the measurement one
+        forward at a time once nothing waited or ran for ``PROFILE_AFTER_IDLE_S``, so the server
+        answers at once and a request waits at most one forward (~1.5 s at 264 rows on 2
+        cores); ``run_until_idle``, ``generate_many(background=False)`` and a read of this
+        property while no scheduler runs finish it first. A complete cached profile is checked
+        the same way (two of its points timed again). ``step_costs_source`` says which it is."""
         if self._profile is not None and not self._serving and self._thread is None:
             self._finish_profile()
         return self._step_costs
@@ -393,43 +366,19 @@ class BatchEngine:
             self.costs.set_prior(hull)
         self.step_costs_source = source  # "given" | "cached" | "measured" | "stand-in"
 
-    def _start_profile(self) -> None:
-        """The cached profile, or a stand-in and a pending measurement (a miss)."""
-        from . import profile_cache
-
-        e = self.engine
-        key = profile_cache.engine_key("step_costs", e, grid=list(self.PROFILE_GRID),
-                                       context=min(1024, e.max_context - 64), repeat=2)
-        cached = profile_cache.load(key, profile_cache.valid_step_costs)
-        self._profile_key = key
-        if cached is not None and self.plausible(cached):
-            self._set_step_costs(cached, "cached")
-            self._profile = self._check_cached(cached)
-            return
-        self._set_step_costs(stand_in_step_costs(e.row_cost, self.PROFILE_GRID), "stand-in")
-        self._profile = self._profile_runs(self.PROFILE_GRID, 1024, 2)
-
-    def _check_cached(self, cached: dict[int, float]):
-        """A cached profile checked against two of its points timed now (``PROFILE_CHECK``, run
-        like a pending measurement: one forward at a time, in idle time). A profile measured
-        while other work shared the cores is too slow everywhere and in the wrong shape (seen:
-        2 rows at 482 ms where an idle machine takes 27), and its marginal row looks dear, so
-        the load-aware budget drafts too little; the live corrections rescale a profile but
-        learn its shape only where steps land. When a point is off by more than
-        ``PROFILE_CHECK_TOLERANCE`` either way, the whole profile is measured again (and
-        stored); else it returns None and the cached one stands."""
-        grid = [n for n in self.PROFILE_CHECK if n in cached]
-        now = yield from self._profile_runs(grid, 1024, 2)
-        tol = self.PROFILE_CHECK_TOLERANCE
-        if all(1.0 / tol <= now[n] / cached[n] <= tol for n in grid):
-            return None
-        return (yield from self._profile_runs(self.PROFILE_GRID, 1024, 2))
+    def _take_profile(self) -> None:
+        """The curve from the profile as it stands, and its next measurement (if any)."""
+        p = self.profile
+        if p.complete:
+            self._set_step_costs(p.points, p.source)
+        else:
+            self._set_step_costs(step_profile.stand_in(self.engine.row_cost), "stand-in")
+        self._profile = p.pending()
 
     def _profile_piece(self) -> bool:
         """Run one forward of the pending measurement (False when another thread runs it or
-        nothing is pending); at its end, take the profile and store it on disk."""
-        from . import profile_cache
-
+        nothing is pending); at its end, hand it to the profile (which stores it) and take the
+        curve."""
         if not self._profile_lock.acquire(blocking=False):
             return False
         try:
@@ -440,21 +389,11 @@ class BatchEngine:
                 next(gen)
                 return True
             except StopIteration as done:
-                self._profile = None
-                if done.value is None:   # a cached profile that the check confirmed
-                    self.step_costs_source = "cached"
-                    return True
-                self._profile_attempts += 1
-                ok = self.plausible(done.value)
-                if not ok and self._profile_attempts < self.PROFILE_ATTEMPTS:   # other work interfered
-                    self._profile = self._profile_runs(self.PROFILE_GRID, 1024, 2)
-                    return True
-                self._set_step_costs(done.value, "measured")
-                if ok and self._profile_key is not None:
-                    profile_cache.store(self._profile_key, [[n, c] for n, c in sorted(done.value.items())])
+                self.profile.finish(done.value)
+                self._take_profile()
                 return True
             except BaseException:
-                self._profile = None  # keep the stand-in; the next start measures again
+                self._profile = None  # keep the curve as it is; the next start measures again
                 raise
         finally:
             self._profile_lock.release()
@@ -464,58 +403,6 @@ class BatchEngine:
             if not self._profile_piece():
                 with self._profile_lock:  # another thread runs a piece: wait for it
                     pass
-
-    def profile_step_costs(self, grid: Sequence[int] = PROFILE_GRID, context: int = 1024,
-                           repeat: int = 2) -> dict[int, float]:
-        """Time one forward of n rows (segments of up to 33 rows, each over ``context`` cached
-        tokens), the fastest of ``repeat`` runs each (~2.5 s on 2 CPU cores). Past the grid,
-        ``step_cost`` extrapolates linearly: beyond ~33 rows a CPU step grows ~linearly."""
-        gen = self._profile_runs(grid, context, repeat)
-        while True:
-            try:
-                next(gen)
-            except StopIteration as done:
-                return done.value
-
-    def _profile_runs(self, grid: Sequence[int], context: int, repeat: int):
-        """``profile_step_costs`` as a generator that yields after each forward (and after each
-        256-token piece of the untimed prefill) and returns the costs."""
-        e = self.engine
-        dev = e.device
-        context = min(context, e.max_context - 64)
-        cache = e.new_cache(round_up(context + 64, 256))
-        ids = torch.arange(100, 100 + context, device=dev) % e.args.vocab_size
-        for a in range(0, context, 256):
-            b = min(a + 256, context)
-            with torch.inference_mode():  # never across a yield: the scheduler runs in between
-                e.model(ids[a:b], torch.arange(a, b, device=dev), cache, logits_rows=slice(-1, None))
-                cache.commit(list(range(b - a)))
-            yield
-        costs = {}
-        for n in grid:
-            sizes = [33] * (n // 33) + ([n % 33] if n % 33 else [])
-            with torch.inference_mode():
-                segs = []
-                for T in sizes:
-                    m = torch.zeros(T, context + T, dtype=torch.bool, device=dev)
-                    m[:, :context] = True
-                    m[:, context:] = tree_mask(list(range(-1, T - 1)), device=dev)
-                    segs.append(Segment(cache=cache, rows=T, mask=m))
-                tok = torch.full((n,), 100, device=dev)
-                pos = torch.cat([torch.arange(context, context + T, device=dev) for T in sizes])
-            ts = []
-            for _ in range(repeat + 1):
-                with torch.inference_mode():
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    e.model.forward_segments(tok, pos, segs)
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
-                    ts.append(time.perf_counter() - t0)
-                yield
-            costs[n] = min(ts[1:])
-        return costs
 
     # ---- the scheduler ------------------------------------------------------------------------
 
@@ -658,8 +545,8 @@ class BatchEngine:
         seqs = [r.seq for r in reqs]
         dec = self.decoder
         context = sum(s.cache.length for s in seqs) / len(seqs)   # tokens cached per request
-        drafts = dec.propose_many(seqs, cost_cut=self.budget == "fixed")
-        if self.budget == "load_aware" and any(d.token_ids for d in drafts):
+        drafts = dec.propose_many(seqs, cost_cut=self.budget_policy == "fixed")
+        if self.budget_policy == "load_aware" and any(d.token_ids for d in drafts):
             surv = [[x * s.tracker.trust for x in d.survival()] for s, d in zip(seqs, drafts)]
             base_rows = max(len(seqs), 2)
             keep = select_slots(surv, base_rows, float(len(seqs)), self.slot_costs(base_rows, context))

@@ -21,16 +21,16 @@ from ...drafting import Drafter, default_drafter
 from ...errors import ConfigError, InvalidRequestError
 from ...kernels import cpu_linear
 from ...kernels import cpu_isa as _cpu_isa
-from ...kernels.tree import tree_mask
 from ..protocol import GenerationRequest, check_request
 from ...decode.results import Generation
 from .model import KVCache, Transformer, round_up
 from .plan import KernelPlan, Settings
 from .prefix_cache import CHUNK_TOKENS, PrefixCache
 from .spec_device import spec_off_reason
+from .step_profile import StepProfile
 from ...decode.step import Decoder, run_single
 from .threads import ThreadGovernor
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 from .weights import bundled_model_path, load_checkpoint
 
 __all__ = ["EmbeddedEngine", "GenerateOptions"]
@@ -49,7 +49,7 @@ class GenerateOptions(TypedDict, total=False):
 
 
 class EmbeddedEngine:
-    """Torch engine for the families in ``engine.families`` (Llama, Mistral, Qwen2, Qwen3).
+    """Torch engine for the families in ``agentspec.backends.embedded.families`` (Llama, Mistral, Qwen2, Qwen3).
 
     Options (keyword-only):
       model: a ``.gguf`` file or Hugging Face folder; None = the bundled SmolLM2-135M-Instruct.
@@ -121,15 +121,15 @@ class EmbeddedEngine:
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidRequestError(f"device {device!r} requested but CUDA is not available", param="device")
+            raise ConfigError(f"device {device!r} requested but CUDA is not available")
         try:
             _cpu_isa.set_isa(cpu_isa) if cpu_isa is not None else _cpu_isa.apply_env()
         except ValueError as e:
-            raise InvalidRequestError(str(e), param="cpu_isa") from None
+            raise ConfigError(str(e)) from None
         try:
             settings = Settings.from_env()   # what the environment asks of the kernels (the plan decides)
         except ValueError as e:
-            raise InvalidRequestError(str(e), param="kernels") from None
+            raise ConfigError(str(e)) from None
         if dtype is None:
             native = (self.device.type == "cpu" and settings.native_linears and settings.native_attention
                       and cpu_linear.linear_supported(torch.bfloat16, self.device))
@@ -145,9 +145,9 @@ class EmbeddedEngine:
                                        and os.environ.get("AGENTSPEC_THREAD_GOVERNOR", "1") != "0")
         if row_cost is not None and (isinstance(row_cost, bool) or not isinstance(row_cost, (int, float))
                                      or not 0.0 <= row_cost <= 10.0):
-            raise InvalidRequestError(f"row_cost must be a number in [0, 10], got {row_cost!r}", param="row_cost")
+            raise ConfigError(f"row_cost must be a number in [0, 10], got {row_cost!r}")
         if deterministic_width < 2:
-            raise InvalidRequestError(f"deterministic_width must be >= 2, got {deterministic_width}")
+            raise ConfigError(f"deterministic_width must be >= 2, got {deterministic_width}")
         self.dtype = dtype
         self.kv_dtype = torch.float32 if kv_dtype is None else _dtype(kv_dtype, "kv_dtype")
         self.quiet = quiet
@@ -188,7 +188,7 @@ class EmbeddedEngine:
         self.prefix_cache: PrefixCache | None = None
         self.configure_prefix_cache(prefix_cache_bytes, shared=prefix_cache_shared)   # ConfigError: before warm-up
         if drafter is not None and workspace is not None:
-            raise InvalidRequestError("pass either drafter or workspace, not both", param="workspace")
+            raise ConfigError("pass either drafter or workspace, not both")
         self.workspace = workspace
         self.drafter: Drafter = drafter if drafter is not None else default_drafter(workspace=workspace)
         self._cache: KVCache | None = None
@@ -196,14 +196,18 @@ class EmbeddedEngine:
         # (SpecConfig.drafters, id(index)) -> built once (the index lives as long as its drafter)
         self._named_drafters: dict[tuple[tuple[str, ...], int], Drafter] = {}
         self._named_lock = threading.Lock()
-        self._row_cost_note = ""  # " (cached)" when the profile came from disk
-        self.row_cost = float(row_cost) if row_cost is not None else self._cached_row_cost()
+        # the step-cost profile (step_profile): its row cost now, the rest of its grid in the
+        # batch scheduler's idle time
+        self.step_profile = StepProfile(self, base=1 if self.model.row_invariant(self.new_cache(256)) else 2)
+        cached = self.step_profile.row_cost() is not None
+        self.row_cost = float(row_cost) if row_cost is not None else self.step_profile.start()
+        row_cost_note = " (cached)" if row_cost is None and cached else ""
         self.decoder = Decoder(self)
         self.load_seconds = time.perf_counter() - t0
         if not quiet:
             n = self.model.param_count()
             print(f"[agentspec] model ready: {n / 1e6:.0f}M parameters, {str(dtype).removeprefix('torch.')} "
-                  f"on {self.device} ({self.hardware_summary()}), context {self.max_context}, row cost {self.row_cost:.3f}{self._row_cost_note} ({self.load_seconds:.1f}s)",
+                  f"on {self.device} ({self.hardware_summary()}), context {self.max_context}, row cost {self.row_cost:.3f}{row_cost_note} ({self.load_seconds:.1f}s)",
                   file=sys.stderr, flush=True)
 
     @property
@@ -277,65 +281,6 @@ class EmbeddedEngine:
     def new_cache(self, capacity: int) -> KVCache:
         """A KV cache for this engine's model (packed for the native attention where it runs)."""
         return KVCache(self.args, capacity, dtype=self.kv_dtype, device=self.device, packed=self.plan.kv_packed)
-
-    def _cached_row_cost(self, context: int = 1024, rows: int = 33, repeat: int = 5) -> float:
-        """``_profile_row_cost``, cached on disk per machine, build and model (``profile_cache``).
-
-        On a miss it is measured here, at start-up, as before, and stored: a one-time cost per
-        machine, build and model (a few seconds; mostly the ``context``-token prefill). Not
-        deferred to a background thread: single-request decoding needs it from the first
-        request, a second thread would time its forwards against those requests on the same
-        cores (and the disturbed number would then be kept for every later start), and a second
-        thread running OpenMP teams throttles libgomp for the serving one (see ``BatchEngine``)."""
-        from . import profile_cache
-
-        key = profile_cache.engine_key("row_cost", self, context=min(context, self.max_context - rows), rows=rows,
-                                       repeat=repeat)
-        cached = profile_cache.load(key, profile_cache.valid_row_cost)
-        if cached is not None:
-            self._row_cost_note = " (cached)"
-            # warm-up, which the measurement used to do: the profile's forwards over a short
-            # context, result dropped (~0.1 s warm). The first forwards of a process pay one-time
-            # set-up (OpenMP threads, GEMM primitives, first touch of the packed weights; measured
-            # 1-3 s on 2 loaded cores), which would otherwise land on the first request.
-            self._profile_row_cost(context=64, rows=rows, repeat=1)
-            return cached
-        cost = self._profile_row_cost(context, rows, repeat)
-        profile_cache.store(key, cost)
-        return cost
-
-    def _profile_row_cost(self, context: int = 1024, rows: int = 33, repeat: int = 5) -> float:
-        """Cost of one more verified token relative to a decode step, measured on this machine:
-        (t(rows) - t(b)) / ((rows - b) * t(b)), b the rows of a plain step (1 or 2), after a
-        ``context``-token prefill, the fastest of ``repeat`` runs each (the fastest is the least
-        disturbed by other work on a shared machine; a median swung 0.024-0.055 between two
-        starts here). Drafts are cut to the prefix worth verifying at this cost (``cut_for_cost``)."""
-        context = min(context, self.max_context - rows)
-        cache = self.new_cache(round_up(context + rows, 256))
-        dev = self.device
-        ids = torch.arange(100, 100 + context, device=dev) % self.args.vocab_size
-        times = {}
-        base = 1 if self.model.row_invariant(cache) else 2  # the rows of a plain decoding step
-        with torch.inference_mode():
-            self.model(ids, torch.arange(context, device=dev), cache, logits_rows=slice(-1, None))
-            cache.commit(list(range(context)))
-            for n in (base, rows):
-                tok = torch.full((n,), 100, device=dev)
-                pos = torch.arange(context, context + n, device=dev)
-                mask = torch.zeros(n, context + n, dtype=torch.bool, device=dev)
-                mask[:, :context] = True
-                mask[:, context:] = tree_mask(list(range(-1, n - 1)), device=dev)
-                ts = []
-                for _ in range(repeat + 1):
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    self.model(tok, pos, cache, mask, logits_rows=slice(0, 1))
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
-                    ts.append(time.perf_counter() - t0)
-                times[n] = min(ts[1:])
-        return float(min(max((times[rows] - times[base]) / ((rows - base) * times[base]), 0.0), 1.0))
 
     # ------------------------------------------------------------------------------------------
     # prompts
@@ -557,7 +502,7 @@ def _dtype(value, name: str) -> torch.dtype:
         return value
     if isinstance(value, str) and value in names:
         return names[value]
-    raise InvalidRequestError(f"{name} must be float32, bfloat16 or float16, got {value!r}", param=name)
+    raise ConfigError(f"{name} must be float32, bfloat16 or float16, got {value!r}")
 
 
 def cpu_has_fast_bf16() -> bool:

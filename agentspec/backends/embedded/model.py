@@ -36,7 +36,7 @@ class ModelArgs:
     max_seq_len: int = 2048
     tie_embeddings: bool = True
     head_dim: int = 0  # 0: dim // n_heads
-    family: str = "llama"    # model_type: llama, mistral, qwen2, qwen3 (engine.families)
+    family: str = "llama"    # model_type: llama, mistral, qwen2, qwen3 (backends.embedded.families)
     qkv_bias: bool = False   # biases on the q/k/v projections (Qwen2)
     qk_norm: bool = False    # RMSNorm over each head of q and k before the rotary embedding (Qwen3)
     # rope scaling as transformers' rope_parameters ((key, value) pairs, sorted; () = none):
@@ -274,7 +274,7 @@ class Block(nn.Module):
         if amx:
             # the causal attention of the chunk's rows over keys [0, start + T) with AMX tiles,
             # reading (and first writing) the packed cache; a row's bits do not depend on the
-            # chunk it is in (kernels/csrc/prefill_amx.cpp). [T, H * D]
+            # chunk it is in (kernels/csrc/amx.cpp). [T, H * D]
             o = cpu_attention.prefill_attention(q, k, v, cache, layer, start)
         elif (causal or chunk) and prefill == "sdpa":
             # prefill in bf16 through SDPA's CPU flash kernel, the causal offset as a boolean

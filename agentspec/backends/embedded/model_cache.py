@@ -17,16 +17,15 @@ crash (``*.tmp-*`` folders) are removed once they are an hour old. ``agentspec c
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import ModelLoadError
+from ..files import read_json_object, write_json_atomic
 
 __all__ = ["CacheEntry", "cache_limit_bytes", "clear", "content_digest", "entries", "entry_dir", "evict",
            "models_dir", "summary", "touch"]
@@ -67,23 +66,11 @@ def _fingerprint(path: Path) -> dict:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    return read_json_object(path)
 
 
 def _write_json(path: Path, data: dict) -> None:
-    """Atomically (a temp file renamed over it); a cache that cannot be written is not an error."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + TMP_MARK, dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    write_json_atomic(path, data, tmp_mark=TMP_MARK)
 
 
 def content_digest(path: Path, *, quiet: bool = True) -> str:

@@ -1,9 +1,9 @@
 """Step-cost profiles cached on disk, per machine, build and model.
 
-``EmbeddedEngine`` profiles its row cost and ``BatchEngine`` its step-cost curve by timing
-forwards on this machine: seconds to minutes of a silent start on a loaded 2-core machine, and
-a different number at every start. Both are cached here as small JSON files under
-``$AGENTSPEC_CACHE_DIR/profiles`` (default ``$XDG_CACHE_HOME/agentspec/profiles`` or
+The step-cost profile (``step_profile``: the engine's row cost and the batch scheduler's
+step-cost curve) times forwards on this machine: seconds to minutes of a silent start on a
+loaded 2-core machine, and a different number at every start. It is cached here as small JSON
+files under ``$AGENTSPEC_CACHE_DIR/profiles`` (default ``$XDG_CACHE_HOME/agentspec/profiles`` or
 ``~/.cache/agentspec/profiles``), keyed by everything that changes the numbers: the machine
 (``agentspec.kernels.cpu_isa.machine_info()``: CPU model, flags, kernel ISA, usable CPUs), the
 torch version and thread count, the model file (path, size, mtime), dtype, KV dtype, device, the
@@ -31,9 +31,9 @@ from typing import Any
 from suffix_index.atomic import write_atomic
 
 __all__ = ["FORMAT", "cache_dir", "enabled", "engine_key", "load", "path_for", "store",
-           "valid_row_cost", "valid_step_costs"]
+           "valid_step_costs"]
 
-FORMAT = 1  # bump when the key or the stored value changes meaning
+FORMAT = 2  # bump when the key or the stored value changes meaning
 KEEP = 64   # profiles kept per folder (each ~1 KB); older ones go when a new one is stored
 
 
@@ -201,14 +201,6 @@ def _prune(folder: Path, keep: int) -> None:
 
 
 # ---- value checks --------------------------------------------------------------------------------
-
-
-def valid_row_cost(value: Any) -> float | None:
-    """A row cost as ``_profile_row_cost`` returns it: a finite number in [0, 1]."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    v = float(value)
-    return v if math.isfinite(v) and 0.0 <= v <= 1.0 else None
 
 
 def valid_step_costs(value: Any) -> dict[int, float] | None:

@@ -1,6 +1,6 @@
 """Checkpoints: the bundled GGUF, other GGUF files, or Hugging Face safetensors folders.
 
-Families and config fields: ``engine.families``. Tensors are read one at a time and copied into
+Families and config fields: ``agentspec.backends.embedded.families``. Tensors are read one at a time and copied into
 the model's parameters in the model's dtype (``Checkpoint.load_into``), so loading a model never
 holds a second full copy of it.
 
@@ -31,7 +31,7 @@ from suffix_index.atomic import fsync_dir, fsync_tree
 from ...errors import ModelLoadError
 from . import families, model_cache
 from .model import ModelArgs
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "bundled_model_path", "cache_root", "load_checkpoint"]
 

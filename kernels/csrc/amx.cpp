@@ -1,5 +1,8 @@
-// Prefill attention of a bfloat16 model with Intel AMX (tile matrix multiply, bf16 -> float32),
-// over the packed KV cache the decode kernels keep (kt2 [Hkv, D/2, cap, 2] is already AMX's
+// Intel AMX kernels (tile matrix multiply, bf16 -> float32): prefill attention, RMSNorm rows, the
+// row-invariant linears and the AMX phases of decode attention (qkv_attention_amx.cpp).
+//
+// Prefill attention of a bfloat16 model, over the packed KV cache the decode kernels keep
+// (kt2 [Hkv, D/2, cap, 2] is already AMX's
 // VNNI operand layout for q . k, vp [Hkv, cap/2, D, 2] the one for p @ v).
 //
 // One task is one kv head's G query heads (G <= 4) at one tile of 16 consecutive query positions,
@@ -17,7 +20,7 @@
 // fixed steps, and keys a row cannot see add exact zeros, so a row's bits depend only on its own
 // query, the keys it sees and its position: the same whichever chunk or thread computes it.
 // Deterministic for any thread count. Not bitwise equal to the decode kernel (prefill never was:
-// see agentspec/engine/prefix_cache.py for the precision argument).
+// see agentspec/backends/embedded/prefix_cache.py for the precision argument).
 
 #include <nanobind/nanobind.h>
 
