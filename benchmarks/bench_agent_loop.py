@@ -14,7 +14,7 @@ Per configuration and turn: TTFT (client side), prompt tokens, cached tokens
 from turn 3 on, whole-conversation time, and whether outputs are identical across our
 configurations.
 
-    .venv/bin/python -m benchmarks.bench_agent_loop --out benchmarks/results/agent_loop.json
+    .venv/bin/python -m benchmarks.bench_agent_loop --out FILE.json
     .venv/bin/python -m benchmarks.bench_agent_loop --configs cache+spec --vllm-methods suffix --repeat 3
 """
 
@@ -37,8 +37,9 @@ from benchmarks.harness import (  # noqa: E402
     DATA_HELP,
     emit_report,
     logger,
-    machine_info,
+    machine_record,
     run_peer,
+    server_kernels,
     sse_events,
     start_server,
 )
@@ -118,15 +119,14 @@ def ours(convs: list[dict], *, cache: bool, spec: bool, max_tokens: int, tmp: Pa
             log(f"cache={cache} spec={spec} {c['task']}: ttft " + ", ".join(f"{t['ttft_s']:.2f}" for t in turns)
                 + " s; cached " + ", ".join(str(t["cached_tokens"]) for t in turns))
         # the server's "model ready" line: dtype, decode kernels, prefill GEMM and attention paths
-        ready = [ln for ln in (tmp / f"server-{int(cache)}.log").read_text(errors="replace").splitlines()
-                 if ln.startswith("[agentspec] model ready")]
-        return {"conversations": out, "server_model_ready": ready[-1] if ready else None}
+        kernels = server_kernels(tmp / f"server-{int(cache)}.log")
+        return {"conversations": out, "server_model_ready": kernels["model_ready"], "kernels": kernels}
     finally:
         server.stop()
 
 
 def vllm(convs: list[dict], *, python: str, model: str, max_tokens: int, timeout: int,
-         methods: tuple[str, ...] = ("plain", "suffix")) -> dict | None:
+         methods: tuple[str, ...] = ("plain", "suffix"), builds: dict | None = None) -> dict | None:
     if not Path(python).exists():
         log(f"vLLM skipped: no {python}")
         return None
@@ -134,7 +134,7 @@ def vllm(convs: list[dict], *, python: str, model: str, max_tokens: int, timeout
     spec = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "methods": list(methods),
             "num_speculative_tokens": 8, "batched": False, "enable_prefix_caching": True,
             "max_model_len": max(len(p) for p in prompts) + max_tokens + 16}
-    res = run_peer(python, "vllm_runner.py", spec, timeout)   # its "results"
+    res = run_peer(python, "vllm_runner.py", spec, timeout, builds=builds)   # its "results"
     if res is None:
         return None
     out = {}
@@ -217,6 +217,7 @@ def main() -> int:
     log(f"{len(convs)} conversations, turns {[len(c['turns']) for c in convs]}, "
         f"prompt tokens {[[len(t) for t in c['turns']] for c in convs]}")
     repeats = []
+    builds: dict = {}
     for rep in range(args.repeat):
         runs = {}
         with tempfile.TemporaryDirectory() as tmp:
@@ -224,12 +225,14 @@ def main() -> int:
                 runs[name] = ours(convs, cache=not name.startswith("nocache"), spec=not name.endswith("nospec"),
                                   max_tokens=args.max_tokens, tmp=Path(tmp))
         vllm_res = vllm(convs, python=args.vllm_python, model=args.hf_folder, max_tokens=args.max_tokens,
-                        timeout=args.peer_timeout, methods=methods) if methods else None
+                        timeout=args.peer_timeout, methods=methods, builds=builds) if methods else None
         repeats.append((runs, vllm_res))
         if args.repeat > 1:
             log(f"repeat {rep + 1}/{args.repeat}: {json.dumps(summarize(runs, vllm_res))}")
     runs, vllm_res = repeats[0]
-    report = {"machine": machine_info(), "max_tokens": args.max_tokens,
+    kernels = next((r["kernels"] for r in runs.values() if r.get("kernels", {}).get("model_ready")), None)
+    report = {"benchmark": "bench_agent_loop", "machine": machine_record(kernels=kernels, peers=builds),
+              "max_tokens": args.max_tokens,
               "conversations": [{"task": c["task"], "prompt_tokens": [len(t) for t in c["turns"]],
                                  "shared_prefix": c["shared_prefix"]} for c in convs],
               "summary": summarize(runs, vllm_res), "vllm": vllm_res,

@@ -165,7 +165,7 @@ def main() -> int:
         b = next(r for r in runs if r["policy"] == policy and r["busy"])
         summary[policy] = {f"{m}_busy_vs_quiet": round(b[m]["decode_tokens_per_s"] / q[m]["decode_tokens_per_s"], 3)
                            for m in ("plain", "spec")}
-    report = {"benchmark": "bench_contention", "machine": machine_record(machine),
+    report = {"benchmark": "bench_contention", "machine": machine_record(kernels=machine),
               "config": {**{k: v for k, v in spec.items() if k not in ("data", "fixture")}, "busy": args.busy,
                          "agentspec_cpu_isa": os.environ.get("AGENTSPEC_CPU_ISA")},
               "identical_outputs": identical, "summary": summary, "runs": runs}

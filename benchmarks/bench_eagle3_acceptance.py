@@ -16,7 +16,7 @@ observe_hidden, extend, propose), verification walking the draft tree against th
 Reports tau (mean accepted length, bonus token included), P(accepted >= d) per depth d, the
 accepted tokens by source in the combined drafter (where the head wins).
 
-    python -m benchmarks.bench_eagle3_acceptance --out benchmarks/results/issue15/acceptance.json
+    python -m benchmarks.bench_eagle3_acceptance --out FILE.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,15 @@ import torch
 if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import DATA, DATA_HELP, emit_report, first_record, logger, select_prompts  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    DATA,
+    DATA_HELP,
+    emit_report,
+    first_record,
+    logger,
+    machine_record,
+    select_prompts,
+)
 
 DEPTHS = 8
 
@@ -146,7 +154,7 @@ def main() -> int:
     min_expected = FALLBACK_MIN_EXPECTED if args.min_expected is None else args.min_expected
     head_drafter = for_engine(engine, gate=False, **hopts)
     layers = head_drafter.hidden_layers
-    report = {"machine": engine.kernel_info(), "budget": args.budget, "head": args.eagle3 or "shipped",
+    report = {"benchmark": "bench_eagle3_acceptance", "machine": machine_record(engine), "budget": args.budget, "head": args.eagle3 or "shipped",
               "min_expected": min_expected, "head_options": hopts, "results": {}}
     for wl, recs in sets.items():
         if wl not in args.workloads.split(","):

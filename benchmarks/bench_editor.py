@@ -32,7 +32,7 @@ from pygls.lsp.client import LanguageClient
 if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import FIXTURE, emit_report, logger, machine_info  # noqa: E402
+from benchmarks.harness import FIXTURE, emit_report, logger, machine_record  # noqa: E402
 
 PROMPT = re.compile(r"Apply this change to `(?P<path>[^`]+)`:\n\n(?P<instruction>.*?)\n\nCurrent contents of "
                     r"`[^`]+`:\n```[^\n]*\n(?P<code>.*)\n```", re.S)
@@ -192,7 +192,7 @@ async def run_overlays(root: Path, lines: int, edits: int, seed: int) -> dict:
 
 async def main_async(args) -> dict:
     recs = rewrites(args.prompts)
-    out: dict = {"machine": machine_info(), "prompts": [r["id"] for r in recs]}
+    out: dict = {"benchmark": "bench_editor", "machine": {}, "prompts": [r["id"] for r in recs]}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp).resolve()
         for rec in recs:
@@ -229,6 +229,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     out = asyncio.run(main_async(args))
+    from agentspec import Engine
+
+    # the language server ran the bundled model in its own process, on this machine, in this
+    # environment: the same kernel plan as an engine here (loaded after the run, not during it)
+    out["machine"] = machine_record(Engine.embedded(quiet=True))
     emit_report(out, args.out, indent=1)
     return 0
 

@@ -37,7 +37,17 @@ if not __package__:  # run as a file, not with -m: the repository root, for `ben
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import replay_data  # noqa: E402
-from benchmarks.harness import DATA, DATA_HELP, PEERS, ROOT, emit_report, is_sample, logger, rss_bytes  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    DATA,
+    DATA_HELP,
+    PEERS,
+    ROOT,
+    emit_report,
+    is_sample,
+    logger,
+    machine_record,
+    rss_bytes,
+)
 from benchmarks.replay import accepted_length  # noqa: E402
 
 log = logger("bench_index")
@@ -174,7 +184,8 @@ def main() -> None:
         if res.returncode != 0:
             raise SystemExit(res.stderr)
         ours.update(json.loads(res.stdout.strip().splitlines()[-1]))
-    result = {"tokens": args.tokens, "ours": ours}
+    builds: dict = {}
+    result = {"benchmark": "bench_index", "tokens": args.tokens, "ours": ours}
     if Path(args.vllm_python).exists():
         log("arctic ...")
         paths = [str(replay_data.tokenize(args.data, n)) for n in replay_data.DATASETS]
@@ -194,6 +205,8 @@ def main() -> None:
                 "insert_prompt_vs_arctic_prompt": ours["insert_prompt_tok_s"] / a["insert_prompt_tok_s"],
                 "propose_p50_arctic_over_ours": a["propose_p50_us"] / ours["propose_p50_us"],
             }
+            builds["arctic_inference"] = (arctic.get("params") or {}).get("arctic_inference")
+    result["machine"] = machine_record(peers=builds)   # the index alone: no model forward, no kernel plan
     emit_report(result, args.out, indent=1, one_line=True)
 
 

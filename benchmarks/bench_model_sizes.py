@@ -38,7 +38,7 @@ import agentspec  # noqa: F401  (first: OpenMP / ISA environment before torch lo
 if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import ROOT, emit_report, logger  # noqa: E402
+from benchmarks.harness import ROOT, emit_report, logger, machine_record  # noqa: E402
 
 SHAPES = {
     # hidden, layers, heads, kv heads, head_dim, intermediate, vocab, tied, family
@@ -234,7 +234,6 @@ def main() -> int:
     import torch
 
     import agentspec
-    from agentspec.kernels import cpu_isa
 
     shape = SHAPES[a.shape]
     n_params = (shape["vocab_size"] * shape["dim"] * (1 if shape["tie_embeddings"] else 2)
@@ -243,7 +242,8 @@ def main() -> int:
     ram = ram_bytes()
     contexts = [int(x) for x in a.contexts.split(",")]
     rows = [int(x) for x in a.rows.split(",")]
-    report = {"shape": a.shape, "params": n_params, "machine": cpu_isa.machine_info(), "threads": torch.get_num_threads(),
+    report = {"benchmark": "bench_model_sizes", "shape": a.shape, "params": n_params, "machine": machine_record(),
+              "threads": torch.get_num_threads(),
               "dtype": "bfloat16", "kv_dtype": "float32", "replay_mat": REPLAY_MAT, "ram_gib": ram / 2**30}
     if n_params * 2 > 0.85 * ram:
         report["skipped"] = f"bf16 weights need {n_params * 2 / 2**30:.1f} GiB; this machine has {ram / 2**30:.1f} GiB"
@@ -255,7 +255,7 @@ def main() -> int:
                                            row_cost=0.5)
         report["load_s"] = time.perf_counter() - t0
         report["peak_rss_gib_after_load"] = peak_rss_gib()
-        report["kernels"] = engine.kernel_info()
+        report["machine"] = machine_record(engine)
         log(f"{a.shape}: {n_params / 1e9:.2f}B parameters, loaded in {report['load_s']:.1f}s, peak RSS "
             f"{report['peak_rss_gib_after_load']:.1f} GiB, {engine.model.weight_copies} weight cop"
             f"{'y' if engine.model.weight_copies == 1 else 'ies'}")

@@ -19,7 +19,7 @@ from pathlib import Path
 if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import DATA, DATA_HELP, emit_report, first_record  # noqa: E402
+from benchmarks.harness import DATA, DATA_HELP, emit_report, first_record, machine_record  # noqa: E402
 
 
 def agree(a: list[int], b: list[int]) -> int:
@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--start", type=int, default=None,
                     help="first record to consider (default: 100 in the recorded sets; 0 in the shipped sample)")
+    ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args()
     start = first_record(args.data, 100, args.start)
 
@@ -63,12 +64,14 @@ def main() -> None:
             break
     out = {
         "benchmark": "precision",
+        "machine": machine_record(e16),
+        "reference": {"dtype": "float32", "kernel_plan": e32.kernel_info()["kernel_plan"]},
         "max_tokens": args.max_tokens,
         "agreeing_tokens": {n: sum(r[n] for r in rows) for n in ("bf16_fused", "float32_kernel")},
         "of": sum(args.max_tokens for _ in rows),
         "rows": rows,
     }
-    emit_report(out, one_line=True)
+    emit_report(out, args.out, one_line=True)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import DATA, DATA_HELP, conversations, emit_report  # noqa: E402
+from benchmarks.harness import DATA, DATA_HELP, conversations, emit_report, machine_record  # noqa: E402
 
 
 def main() -> None:
@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-prompt", type=int, default=4096, help="skip trajectories with longer prompts")
     ap.add_argument("--no-spec", action="store_true", help="plain decoding (TTFT does not depend on it)")
+    ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args()
 
     import agentspec
@@ -65,13 +66,13 @@ def main() -> None:
     p50_on = statistics.median(r["ttft_on_ms"] for r in late) if late else None
     emit_report({
         "benchmark": "prefix_cache", "tasks": [t for t, _ in convs], "turns": args.turns,
-        "max_tokens": args.max_tokens, "spec": not args.no_spec, "machine": engine.kernel_info(),
+        "max_tokens": args.max_tokens, "spec": not args.no_spec, "machine": machine_record(engine),
         "ttft_p50_turn3plus_off_ms": p50_off, "ttft_p50_turn3plus_on_ms": p50_on,
         "ttft_ratio_turn3plus": round(p50_off / p50_on, 2) if p50_on else None,
         "prefilled_tokens_off": sum(r["prompt_tokens"] for r in rows),
         "prefilled_tokens_on": sum(r["prefilled_tokens_on"] for r in rows),
         "identical": sum(r["identical"] for r in rows), "runs": len(rows), "per_turn": rows,
-    }, indent=1)
+    }, args.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ and have the first mode's answers (or apply's, for chat) drafted verbatim. For t
 prompt is sent twice in a series (the concurrent phase runs fewer requests when fewer distinct
 prompts exist), and the warm-up request is none of the timed prompts.
 
-    python -m benchmarks.bench_server --prompts 6 --out benchmarks/results/server_2026-11-30_native-linear.json
+    python -m benchmarks.bench_server --prompts 6 --out FILE.json
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from benchmarks.harness import (  # noqa: E402
     first_record,
     logger,
     machine_record,
+    server_kernels,
     sse_events,
     start_server,
 )
@@ -217,6 +218,7 @@ def main() -> int:
         repo = workspace(tmp / "repo", items)   # just files: each fresh server indexes the same workspace
         log(f"{len(items)} prompts x 2 endpoints x 2 modes, a fresh server per series")
         rounds = []
+        kernels = None
         for rep in range(args.repeats):
             res: dict[str, list[dict]] = {}
             for key in SERIES:
@@ -224,6 +226,7 @@ def main() -> int:
                 with fresh_server(repo, tmp, f"round{rep}_{key}", spec) as (base, client, model):
                     res[key] = [stream_apply(base, it, spec, args.max_tokens) if ep == "apply"
                                 else stream_chat(client, model, it, spec, args.max_tokens) for it in items]
+                kernels = kernels or server_kernels(tmp / f"server_round{rep}_{key}.log")
             same = {ep: sum(a["text"] == b["text"] for a, b in zip(res[f"{ep}_spec"], res[f"{ep}_plain"]))
                     for ep in ("apply", "chat")}
             for k, it in enumerate(items):
@@ -261,7 +264,7 @@ def main() -> int:
     for ep in ("apply", "chat"):
         summary[f"{ep}_speedup"] = round(summary[f"{ep}_spec"]["tokens_per_s"] / summary[f"{ep}_plain"]["tokens_per_s"], 3)
         summary[f"{ep}_identical"] = f"{min(r[1][ep] for r in rounds)}/{len(items)}"
-    report = {"benchmark": "bench_server", "machine": machine_record(),
+    report = {"benchmark": "bench_server", "machine": machine_record(kernels=kernels),
               "config": {"prompts": [it["id"] for it in items], "max_tokens": args.max_tokens, "repeats": args.repeats,
                          "streamed": True, "greedy": True, "one_request_at_a_time": True,
                          "fresh_server_per_run": True, "distinct_prompts": True},

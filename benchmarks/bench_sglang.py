@@ -21,9 +21,9 @@ by source (``meta_info["agentspec_steps"]``). On a CPU, SGLang runs through a pu
 stand-in for its compiled kernels (tests/sglang/standin): absolute speeds mean little there,
 acceptance lengths are what carry over.
 
-    .venv-sglang/bin/python -m benchmarks.bench_sglang --out benchmarks/results/sglang_hybrid_cpu.json
+    .venv-sglang/bin/python -m benchmarks.bench_sglang --out FILE.json
 
-On a GPU (integrations/sglang/gpu_kit runs it so): ``--device cuda --attention-backend triton
+On a GPU (benchmarks/gpu/kit runs it so): ``--device cuda --attention-backend triton
 --deterministic --disable-cuda-graph --concurrency 1,16 --reference-logprobs``. ``--concurrency``
 runs the prompts once per level c: one at a time for c = 1 (per workload, as above), and for c > 1
 every workload's prompts together in batches of c requests sent at once (tokens/s over the whole
@@ -56,6 +56,7 @@ from benchmarks.harness import (  # noqa: E402
     emit_report,
     first_record,
     logger,
+    machine_record,
     rewrite_prompts,
     write_json,
 )
@@ -394,10 +395,15 @@ def main() -> int:
     import sglang
     import torch
 
+    # the common machine record (harness), with lscpu's and nvidia-smi's view over it; the kernels
+    # are SGLang's (kernels_note), the dtype the engine's
+    record = {**machine_record(peers={"sglang": sglang.__version__}), **machine(args.device),
+              "kernel_plan": kernels_note(args.device), "dtype": args.dtype}
+
     def report_of(raw: dict, done: bool) -> dict:
         ok = {m: r for m, r in raw.items() if "error" not in r}
         results = summarize(ok) if ok else {}
-        return {"machine": machine(args.device),
+        return {"machine": record,
                 "sglang": sglang.__version__, "torch": torch.__version__, "device": args.device, "dtype": args.dtype,
                 "kernels": kernels_note(args.device),
                 "engine": {k: v for k, v in engine_kwargs("none", args.model, args.draft_tokens, args.device, None,

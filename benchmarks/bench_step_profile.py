@@ -28,7 +28,14 @@ step-cost model refreshed by observed steps, or the profile alone), e.g.
 ``--variants before:vector,static;after:amx,live``. Outputs are checked against the first
 variant's plain run too.
 
-    python -m benchmarks.bench_step_profile --out benchmarks/results/step_profile.json
+``--costs`` measures the step-cost profile alone, as the engine does
+(``agentspec.backends.embedded.step_profile.profile``): one forward of n decode/verify rows
+(segments of up to 33 rows) over ``--context`` cached tokens for each n in ``--rows``, the fastest
+of ``--repeat-forward`` runs, and each forward's time by part as above (attention, linears,
+norms, ...). ``benchmarks/replay.py --costs FILE`` turns such a profile into estimated speedups.
+
+    python -m benchmarks.bench_step_profile --data DIR --out FILE
+    python -m benchmarks.bench_step_profile --costs --context 4096 --out FILE
 """
 
 from __future__ import annotations
@@ -71,10 +78,16 @@ class Probe:
         self.totals: dict[tuple[str, str], float] = {}
         self.calls = 0
         self.undo: list = []
+        self.missing: set[str] = set()
 
     def wrap(self, owner, attr: str, part: str, inherit: tuple[str, ...] = ()) -> None:
-        """Time ``owner.attr`` as ``part``; called inside a part named in ``inherit``, as that part."""
-        fn = getattr(owner, attr)
+        """Time ``owner.attr`` as ``part``; called inside a part named in ``inherit``, as that part.
+        An attribute the engine no longer has is listed in ``missing`` (its time goes to the part
+        around it) rather than stopping the run."""
+        fn = getattr(owner, attr, None)
+        if fn is None:
+            self.missing.add(f"{getattr(owner, '__name__', owner)}.{attr}")
+            return
         probe = self
         clock = time.perf_counter
 
@@ -200,7 +213,7 @@ def run_cell(engine, probe: Probe, prompts, c: int, budget: str, max_tokens: int
 
     step.Decoder.step = counting
     try:
-        with BatchEngine(engine, max_batch=c, budget=budget, step_costs=step_costs, background=False,
+        with BatchEngine(engine, max_batch=c, budget_policy=budget, step_costs=step_costs, background=False,
                          live_costs=live) as be:
             probe.reset()
             cold(engine)   # every run pays its prefills
@@ -251,6 +264,52 @@ def summarise(runs: list[dict], call_cost: float) -> dict:
     }
 
 
+def profile_costs(engine, args) -> int:
+    """``--costs``: the engine's step-cost profile (``step_profile.profile``), each forward's time
+    split by part (the same probe; the untimed run of each point included in the split)."""
+    import torch
+
+    from agentspec.backends.embedded import model, step_profile
+
+    grid = tuple(int(x) for x in args.rows.split(",")) if args.rows else step_profile.GRID
+    context = args.context or step_profile.CONTEXT
+    repeat = args.repeat_forward or step_profile.REPEAT
+    probe = Probe()
+    instrument(engine, probe)
+    segments = model.Transformer.forward_segments    # the probe's wrapper: one call per point's forward
+    split: dict[int, list[dict[str, float]]] = {}
+
+    def by_rows(self, tokens, *a, **k):
+        before = dict(probe.totals)
+        try:
+            return segments(self, tokens, *a, **k)
+        finally:
+            delta: dict[str, float] = {}
+            for (_, part), v in probe.totals.items():
+                delta[part] = delta.get(part, 0.0) + v - before.get((_, part), 0.0)
+            split.setdefault(int(tokens.shape[0]), []).append(delta)
+
+    model.Transformer.forward_segments = by_rows
+    try:
+        costs = step_profile.profile(engine, grid=grid, context=context, repeat=repeat)
+    finally:
+        model.Transformer.forward_segments = segments
+        probe.restore()
+    parts = {str(n): {p: round(statistics.median(d.get(p, 0.0) for d in split.get(n, [{}])) * 1e3, 3)
+                      for p in FORWARD if any(d.get(p) for d in split.get(n, []))} for n in costs}
+    for n, t in costs.items():
+        log(f"{n:3d} rows: {t * 1e3:7.2f} ms ({t / costs[grid[0]]:.2f}x); "
+            + ", ".join(f"{p} {v:.1f} ms" for p, v in parts[str(n)].items()))
+    report = {"benchmark": "bench_step_profile", "mode": "costs", "machine": machine_record(engine),
+              "config": {"context": context, "rows": list(grid), "repeat": repeat, "threads": torch.get_num_threads()},
+              "step_seconds": {str(n): t for n, t in costs.items()},
+              "relative": {str(n): round(t / costs[grid[0]], 4) for n, t in costs.items()},
+              "row_cost": {str(b): step_profile.row_cost_of(costs, b) for b in (1, 2) if b in costs},
+              "forward_ms_by_part": parts, "not_instrumented": sorted(probe.missing)}
+    emit_report(report, args.out, indent=1)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
@@ -262,25 +321,29 @@ def main() -> int:
     ap.add_argument("--budgets", default="load_aware,off", help="BatchEngine budgets to profile")
     ap.add_argument("--repeat", type=int, default=2, help="runs per cell (medians reported)")
     ap.add_argument("--variants", default="", help="engine settings to compare in one run (see above)")
+    ap.add_argument("--costs", action="store_true", help="only the step-cost profile, by part (see above)")
+    ap.add_argument("--rows", default=None, help="--costs: rows per forward, comma-separated (default: the engine's grid)")
+    ap.add_argument("--context", type=int, default=None, help="--costs: cached tokens (default: the engine's)")
+    ap.add_argument("--repeat-forward", type=int, default=None, help="--costs: timed forwards per point")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
     from agentspec import Engine
-    from agentspec.backends.embedded.batch import BatchEngine
+    from agentspec.backends.embedded import step_profile
+    from agentspec.decode.costs import lower_convex_hull
 
-    cs = [int(x) for x in args.concurrency.split(",")]
     engine = Engine.embedded(quiet=True)
-    with BatchEngine(engine, background=False) as be:
-        step_costs = be.step_costs
-        cost_source = be.step_costs_source
+    if args.costs:
+        return profile_costs(engine, args)
+    cs = [int(x) for x in args.concurrency.split(",")]
+    step_costs = lower_convex_hull(step_profile.profile(engine))   # this run's, measured as the engine does
+    cost_source = "measured by this run (step_profile.profile)"
     n_max = max(max(cs), args.requests)
     sets = workload_prompts(engine, args.data, args.workloads, n_max, args.max_prompt)
     variants = parse_variants(args.variants)
     probe = Probe()
     call_cost = wrapper_cost(probe)
     instrument(engine, probe)
-    from agentspec.decode.costs import lower_convex_hull
-
     default_settings = engine.model.kernel_settings
     profiles: dict[str, dict[int, float]] = {} if len(variants) > 1 else {variants[0][0]: step_costs}
     results: dict = {}
@@ -296,8 +359,7 @@ def main() -> int:
                                                      if lin else default_settings)
                     if name not in profiles:  # the variant's own step-cost profile (its kernels)
                         probe.restore()
-                        profiles[name] = lower_convex_hull(BatchEngine(engine, step_costs=step_costs,
-                                                                       background=False).profile_step_costs())
+                        profiles[name] = lower_convex_hull(step_profile.profile(engine))
                         instrument(engine, probe)
                         log(f"{name}: step costs (ms) { {k: round(v * 1e3, 1) for k, v in profiles[name].items()} }")
                     cell, outs = {}, {}
@@ -321,7 +383,7 @@ def main() -> int:
     finally:
         engine.model.set_kernel_settings(default_settings)
         probe.restore()
-    report = {"benchmark": "bench_step_profile", "machine": machine_record(engine.kernel_info()),
+    report = {"benchmark": "bench_step_profile", "machine": machine_record(engine),
               "config": {"concurrency": cs, "requests": args.requests, "max_tokens": args.max_tokens,
                          "max_prompt": args.max_prompt, "repeat": args.repeat, "greedy": True,
                          "step_costs_source": cost_source,
@@ -331,7 +393,7 @@ def main() -> int:
                                        "step_costs_ms": {k: round(v * 1e3, 2) for k, v in profiles.get(n, {}).items()}}
                                       for n, lin, live in variants]},
               "parts": {"forward": FORWARD, "step": STEP, "scheduler": SCHED},
-              "results": results}
+              "not_instrumented": sorted(probe.missing), "results": results}
     emit_report(report, args.out)
     return 0
 

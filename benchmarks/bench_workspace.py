@@ -31,7 +31,7 @@ import numpy as np
 if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import emit_report, logger, rss_bytes  # noqa: E402
+from benchmarks.harness import emit_report, logger, machine_record, rss_bytes  # noqa: E402
 from benchmarks.replay import accepted_length  # noqa: E402
 
 log = logger("bench_workspace")
@@ -150,7 +150,8 @@ def main() -> None:
                        "save_to_draftable_ms_p99": round(float(np.percentile(lat_ms, 99)), 1),
                        "save_to_draftable_ms_max": round(float(lat_ms.max()), 1)}
         log(json.dumps(edit_result))
-    result = {"index": index_result, "reproduce": mat_result, "edit": edit_result, "cpus": os.cpu_count()}
+    result = {"benchmark": "bench_workspace", "machine": machine_record(),   # indexing and drafting: no model forward
+              "index": index_result, "reproduce": mat_result, "edit": edit_result, "cpus": os.cpu_count()}
     emit_report(result, args.out, indent=1, one_line=True)
 
 

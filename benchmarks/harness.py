@@ -3,8 +3,8 @@
 - paths: the repository, the data (``--data``; by default the small sample shipped in
   ``benchmarks/data``, see its README), the tests' held-in fixture, the peer runners;
 - ``logger``: a script's ``[name] message`` lines on stderr;
-- the machine record: ``machine_info`` (CPU, flags, kernel ISA of this process) and
-  ``machine_record`` (the same, or an engine's ``kernel_info()``, with the core count); ``rss_bytes``;
+- the machine record: ``machine_record`` (CPU, flags, ISA level, cores, threads, kernel plan,
+  dtype, versions: what every results file carries under ``"machine"``); ``rss_bytes``;
 - JSON out: ``emit_report`` prints a report and writes it (atomically) to ``--out``;
 - a server for a benchmark's client side: ``start_server`` runs ``agentspec serve`` on a free
   loopback port and waits for ``/health``; ``sse_events`` reads a streamed response;
@@ -66,10 +66,79 @@ def machine_info() -> dict:
     return cpu_isa.machine_info()
 
 
-def machine_record(kernels: dict | None = None) -> dict:
-    """``{"cpus": os.cpu_count(), ...}`` with ``kernels`` (an engine's ``kernel_info()``) or, without
-    it, ``machine_info()``."""
-    return {"cpus": os.cpu_count(), **(machine_info() if kernels is None else kernels)}
+TORCH_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_WAIT_POLICY", "OMP_NUM_THREADS")
+RECORD_KEYS = ("cpu", "flags", "isa", "cpus", "threads", "kernel_plan", "dtype", "versions")   # in every record
+
+
+def machine_record(engine=None, *, kernels: dict | None = None, server: Server | Path | str | None = None,
+                   peers: dict | None = None) -> dict:
+    """The machine record every results file carries under ``"machine"`` (``RECORD_KEYS`` at least):
+    the CPU model and the flags the kernels care about, the ISA level the native kernels run at,
+    the cores (``cpus``: the machine's; ``cpus_usable``: this process's), ``threads``, the
+    ``kernel_plan`` and ``dtype``, torch's ISA caps (``torch_env``) and ``versions``.
+
+    The kernels and dtype come from where the model ran: ``engine`` (in this process: its
+    ``kernel_info()``, the plan as a dict), ``kernels`` (an engine's ``kernel_info()`` from another
+    process, or ``server_kernels()``), or ``server`` (an ``agentspec serve`` child, a ``Server`` or
+    its log file: the plan as its "model ready" line prints it); with none of them (a benchmark
+    that runs no model forward: drafters, indexes) they are None. ``peers``: the peers' builds as
+    their runners reported them (``run_peer(..., builds=)``), under ``versions``."""
+    import torch
+
+    rec: dict = {"cpus": os.cpu_count(), **machine_info(), "threads": torch.get_num_threads(),
+                 "kernel_plan": None, "dtype": None}
+    if engine is not None:
+        kernels = engine.kernel_info()   # threads, thread governor, dtype, KV dtype, the plan
+        device = getattr(engine, "device", None)
+        if device is not None and getattr(device, "type", "cpu") == "cuda":
+            rec["gpu"] = torch.cuda.get_device_name(device)
+    elif server is not None:
+        kernels = server_kernels(server.log_path if isinstance(server, Server) else Path(server))
+    rec.update(kernels or {})
+    rec["torch_env"] = {k: os.environ.get(k) for k in TORCH_ENV}
+    rec["versions"] = versions(peers)
+    return rec
+
+
+def server_kernels(log_path: Path) -> dict:
+    """What an ``agentspec serve`` ran, from its log: ``model_ready`` (the whole "model ready"
+    line), ``kernel_plan`` (its "kernels at ISA: ..." part) and ``dtype``; None where the line is
+    missing (a server that did not get that far, another backend)."""
+    import re
+
+    text = Path(log_path).read_text(errors="replace") if Path(log_path).exists() else ""
+    ready = [ln for ln in text.splitlines() if ln.startswith("[agentspec] model ready")]
+    line = ready[-1] if ready else None
+    plan = re.search(r"(kernels at .*)\), context", line or "")
+    dtype = re.search(r"parameters, (\w+) on ", line or "")
+    return {"model_ready": line, "kernel_plan": plan[1] if plan else None, "dtype": dtype[1] if dtype else None}
+
+
+def versions(peers: dict | None = None) -> dict:
+    """Python, torch and agentspec (its version and this checkout's commit, ``-dirty`` with
+    uncommitted changes), and ``peers``' builds (``{"vllm": "0.32.0", ...}``)."""
+    import platform
+
+    import torch
+
+    import agentspec
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "agentspec": agentspec.__version__,
+           "commit": _commit()}
+    return {**out, **(peers or {})}
+
+
+def _commit() -> str | None:
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def rss_bytes() -> int:
@@ -187,10 +256,11 @@ def sse_events(url: str, body: dict, timeout: float = 600) -> Iterator[dict]:
 
 # --- peers ----------------------------------------------------------------------------------------
 
-def run_peer(python: str, runner: Path | str, spec: dict, timeout: int) -> dict | None:
+def run_peer(python: str, runner: Path | str, spec: dict, timeout: int, *, builds: dict | None = None) -> dict | None:
     """A peer runner (``benchmarks/peers/<runner>``, or a path) under ``python`` with ``spec`` as its
     JSON file argument: the ``results`` of the JSON object on its last stdout line; None (logged)
-    when it fails or times out."""
+    when it fails or times out. ``builds``: a dict that takes the versions the runner reports
+    (its config's ``<name>_version`` keys, as ``name``), for ``machine_record(peers=builds)``."""
     runner = PEERS / runner if isinstance(runner, str) else runner
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
@@ -205,7 +275,11 @@ def run_peer(python: str, runner: Path | str, spec: dict, timeout: int) -> dict 
     if r.returncode != 0:
         _log(f"{runner.name} failed (rc {r.returncode}): {r.stderr[-2000:]}")
         return None
-    return json.loads(r.stdout.strip().splitlines()[-1])["results"]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if builds is not None:
+        builds.update({k.removesuffix("_version"): v for k, v in (out.get("config") or {}).items()
+                       if k.endswith("_version")})
+    return out["results"]
 
 
 # --- workloads: recorded prompts ------------------------------------------------------------------

@@ -17,8 +17,9 @@ Methods, same tokens (bundled model's tokenizer, prompt rendered with its chat t
 
 Reported per dataset and split (``dev``: the records the drafter was tuned on; ``held_out``: the
 rest): MAT (mean committed tokens per step, bonus included), drafted tokens per step, drafter time
-per step (propose + extend, p50/p99 µs), and the speedup estimated from the engine's measured
-cost of verifying n tokens vs 1 (``--costs``, from benchmarks/results/step_costs*.json).
+per step (propose + extend, p50/p99 µs), and, with ``--costs FILE`` (a step-cost profile:
+``python -m benchmarks.bench_step_profile --costs --out FILE``), the speedup estimated from the
+engine's measured cost of verifying n tokens vs 1.
 
     python -m benchmarks.replay [--data DIR] [--budget 32] [--limit N]
         [--methods agentspec,prompt_lookup,oracle,arctic,sglang_ngram] [--out FILE]
@@ -45,10 +46,10 @@ from benchmarks.harness import (  # noqa: E402
     DATA,
     DATA_HELP,
     PEERS,
-    ROOT,
     emit_report,
     first_record,
     logger,
+    machine_record,
     method_bars,
     pyplot,
     save_figure,
@@ -230,7 +231,10 @@ def summarize(records: list[dict], costs: dict[int, float] | None = None) -> dic
     return out
 
 
-def run_peer(script: str, python: str, streams: Path, budget: int, stop: int, extra: list[str]) -> list[dict] | None:
+def run_peer(script: str, python: str, streams: Path, budget: int, stop: int, extra: list[str],
+             builds: dict | None = None) -> list[dict] | None:
+    """A peer's replay (its own venv's ``python``): its per-record results; its build's version
+    goes into ``builds``."""
     if not Path(python).exists():
         log(f"{script}: {python} not found, skipped")
         return None
@@ -243,7 +247,12 @@ def run_peer(script: str, python: str, streams: Path, budget: int, stop: int, ex
         if res.returncode != 0 or not out.exists():
             log(f"{script} failed with exit code {res.returncode}")
             return None
-        return json.loads(out.read_text())["records"]
+        data = json.loads(out.read_text())
+        if builds is not None:
+            params = data.get("params") or {}
+            builds.update({k.removesuffix("_version"): v for k, v in params.items()
+                           if (k.endswith("_version") or k == "arctic_inference") and isinstance(v, str)})
+        return data["records"]
 
 
 def main() -> None:
@@ -255,8 +264,8 @@ def main() -> None:
     ap.add_argument("--methods", default="agentspec,prompt_lookup,oracle,arctic,sglang_ngram,sglang_ngram_prompt")
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
     ap.add_argument("--sglang-python", default="/work/venvs/sglang/bin/python")
-    ap.add_argument("--costs", type=Path, default=ROOT / "benchmarks" / "results" / "step_costs.json",
-                    help="step costs from benchmarks/step_costs.py (for est_speedup)")
+    ap.add_argument("--costs", type=Path, default=None,
+                    help="a step-cost profile (bench_step_profile --costs --out FILE), for est_speedup")
     ap.add_argument("--row-cost", type=float, default=0.0,
                     help="cut our drafts to the prefix worth verifying at this cost per extra row "
                          "(agentspec.drafting.cut_for_cost); 0 = use the whole budget")
@@ -271,11 +280,16 @@ def main() -> None:
     from agentspec.drafting import default_drafter
 
     costs = None
-    if args.costs and args.costs.exists():
-        costs = {int(k): float(v) for k, v in json.loads(args.costs.read_text())["step_seconds"].items()}
+    if args.costs:
+        try:
+            costs = {int(k): float(v) for k, v in json.loads(args.costs.read_text())["step_seconds"].items()}
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"--costs {args.costs}: not a step-cost profile with step_seconds ({e})") from None
     methods = args.methods.split(",")
     dev_records = {name: first_record(args.data, n) for name, n in DEV_RECORDS.items()}
-    result = {"budget": args.budget, "dev_records": dev_records, "datasets": {}}
+    builds: dict = {}
+    result = {"benchmark": "replay", "machine": {}, "budget": args.budget, "dev_records": dev_records,
+              "costs": str(args.costs) if args.costs else None, "datasets": {}}
     for name in args.datasets.split(","):
         streams = replay_data.tokenize(args.data, name)
         records = replay_data.load(streams)
@@ -291,13 +305,13 @@ def main() -> None:
             elif m == "oracle":
                 recs = replay_drafter(OracleDrafter(records), records, args.budget, stop)
             elif m == "arctic":
-                recs = run_peer("arctic_replay.py", args.vllm_python, streams, args.budget, stop, [])
+                recs = run_peer("arctic_replay.py", args.vllm_python, streams, args.budget, stop, [], builds)
             elif m == "sglang_ngram":
                 recs = run_peer("sglang_ngram_replay.py", args.sglang_python, streams, args.budget, stop,
-                                ["--mode", "worker"])
+                                ["--mode", "worker"], builds)
             elif m == "sglang_ngram_prompt":
                 recs = run_peer("sglang_ngram_replay.py", args.sglang_python, streams, args.budget, stop,
-                                ["--mode", "prompt-corpus"])
+                                ["--mode", "prompt-corpus"], builds)
             else:
                 raise SystemExit(f"unknown method {m!r}")
             if recs is None:
@@ -307,6 +321,7 @@ def main() -> None:
             per_method[m] = {"dev": summarize(recs[:cut], costs), "held_out": summarize(recs[cut:], costs)}
             log(f"{name} {m}: {json.dumps(per_method[m])} ({time.perf_counter() - t0:.0f} s)")
         result["datasets"][name] = per_method
+    result["machine"] = machine_record(peers=builds)   # drafters only: no model forward, no kernel plan
     emit_report(result, args.out, indent=1, one_line=True)
     if args.plot:
         plot(result, args.plot)

@@ -38,7 +38,7 @@ import httpx
 if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness import ROOT, emit_report, logger, machine_info, pyplot, save_figure, start_server  # noqa: E402
+from benchmarks.harness import ROOT, emit_report, logger, machine_record, pyplot, save_figure, start_server  # noqa: E402
 
 TENANTS = {"alpha": "sk-alpha-soak-0001", "beta": "sk-beta-soak-00002", "gamma": "sk-gamma-soak-0003"}
 MODULE = '''def total(items):
@@ -383,7 +383,7 @@ async def run(args) -> dict:
         # the server's start-up lines: its model, dtype, kernels and hardware ("model ready ...")
         startup = [ln for ln in (tmp / "server.log").read_text(errors="replace").splitlines()
                    if ln.startswith("[agentspec]") and any(w in ln for w in ("loaded", "model ready", "serving"))]
-        out = {"machine": machine_info(), "server_startup": startup, "clients": args.clients, "minutes": args.minutes,
+        out = {"machine": machine_record(server=tmp / "server.log"), "server_startup": startup, "clients": args.clients, "minutes": args.minutes,
                "max_tokens": args.max_tokens, "prefix_cache_mb": args.prefix_cache_mb, "workspace_edit_rounds": n_edits, "server_exit_code": code,
                "summary": summary, "logs": check_logs(logs, soak.results), "samples": samples}
         if args.plot:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU run (second lease), part 2 of 2: continue training the first head (--init) on the larger
 # distilled set, then the e2e benchmark on CUDA (tokenized prompts carried: the recorded traffic
-# is not on that machine). Carry: .dev/gguf.b .dev/data .dev/prompts.json
+# is not on that machine; bench_e2e --dump-prompts writes them, keyed agent_turns and rewrites; the
+# run used the earlier benchmarks/bench_eagle3.py). Carry: .dev/gguf.b .dev/data .dev/prompts.json
 set -x
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 cat /tmp/m/gguf.aa .dev/gguf.b > /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -15,7 +16,8 @@ cp /tmp/work/summary.json $OUT/ 2>/dev/null
 cp /tmp/head/config.json $OUT/head_config.json && split -b 12000000 /tmp/head/model.safetensors $OUT/head.st.
 tail -3 /tmp/build.log; ls /tmp/site2/suffix_index/
 cp /tmp/site2/suffix_index/_core*.so suffix_index/ && cp /tmp/site2/agentspec/kernels/_cpu*.so kernels/
-timeout ${BENCH_TIMEOUT:-100} python3 benchmarks/bench_eagle3.py --model $M --eagle3 /tmp/head --device cuda \
-  --prompts-file .dev/prompts.json --concurrency 1,8 --repeats 1 --max-tokens 96 \
-  --methods plain,suffix,suffix+eagle3 --out $OUT/e2e_gpu.json 2>&1 | grep "bench_eagle3\]\|Error" | tee $OUT/bench.log
+timeout ${BENCH_TIMEOUT:-100} python3 benchmarks/bench_e2e.py --model $M --eagle3 /tmp/head --device cuda \
+  --prompts-file .dev/prompts.json --workloads agent_turns,rewrites --concurrency 1,8 --budgets fixed \
+  --peers none --repeats 1 --max-tokens 96 --drafters none,suffix,suffix+eagle3 \
+  --out $OUT/e2e_gpu.json 2>&1 | grep "bench_e2e\]\|Error" | tee $OUT/bench.log
 ls -la $OUT

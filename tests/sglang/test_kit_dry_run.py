@@ -1,4 +1,4 @@
-"""The GPU check kit (integrations/sglang/gpu_kit) run dry on this CPU.
+"""The GPU check kit (benchmarks/gpu/kit) run dry on this CPU.
 
 - SGLang's CUDA-path modules import with the CUDA stand-in as ``sgl_kernel`` (torch told CUDA is
   present), and each of the stand-in plugin's patches takes (``import_check.py --fake-cuda``);
@@ -25,7 +25,7 @@ from helpers.sglang import require_sglang
 require_sglang()
 
 ROOT = Path(__file__).resolve().parents[2]
-KIT_DIR = ROOT / "integrations" / "sglang" / "gpu_kit"
+KIT_DIR = ROOT / "benchmarks" / "gpu" / "kit"
 STAGED = ROOT / "build" / "gpu_kit"
 sys.path.insert(0, str(KIT_DIR))
 import kit  # noqa: E402
@@ -131,7 +131,7 @@ def test_check_size_fails_over_the_limit(tmp_path):
 
 
 @pytest.mark.skipif(not (STAGED / "base" / "MANIFEST.json").is_file(),
-                    reason="no staged kit in build/gpu_kit (python integrations/sglang/gpu_kit/kit.py stage)")
+                    reason="no staged kit in build/gpu_kit (python benchmarks/gpu/kit/kit.py stage)")
 def test_the_staged_kit_fits_each_run():
     r = subprocess.run([sys.executable, str(KIT_DIR / "kit.py"), "check-size", "--out", str(STAGED)],
                        capture_output=True, text=True, timeout=120)

@@ -1,6 +1,6 @@
 """``sgl_kernel`` stand-in for SGLang 0.5.23's CUDA path (no sglang-kernel, no FlashInfer).
 
-TEST INFRASTRUCTURE ONLY: the GPU check kit (integrations/sglang/gpu_kit) installs it where
+TEST INFRASTRUCTURE ONLY: the GPU check kit (benchmarks/gpu/kit) installs it where
 sglang-kernel cannot be brought (it is built against another torch). Two kinds of names:
 
 * ops SGLang calls on the supported path, implemented in torch or by the wheel's own Triton

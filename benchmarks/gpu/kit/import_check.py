@@ -1,6 +1,6 @@
 """Import SGLang's CUDA path with the sgl_kernel stand-in and check each of the stand-in's patches.
 
-    python integrations/sglang/gpu_kit/import_check.py [--fake-cuda] [--out FILE]
+    python benchmarks/gpu/kit/import_check.py [--fake-cuda] [--out FILE]
 
 The modules a Llama-family target, the Triton attention backend, NGRAM / EAGLE3 and agentspec's
 AGENTSPEC / AGENTSPEC_EAGLE3 workers load on CUDA, imported in one process with the stand-in

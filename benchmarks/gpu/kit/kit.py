@@ -1,11 +1,11 @@
 """The GPU check kit's file work: staging on a machine with network, unpacking on the GPU machine.
 
-    python integrations/sglang/gpu_kit/kit.py stage [--out build/gpu_kit] [--budget-mib N]
-    python integrations/sglang/gpu_kit/kit.py check-size [--out build/gpu_kit] [--budget-mib N]
-    python integrations/sglang/gpu_kit/kit.py stash --kit build/gpu_kit --state build/gpu_state
-    python integrations/sglang/gpu_kit/kit.py assemble --kit ... --state ...     (-> the bundled GGUF)
-    python integrations/sglang/gpu_kit/kit.py smoke-model --kit ... --out DIR    (random weights)
-    python integrations/sglang/gpu_kit/kit.py hf-model --kit ... --gguf F --out DIR  (the bundled model)
+    python benchmarks/gpu/kit/kit.py stage [--out build/gpu_kit] [--budget-mib N]
+    python benchmarks/gpu/kit/kit.py check-size [--out build/gpu_kit] [--budget-mib N]
+    python benchmarks/gpu/kit/kit.py stash --kit build/gpu_kit --state build/gpu_state
+    python benchmarks/gpu/kit/kit.py assemble --kit ... --state ...     (-> the bundled GGUF)
+    python benchmarks/gpu/kit/kit.py smoke-model --kit ... --out DIR    (random weights)
+    python benchmarks/gpu/kit/kit.py hf-model --kit ... --gguf F --out DIR  (the bundled model)
 
 What a run may bring is limited (64 MiB, counting the repository's own files), so the kit is cut
 in parts, each carried by one run on the same machine (a warm machine keeps what earlier runs
@@ -264,7 +264,7 @@ def runs(out: Path) -> list[list[str]]:
 def check_size(out: Path, budget: int | None = None, travel: int | None = None) -> list[dict]:
     """Every run's carried bytes plus the repository's own must stay under the run limit."""
     if not (out / "base" / "MANIFEST.json").is_file():
-        raise FileNotFoundError(f"{out}: no staged kit (run: python integrations/sglang/gpu_kit/kit.py stage)")
+        raise FileNotFoundError(f"{out}: no staged kit (run: python benchmarks/gpu/kit/kit.py stage)")
     travel = travelling_bytes() if travel is None else travel
     limit = RUN_LIMIT if budget is None else budget + travel
     rows = []
@@ -323,7 +323,7 @@ def assemble(kit: Path, state: Path) -> Path:
     missing = stash(kit, state)["missing"]
     if missing:
         raise FileNotFoundError(f"model parts not on this machine yet: {missing} (carry them with "
-                                "'bash integrations/sglang/gpu_kit/gpu_run.sh store')")
+                                "'bash benchmarks/gpu/kit/gpu_run.sh store')")
     tmp = gguf.with_suffix(".tmp")
 
     class Joined:

@@ -1,6 +1,6 @@
 """``agentspec serve --backend sglang`` on the GPU, asked by the real ``openai`` client.
 
-    python integrations/sglang/gpu_kit/serve_check.py --model DIR --out FILE [-- SERVE ARGS...]
+    python benchmarks/gpu/kit/serve_check.py --model DIR --out FILE [-- SERVE ARGS...]
 
 Starts the server (SGLang engine in its process, the CUDA stand-in's Triton attention, arguments
 after ``--`` passed on), waits for ``/health``, then: a greedy chat completion, the same request

@@ -3,11 +3,11 @@
 # compiler, CMake, ninja, nanobind and scikit-build-core but no SGLang, no sglang-kernel, no
 # FlashInfer and no network. Everything else comes in the staged kit (kit.py stage, README.md).
 #
-#   bash integrations/sglang/gpu_kit/gpu_run.sh smoke     # run 1: carry build/gpu_kit/base + build/gpu_kit/model.1
-#   bash integrations/sglang/gpu_kit/gpu_run.sh setup     # run 1 without the smoke engines (install and keep the parts)
-#   bash integrations/sglang/gpu_kit/gpu_run.sh store     # run 2..k-1: carry the next build/gpu_kit/model.N
-#   bash integrations/sglang/gpu_kit/gpu_run.sh measure   # run k: carry the last build/gpu_kit/model.N
-#   bash integrations/sglang/gpu_kit/gpu_run.sh all       # one run, where the whole kit can be brought
+#   bash benchmarks/gpu/kit/gpu_run.sh smoke     # run 1: carry build/gpu_kit/base + build/gpu_kit/model.1
+#   bash benchmarks/gpu/kit/gpu_run.sh setup     # run 1 without the smoke engines (install and keep the parts)
+#   bash benchmarks/gpu/kit/gpu_run.sh store     # run 2..k-1: carry the next build/gpu_kit/model.N
+#   bash benchmarks/gpu/kit/gpu_run.sh measure   # run k: carry the last build/gpu_kit/model.N
+#   bash benchmarks/gpu/kit/gpu_run.sh all       # one run, where the whole kit can be brought
 #
 # The runs must land on the same machine (it keeps build/gpu_state/ and what was installed); a run
 # that finds its predecessors' state missing says so and stops.
@@ -130,7 +130,7 @@ install() {
 }
 
 stash() {
-    "$PY" integrations/sglang/gpu_kit/kit.py stash --kit "$KIT" --state "$STATE" > "$STATE/stash.json"
+    "$PY" benchmarks/gpu/kit/kit.py stash --kit "$KIT" --state "$STATE" > "$STATE/stash.json"
     local rc=$?
     say "model parts: $(cat "$STATE/stash.json" 2>/dev/null)"
     return $rc
@@ -139,9 +139,9 @@ stash() {
 smoke() {
     install; step install $? || return 1
     stash; step stash $?
-    "$PY" integrations/sglang/gpu_kit/import_check.py --out "$STATE/import_check.json" > /dev/null
+    "$PY" benchmarks/gpu/kit/import_check.py --out "$STATE/import_check.json" > /dev/null
     step "import check (real CUDA)" $? "$(tail -c 300 "$STATE/import_check.json" 2>/dev/null | tr '\n' ' ')"
-    "$PY" integrations/sglang/gpu_kit/kit.py smoke-model --kit "$KIT" --state "$STATE" --out "$STATE/smoke_model"
+    "$PY" benchmarks/gpu/kit/kit.py smoke-model --kit "$KIT" --state "$STATE" --out "$STATE/smoke_model"
     step "random-weight model" $? || return 1
     "$PY" - "$STATE/prompts.json" "$STATE/prompts_smoke.json" <<'PY'
 import json, sys
@@ -176,9 +176,9 @@ measure() {
     install; step install $? || return 1
     stash; step stash $?
     local gguf
-    gguf="$("$PY" integrations/sglang/gpu_kit/kit.py assemble --kit "$KIT" --state "$STATE")"
+    gguf="$("$PY" benchmarks/gpu/kit/kit.py assemble --kit "$KIT" --state "$STATE")"
     step "bundled GGUF joined from its parts" $? "$gguf" || return 1
-    "$PY" integrations/sglang/gpu_kit/kit.py hf-model --kit "$KIT" --state "$STATE" --gguf "$gguf" \
+    "$PY" benchmarks/gpu/kit/kit.py hf-model --kit "$KIT" --state "$STATE" --gguf "$gguf" \
         --out "$STATE/model" > "$STATE/model.json"
     step "converted to a Hugging Face folder" $? "$(cat "$STATE/model.json")" || return 1
     say "measure: ${METHODS} at concurrency ${CONCURRENCY:-1,16}"
@@ -202,7 +202,7 @@ sys.exit(1 if bad or r["errors"] else 0)
 PY
     step "every greedy output identical to no speculation" $?
     timeout -k 15 "${SERVE_TIMEOUT:-150}" \
-    "$PY" integrations/sglang/gpu_kit/serve_check.py --model "$STATE/model" --out "$OUT/serve.json" \
+    "$PY" benchmarks/gpu/kit/serve_check.py --model "$STATE/model" --out "$OUT/serve.json" \
         --log "$OUT/serve.log" -- --device cuda --speculative agentspec --repo . \
         --sglang-arg attention_backend=triton --sglang-arg disable_cuda_graph=true \
         --sglang-arg enable_deterministic_inference=true

@@ -1,0 +1,280 @@
+"""The CPU kernels against each other, in the same process, alternating: one subcommand per kernel.
+
+``decode-attention``: decode / verify attention, the ``QKVAttention`` modes (the plan's
+``rows_attention``; ``AGENTSPEC_DECODE_ATTENTION``). One request's decode / verify forward of the
+bundled model's shape (30 layers, 9 query heads, 3 kv heads, head_dim 64): ``T`` rows (a draft
+chain after the committed prefix) over a ``--context``-token packed KV cache, every layer's
+``QKVAttention`` call (rotary, cache writes, attention). Per mode and T, the median over
+``--rounds`` rounds of the best of ``--repeat`` forwards, at ``--threads`` threads:
+
+- ``rows``: one task per (row, kv head), each streaming the kv head's keys and values;
+- ``amx`` (CPUs with AMX): all of a request's rows at once on AMX tiles, its own bits.
+
+With ``--plain-prompt N`` (N > 0) it also times plain decoding end to end with the bundled model
+(``--plain-tokens`` greedy tokens after an N-token prompt, no speculation), the modes alternating
+over the same rounds (``Settings.decode_attention``): milliseconds per token, medians.
+
+``prefill``: prompt attention and projections, AMX against torch (CPUs with AMX-BF16 only):
+
+1. One layer of the bundled model's shape, a 256-token prompt chunk after ``--contexts`` keys:
+   the AMX kernel over a packed cache against SDPA in bf16 with the chunk's causal offset as an
+   additive mask (as the model calls it). Median of ``--repeat`` calls each.
+2. The model's four projections for a 256-row chunk, every layer's own weights in turn (as a
+   prefill streams them): AMX tiles (``PackedLinear.prefill``) against torch's GEMM.
+3. The bundled model prefilling a ``--prompt``-token prompt in the engine's 256-token chunks with
+   the plan's prefill kernels (``Settings.prefill_attention``: ``amx``, the whole layer on AMX
+   where it runs; ``sdpa``, torch's flash attention and GEMMs), alternating ``--rounds`` times:
+   per-chunk and total seconds, medians.
+
+    python -m benchmarks.bench_kernels decode-attention --plain-prompt 3000 --out FILE
+    python -m benchmarks.bench_kernels prefill --out FILE
+
+Prints JSON; every report carries the machine record (``harness.machine_record``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import emit_report, logger, machine_record  # noqa: E402
+
+log = logger("bench_kernels")
+
+H, HKV, D, NL = 9, 3, 64, 30   # the bundled model's attention shape
+
+
+def _median_ms(fn, repeat: int) -> float:
+    fn()
+    ts = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return round(statistics.median(ts) * 1e3, 3)
+
+
+# --- decode attention -----------------------------------------------------------------------------
+
+def decode_attention(args) -> dict:
+    rows = [int(r) for r in args.rows.split(",") if r]
+    if args.context < 16 or not rows or min(rows) < 1:
+        raise SystemExit(f"--context must be >= 16 and --rows positive: {args.context}, {args.rows!r}")
+
+    import torch
+
+    from agentspec.backends.embedded.model import KVCache, ModelArgs
+    from agentspec.backends.embedded.plan import DECODE_ATTENTION_MODES
+    from agentspec.kernels import cpu_attention
+    from agentspec.kernels.tree import tree_mask
+
+    if not cpu_attention.available():
+        raise SystemExit("agentspec.kernels._cpu is not built")
+    margs = ModelArgs(dim=576, n_layers=NL, n_heads=H, n_kv_heads=HKV, hidden_dim=256, vocab_size=300,
+                      max_seq_len=args.context + max(rows) + 16)
+    P = args.context
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache(margs, P + max(rows) + 16, dtype=torch.float32, device=torch.device("cpu"), packed=True)
+    cache.k[:, :, :P] = torch.randn(NL, HKV, P, D, generator=g).bfloat16().float()
+    cache.v[:, :, :P] = torch.randn(NL, HKV, P, D, generator=g).bfloat16().float()
+    cpu_attention.sync_packed(cache, range(P))
+    modes = [m for m in DECODE_ATTENTION_MODES if m != "amx" or cpu_attention._cpu.decode_amx_runs()]
+    times: dict[str, dict[int, list[float]]] = {m: {T: [] for T in rows} for m in modes}
+    for _ in range(args.rounds):
+        for T in rows:
+            L = P + T
+            mask = torch.zeros(T, L, dtype=torch.bool)
+            mask[:, :P] = True
+            mask[:, P:] = tree_mask([-1] + list(range(T - 1)))
+            qkv = torch.randn(T, (H + 2 * HKV) * D, generator=g).bfloat16()
+            ang = torch.rand(T, D // 2, generator=g)
+            cos = torch.cat([ang.cos(), ang.cos()], 1).bfloat16()
+            sin = torch.cat([ang.sin(), ang.sin()], 1).bfloat16()
+            for mode in modes:
+                att = cpu_attention.QKVAttention([(cache, P, L, mask, T)], cos, sin, n_heads=H, n_kv_heads=HKV,
+                                                 head_dim=D, threads=args.threads, mode=mode)
+                for layer in range(NL):
+                    att(qkv, layer)
+                best = float("inf")
+                for _ in range(args.repeat):
+                    t0 = time.perf_counter()
+                    for layer in range(NL):
+                        att(qkv, layer)
+                    best = min(best, time.perf_counter() - t0)
+                times[mode][T].append(best)
+    ms = {m: {T: round(statistics.median(v) * 1e3, 2) for T, v in tt.items()} for m, tt in times.items()}
+    log("forward ms: " + "; ".join(f"{m} {ms[m]}" for m in modes))
+    report: dict = {"benchmark": "bench_kernels", "kernel": "decode-attention", "context": P, "threads": args.threads,
+                    "layers": NL, "forward_ms": ms,
+                    "speedup_vs_rows": {m: {T: round(ms["rows"][T] / ms[m][T], 2) for T in rows}
+                                        for m in modes if m != "rows"}}
+    engine = None
+    if args.plain_prompt > 0:
+        import random
+
+        from agentspec import Engine
+
+        engine = Engine.embedded(prefix_cache_bytes=0, quiet=True)
+        settings = engine.model.kernel_settings
+        rng = random.Random(1)
+        ids = [rng.randrange(100, engine.tokenizer.vocab_size - 1) for _ in range(args.plain_prompt)]
+        per_tok: dict[str, list[float]] = {m: [] for m in modes}
+        try:
+            for _ in range(args.rounds):
+                for mode in modes:
+                    engine.model.set_kernel_settings(settings.with_(decode_attention=mode))
+                    st = engine.generate(ids, max_tokens=args.plain_tokens, spec=None).stats
+                    per_tok[mode].append(st.decode_seconds / max(1, st.completion_tokens - 1))
+        finally:
+            engine.model.set_kernel_settings(settings)
+        report["plain_decoding"] = {
+            "prompt_tokens": args.plain_prompt, "tokens": args.plain_tokens,
+            "ms_per_token": {m: round(statistics.median(v) * 1e3, 2) for m, v in per_tok.items()},
+            "ms_per_token_rounds": {m: [round(x * 1e3, 2) for x in v] for m, v in per_tok.items()}}
+    report["machine"] = machine_record(engine)
+    return report
+
+
+# --- prefill --------------------------------------------------------------------------------------
+
+def prefill(args) -> dict:
+    try:
+        contexts = [int(x) for x in args.contexts.split(",")]
+    except ValueError:
+        raise SystemExit(f"--contexts takes comma-separated integers, not {args.contexts!r}") from None
+    if any(c < 0 or c % 16 for c in contexts) or args.repeat < 1 or args.rounds < 1 or args.prompt < 256:
+        raise SystemExit("--contexts: multiples of 16 >= 0; --repeat, --rounds >= 1; --prompt >= 256")
+
+    import torch
+    import torch.nn.functional as F
+
+    from agentspec import Engine
+    from agentspec.kernels import cpu_attention
+
+    if not (cpu_attention.available() and cpu_attention._cpu.prefill_amx_available()):
+        raise SystemExit("this CPU (or OS) has no AMX-BF16: the AMX prefill kernels do not run here")
+    T = 256
+
+    class _Packed:  # the packed half of one cache layer
+        def __init__(self, cap: int):
+            self.packed, self.capacity = True, cap
+            self.kt2 = torch.zeros(1, HKV, D // 2, cap, 2, dtype=torch.bfloat16)
+            self.vp = torch.zeros(1, HKV, cap // 2, D, 2, dtype=torch.bfloat16)
+
+    g = torch.Generator().manual_seed(0)
+    layer = {}
+    for ctx in contexts:
+        n = ctx + T
+        q = (torch.randn(H, n, D, generator=g) * 2).bfloat16()
+        k = (torch.randn(HKV, n, D, generator=g) * 2).bfloat16()
+        v = torch.randn(HKV, n, D, generator=g).bfloat16()
+        cache = _Packed((n + 255) // 256 * 256)
+        for s in range(0, n, 256):  # earlier chunks fill the packed cache
+            cpu_attention.prefill_attention(q[:, s:s + 256], k[:, s:s + 256], v[:, s:s + 256], cache, 0, s)
+        qc, kc, vc = q[:, ctx:], k[:, ctx:], v[:, ctx:]
+        amx = _median_ms(lambda: cpu_attention.prefill_attention(qc, kc, vc, cache, 0, ctx), args.repeat)
+        mask = torch.zeros(T, n, dtype=torch.bfloat16).masked_fill_(
+            ~torch.ones(T, n, dtype=torch.bool).tril(ctx), float("-inf"))
+        kk, vv, qq = k.unsqueeze(0), v.unsqueeze(0), qc.unsqueeze(0)
+        if ctx == 0:
+            sdpa = _median_ms(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True),
+                              args.repeat)
+        else:
+            sdpa = _median_ms(lambda: F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True),
+                              args.repeat)
+        layer[str(ctx)] = {"amx_ms": amx, "sdpa_ms": sdpa, "speedup": round(sdpa / amx, 2)}
+        log(f"one layer, 256 tokens after {ctx}: amx {amx:.2f} ms, sdpa {sdpa:.2f} ms")
+
+    engine = Engine.embedded(quiet=True)
+    projections = {}
+    if engine.plan.prefill_linears == "amx":
+        x = {576: torch.randn(T, 576, generator=g).bfloat16(), 1536: torch.randn(T, 1536, generator=g).bfloat16()}
+        for i, name in enumerate(("wqkv", "wo", "w_gate_up", "w_down")):
+            mods = [(blk.packed[i], getattr(blk, name).weight) for blk in engine.model.layers]
+            xin = x[mods[0][1].shape[1]]
+
+            def amx_all():
+                for p, _ in mods:
+                    p.prefill(xin)
+
+            def torch_all():
+                for _, w in mods:
+                    F.linear(xin, w)
+
+            a_ms, t_ms = _median_ms(amx_all, args.repeat), _median_ms(torch_all, args.repeat)
+            projections[name] = {"shape": list(mods[0][1].shape), "amx_ms_all_layers": a_ms,
+                                 "torch_ms_all_layers": t_ms, "speedup": round(t_ms / a_ms, 2)}
+            log(f"{name} {list(mods[0][1].shape)} x 256 rows, all layers: amx {a_ms:.1f} ms, torch {t_ms:.1f} ms")
+    cache = engine.new_cache(args.prompt + 256)
+    ids = torch.randint(100, 10000, (args.prompt,), generator=g)
+
+    def run() -> list[float]:
+        cache.reset()
+        ts = []
+        with torch.inference_mode():
+            for s in range(0, args.prompt, 256):
+                e = min(s + 256, args.prompt)
+                t = time.perf_counter()
+                engine.model(ids[s:e], torch.arange(s, e), cache, logits_rows=slice(-1, None), prefill=True)
+                ts.append(time.perf_counter() - t)
+                cache.commit(list(range(e - s)))
+        return ts
+
+    settings = engine.model.kernel_settings
+    modes = ("amx", "sdpa")
+    runs: dict[str, list[list[float]]] = {m: [] for m in modes}
+    plans = {}
+    try:
+        run()  # warm-up
+        for _ in range(args.rounds):
+            for mode in modes:
+                engine.model.set_kernel_settings(settings.with_(prefill_attention=mode))
+                plans[mode] = {k: v for k, v in engine.model.plan().to_dict().items() if k.startswith("prefill")}
+                runs[mode].append(run())
+    finally:
+        engine.model.set_kernel_settings(settings)
+    model = {}
+    for name, rs in runs.items():
+        per_chunk = [round(statistics.median(r[i] for r in rs) * 1e3, 1) for i in range(len(rs[0]))]
+        model[name] = {"plan": plans[name], "total_s": round(statistics.median(sum(r) for r in rs), 3),
+                       "chunk_ms": per_chunk}
+    model["speedup_vs_sdpa"] = round(model["sdpa"]["total_s"] / model["amx"]["total_s"], 3)
+    log(f"{args.prompt}-token prefill: amx {model['amx']['total_s']} s, sdpa {model['sdpa']['total_s']} s")
+    return {"benchmark": "bench_kernels", "kernel": "prefill", "machine": machine_record(engine),
+            "threads": torch.get_num_threads(), "layer_256_token_chunk": layer,
+            "projections_256_token_chunk": projections,
+            "model_prefill": {"prompt_tokens": args.prompt, "rounds": args.rounds, **model}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="kernel", required=True)
+    d = sub.add_parser("decode-attention", help="decode / verify attention: the QKVAttention modes")
+    d.add_argument("--context", type=int, default=4096)
+    d.add_argument("--rows", default="1,4,8,16,32")
+    d.add_argument("--threads", type=int, default=2)
+    d.add_argument("--repeat", type=int, default=5)
+    d.add_argument("--rounds", type=int, default=3)
+    d.add_argument("--plain-prompt", type=int, default=0, help="also plain decoding after an N-token prompt")
+    d.add_argument("--plain-tokens", type=int, default=48)
+    p = sub.add_parser("prefill", help="prompt attention and projections: AMX against torch")
+    p.add_argument("--contexts", default="0,1024,2048,3840", help="keys before the 256-token chunk (part 1)")
+    p.add_argument("--repeat", type=int, default=15)
+    p.add_argument("--prompt", type=int, default=4096, help="prompt tokens (part 3)")
+    p.add_argument("--rounds", type=int, default=3)
+    for s in (d, p):
+        s.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    report = decode_attention(args) if args.kernel == "decode-attention" else prefill(args)
+    emit_report(report, args.out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
