@@ -1,0 +1,275 @@
+"""The figures the user-facing docs quote come from results files that are in the repository.
+
+Documents checked: README.md, docs/*.md and benchmarks/**/*.md. The rules:
+
+- **Citations.** Every ``benchmarks/results/...`` path a document names (in a code span, a link or
+  prose) is a file or folder of the repository.
+- **Headline figures.** For a curated list of headline figures (``FIGURES``: the document, the
+  text that quotes the figure, the figure as written, its results file and where in the JSON), the
+  document still quotes the figure and cites the file, and the file holds a value that rounds,
+  half up at the figure's precision, to it (a key path of None: any number in the file will do).
+  A range (``RANGES``: "1.7-1.9x") is checked at both ends against the values it summarises.
+
+When a new run replaces a figure, update the entry here with the docs. Each check is shown to fail
+on a planted wrong figure (the negative tests at the end).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+DOC_GLOBS = ("README.md", "docs/*.md", "benchmarks/**/*.md")
+CITED = re.compile(r"benchmarks/results/[A-Za-z0-9_.+/-]*[A-Za-z0-9_]")
+
+
+def documents() -> list[Path]:
+    return sorted({p for g in DOC_GLOBS for p in ROOT.glob(g) if p.is_file() and "node_modules" not in p.parts})
+
+
+DOCS = documents()
+DOC_IDS = [str(p.relative_to(ROOT)) for p in DOCS]
+
+
+def flat(text: str) -> str:
+    """Whitespace (line breaks included) as single spaces: a quote may wrap anywhere."""
+    return re.sub(r"\s+", " ", text)
+
+
+@cache
+def doc_text(doc: str) -> str:
+    return (ROOT / doc).read_text(encoding="utf-8")
+
+
+@cache
+def results(name: str):
+    return json.loads((RESULTS / name).read_text(encoding="utf-8"))
+
+
+def numbers(x) -> Iterator[float]:
+    if isinstance(x, dict):
+        for v in x.values():
+            yield from numbers(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from numbers(v)
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        yield x
+
+
+def rounds_to(value: float, written: str) -> bool:
+    """``value`` rounded half up at the precision of ``written`` ("190.2", "5,267") equals it."""
+    want = Decimal(written.replace(",", ""))
+    step = Decimal(1).scaleb(want.as_tuple().exponent)
+    return Decimal(repr(value)).quantize(step, rounding=ROUND_HALF_UP) == want
+
+
+# ---------------------------------------------------------------------------------------------
+# Citations
+
+
+def check_citations(text: str) -> list[str]:
+    return [f"cites {m[0]}, which does not exist" for m in CITED.finditer(text) if not (ROOT / m[0]).exists()]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=DOC_IDS)
+def test_cited_results_files_exist(doc: Path):
+    assert check_citations(doc.read_text(encoding="utf-8")) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Headline figures
+
+
+@dataclass(frozen=True)
+class Figure:
+    doc: str                       # the document, relative to the repository root
+    quote: str                     # the text around the figure, as the document has it
+    number: str                    # the figure as written (within ``quote``)
+    file: str                      # relative to benchmarks/results/
+    path: tuple[str, ...] | None   # where the value is in the JSON; None: anywhere
+
+
+FIGURES = [
+    Figure("README.md", "**1.95x faster than vLLM-CPU", "1.95",
+           "agent_loop_amx_decode.json", ("summary", "conversation_speedup_vs_vllm_suffix")),
+    Figure("docs/benchmarks.md", "| agentspec, prefix cache + speculation | **0.56 s** | **25.8 s** |", "25.8",
+           "agent_loop_amx_decode.json", ("summary", "cache+spec", "conversation_total_s")),
+    Figure("docs/benchmarks.md", "lowers TTFT from turn 3 on **5.2x**", "5.2",
+           "agent_loop_amx_decode.json", ("summary", "ttft_ratio_turn3plus_cache_on_vs_off")),
+    Figure("docs/benchmarks.md", "| 8 rewrites, total | **29.0 s** | 97.0 s | **3.34x**", "3.34",
+           "editor.json", ("rewrites", "speedup_total")),
+    Figure("docs/benchmarks.md", "(suffix index, cost-cut drafts; MAT 4.82) | **190.2**", "190.2",
+           "e2e_2026-11-30_peers.json", ("summary", "agentspec_spec", "tokens_per_s")),
+    Figure("docs/benchmarks.md", "| `/v1/apply` | 161.5 | 55.1 | 2.93x", "2.93",
+           "server_2026-12-03.json", ("summary", "apply_speedup")),
+    Figure("docs/benchmarks.md", "| rewrites | 8 | 140.0 | 213.7 | **1.53x**", "1.53",
+           "throughput_2026-12-03b_c8-16.json", ("summary", "rewrites", "8", "load_aware_vs_plain")),
+    Figure("docs/benchmarks.md", "| rewrites | 1 | 53.0 | 122.2 | **2.31x**", "2.31",
+           "throughput_2026-12-03b_c1-4.json", ("summary", "rewrites", "1", "load_aware_vs_plain")),
+    Figure("docs/benchmarks.md", "| **agentspec** (suffix index) | **25.22** |", "25.22",
+           "replay_2026-11-30.json", ("datasets", "file_rewrites", "agentspec", "held_out", "mat")),
+    Figure("docs/benchmarks.md", "| insert, outputs as history | 6.18 M tok/s | 0.47 M tok/s | 13.1x |", "13.1",
+           "index_2026-11-29.json", ("ratios", "insert_history_vs_arctic_response")),
+    Figure("docs/benchmarks.md", "| rewrites | 1.38 | 1.70 | 3.46 | **3.99** |", "3.99",
+           "sglang_hybrid_cpu_recorded.json", ("results", "hybrid", "rewrites", "accept_length_tokens_per_verify")),
+    Figure("docs/benchmarks.md", "| suffix + eagle3 | 7.28 (1.17x)", "7.28",
+           "eagle3/acceptance.json", ("results", "agent", "suffix+eagle3", "tau")),
+    Figure("docs/benchmarks.md", "| agent turns | 1 | 29.3 | 71.7 | 87.8 (1.22x)", "87.8",
+           "eagle3/e2e_gpu_h200.json", ("results", "agent", "1", "suffix+eagle3", "tokens_per_s")),
+    Figure("docs/sglang.md", "| AGENTSPEC | 25.2 | 30.8 | 94.3 |", "94.3",
+           "sglang_gpu_2026-12-04.json", ("bench", "results", "agentspec", "batches", "c16", "tokens_per_s")),
+    Figure("docs/design.md", "737 of 896 with the bf16 path", "737",
+           "precision_2026-11-29.json", ("agreeing_tokens", "bf16_fused")),
+    Figure("docs/design.md", "0.08 with the AVX512-BF16 kernels", "0.08",
+           "e2e_2026-11-30_peers.json", ("identity", "row_cost")),
+    Figure("docs/models.md", "| agentspec, 1k context | 127.9 |", "127.9",
+           "model_sizes_qwen2.5-coder-1.5b.json", ("step_ms", "1024", "1")),
+    Figure("docs/operations.md", "| requests | 5,267:", "5,267", "soak_2026-12-04.json", None),
+]
+
+
+def check_figure(fig: Figure, text: str) -> list[str]:
+    """What is wrong with ``fig`` in a document whose text is ``text`` (empty: nothing)."""
+    problems = []
+    if fig.number not in fig.quote:
+        problems.append(f"{fig.number!r} is not within its quote {fig.quote!r}")
+    if flat(fig.quote) not in flat(text):
+        problems.append(f"{fig.doc} no longer quotes {fig.quote!r}")
+    if f"benchmarks/results/{fig.file}" not in text:
+        problems.append(f"{fig.doc} does not cite benchmarks/results/{fig.file}")
+    if not (RESULTS / fig.file).is_file():
+        return problems + [f"benchmarks/results/{fig.file} does not exist"]
+    data = results(fig.file)
+    if fig.path is None:
+        if not any(rounds_to(v, fig.number) for v in numbers(data)):
+            problems.append(f"no number in {fig.file} rounds to {fig.number}")
+        return problems
+    value = data
+    for key in fig.path:
+        if not isinstance(value, dict) or key not in value:
+            return problems + [f"{fig.file} has no {'/'.join(fig.path)}"]
+        value = value[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        problems.append(f"{fig.file} {'/'.join(fig.path)} is {value!r}, not a number")
+    elif not rounds_to(value, fig.number):
+        problems.append(f"{fig.file} {'/'.join(fig.path)} is {value}, which does not round to {fig.number}")
+    return problems
+
+
+@pytest.mark.parametrize("fig", FIGURES, ids=[f"{f.doc}:{f.number}" for f in FIGURES])
+def test_headline_figure_is_in_its_results_file(fig: Figure):
+    assert check_figure(fig, doc_text(fig.doc)) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranges: a "lo-hi" figure summarising several values of its results files
+
+
+def _vllm_in_process() -> list[float]:
+    """Load-aware batching (the interleaved run) over vLLM suffix decoding (the run with vLLM),
+    rewrites at c = 8 and 16: the docs' "1.7-1.9x in process"."""
+    ours = results("throughput_2026-12-03c_rewrites_interleaved.json")["results"]["rewrites"]
+    vllm = results("throughput_2026-12-03b_c8-16.json")["results"]["rewrites"]
+    return [ours[c]["ours_load_aware"]["tokens_per_s"] / vllm[c]["vllm_suffix"]["tokens_per_s"] for c in ("8", "16")]
+
+
+def _vllm_server() -> list[float]:
+    ours = results("throughput_2026-12-03c_rewrites_interleaved.json")["results"]["rewrites"]
+    vllm = results("throughput_2026-12-03b_c8-16.json")["results"]["rewrites"]
+    return [ours[c]["server_spec"]["tokens_per_s"] / vllm[c]["vllm_suffix"]["tokens_per_s"] for c in ("8", "16")]
+
+
+def _eagle3_cpu() -> list[float]:
+    """suffix + eagle3 over suffix alone, every cell of the CPU run."""
+    res = results("eagle3/e2e_cpu.json")["results"]
+    return [cells["suffix+eagle3"]["speed_vs_suffix"] for wl in res.values() for cells in wl.values()]
+
+
+@dataclass(frozen=True)
+class Range:
+    doc: str
+    quote: str
+    lo: str
+    hi: str
+    files: tuple[str, ...]
+    values: Callable[[], list[float]]
+
+
+RANGES = [
+    Range("docs/benchmarks.md", "speculation is 1.7-1.9x in process", "1.7", "1.9",
+          ("throughput_2026-12-03c_rewrites_interleaved.json", "throughput_2026-12-03b_c8-16.json"), _vllm_in_process),
+    Range("docs/benchmarks.md", "and 1.3-1.7x through the server", "1.3", "1.7",
+          ("throughput_2026-12-03c_rewrites_interleaved.json", "throughput_2026-12-03b_c8-16.json"), _vllm_server),
+    Range("docs/benchmarks.md", "suffix + eagle3 runs at 0.98-1.08x of suffix", "0.98", "1.08",
+          ("eagle3/e2e_cpu.json",), _eagle3_cpu),
+]
+
+
+def check_range(r: Range, text: str) -> list[str]:
+    problems = []
+    if f"{r.lo}-{r.hi}" not in r.quote:
+        problems.append(f"{r.lo}-{r.hi} is not within its quote {r.quote!r}")
+    if flat(r.quote) not in flat(text):
+        problems.append(f"{r.doc} no longer quotes {r.quote!r}")
+    problems += [f"{r.doc} does not cite benchmarks/results/{f}" for f in r.files
+                 if f"benchmarks/results/{f}" not in text]
+    values = r.values()
+    if not rounds_to(min(values), r.lo) or not rounds_to(max(values), r.hi):
+        problems.append(f"the values run {min(values):.3f}-{max(values):.3f}, not {r.lo}-{r.hi}")
+    return problems
+
+
+@pytest.mark.parametrize("r", RANGES, ids=[f"{r.doc}:{r.lo}-{r.hi}" for r in RANGES])
+def test_range_spans_its_values(r: Range):
+    assert check_range(r, doc_text(r.doc)) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Negative tests: each check fails on a planted mistake
+
+
+def test_rounding_is_half_up_at_the_written_precision():
+    assert rounds_to(45.65, "45.7") and rounds_to(190.15, "190.2") and rounds_to(5267, "5,267")
+    assert not rounds_to(190.15, "190.3") and not rounds_to(190.15, "191") and not rounds_to(0.983, "0.99")
+
+
+def test_citation_check_catches_a_missing_file():
+    good = "See `benchmarks/results/server_2026-12-03.json` and benchmarks/results/eagle3/.\n"
+    assert check_citations(good) == []
+    problems = check_citations("See `benchmarks/results/server_2026-12-33.json`.\n")
+    assert problems and "server_2026-12-33.json" in problems[0]
+
+
+def test_figure_check_catches_a_wrong_number():
+    fig = next(f for f in FIGURES if f.number == "190.2")
+    text = doc_text(fig.doc)
+    wrong = Figure(fig.doc, fig.quote.replace("190.2", "190.3"), "190.3", fig.file, fig.path)
+    problems = check_figure(wrong, text.replace("190.2", "190.3"))
+    assert problems and any("does not round to 190.3" in p for p in problems), problems
+    loose = Figure(fig.doc, wrong.quote, "190.3", fig.file, None)   # anywhere in the file: still absent
+    assert any("no number" in p for p in check_figure(loose, text.replace("190.2", "190.3")))
+
+
+def test_figure_check_catches_a_figure_the_doc_no_longer_quotes_or_cites():
+    fig = next(f for f in FIGURES if f.number == "2.93")
+    text = doc_text(fig.doc)
+    assert any("no longer quotes" in p for p in check_figure(fig, text.replace("2.93x", "2.95x")))
+    assert any("does not cite" in p for p in check_figure(fig, text.replace(fig.file, "server.json")))
+
+
+def test_range_check_catches_a_wrong_end():
+    r = RANGES[0]
+    text = doc_text(r.doc)
+    wrong = Range(r.doc, r.quote.replace("1.7-1.9x", "1.7-1.8x"), "1.7", "1.8", r.files, r.values)
+    problems = check_range(wrong, text.replace("1.7-1.9x", "1.7-1.8x"))
+    assert problems and "not 1.7-1.8" in problems[-1], problems
