@@ -56,6 +56,23 @@ def test_head_dim_128_takes_the_layered_path_with_the_packed_linears():
     assert p.layered_linears == "vector" and p.layered_attention == "torch" and prefill(p) == ("sdpa", "bfloat16")
 
 
+def test_the_plan_says_why_a_part_falls_back():
+    assert plan(AMX).why == () and plan(AVX512BF16).why == ()   # each machine's best: nothing to explain
+    p = plan(AMX, QWEN15)
+    assert p.why == ("native attention: head_dim 128 has no native kernel yet (64 only): torch attention",
+                     "AMX decode linears: they run on the fused rows path only",
+                     "AMX prefill: head_dim 128 (64 only)")
+    assert "[native attention: head_dim 128" in p.describe()
+    assert plan(AVX2, QWEN15).why == ("native attention: head_dim 128 has no native kernel yet (64 only): torch attention",)
+    assert "query heads per kv head (native: 1-8)" in plan(AVX512BF16, dict(head_dim=64, n_heads=18, n_kv_heads=2,
+                                                                             head_k=1152)).why[0]
+    assert plan(AMX, dict(head_dim=64, n_heads=10, n_kv_heads=2, head_k=640)).why == (
+        "AMX prefill: 5 query heads per kv head (AMX prefill: 1-4)",)
+    assert "not built" in plan(NONE, packed=False).why[0]
+    # a setting that asks for a slower kernel is not a fallback
+    assert plan(AMX, settings=Settings(decode_linears="vector", prefill_attention="sdpa")).why == ()
+
+
 def test_float32_models_and_no_extension():
     p = plan(AMX, dtype=torch.float32, packed=False)
     assert rows(p) == ("layered", "native", "torch", "torch", "torch") and prefill(p) == ("torch", "float32")

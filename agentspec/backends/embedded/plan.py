@@ -109,6 +109,44 @@ def _facts_at(level: int) -> Facts:
                  isa=cpu_isa.ISA_LEVELS[level], top_isa=level == 4)
 
 
+def _fallbacks(*, cpu: bool, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, group: int, native: bool,
+               fused: bool, packed: bool, amx_top: bool, amx_weights: bool, head_k: int, gemm_f32: bool,
+               settings: Settings, facts: Facts, rows_linears: str, prefill_attention: str) -> tuple[str, ...]:
+    """Why each part the plan gives a slower kernel than this machine's best runs that one (only
+    shapes, dtypes and the extension: a setting that asks for a kernel is not a reason to report)."""
+    if not cpu:
+        return ()
+    out = []
+    if not facts.extension:
+        return ("native kernels: agentspec.kernels._cpu is not built (re-run scripts/setup.sh)",)
+    bf16 = dtype == torch.bfloat16
+    if settings.native_attention and settings.fused and not fused:
+        if not bf16:
+            out.append(f"fused rows: the model runs in {str(dtype).removeprefix('torch.')} (fused: bfloat16)")
+        elif kv_dtype != torch.float32:
+            out.append(f"fused rows: a {str(kv_dtype).removeprefix('torch.')} KV cache (fused: float32)")
+        elif head_dim != 64:
+            out.append(f"native attention: head_dim {head_dim} has no native kernel yet (64 only): torch attention")
+        elif not 0 < group <= 8:
+            out.append(f"native attention: {group or 'uneven'} query heads per kv head (native: 1-8): torch attention")
+    if bf16 and not packed and facts.linear_kernels and settings.native_linears:
+        out.append("native linears: the projections' shapes have no packed kernel: torch linears")
+    if amx_top and rows_linears == "vector" and settings.decode_linears == "amx":
+        if not fused:
+            out.append("AMX decode linears: they run on the fused rows path only")
+        elif gemm_f32:
+            out.append("AMX decode linears: the model multiplies in float32")
+        elif not amx_weights or head_k % 32:
+            out.append("AMX decode linears: a projection's shape does not take the AMX tiles")
+    if amx_top and bf16 and prefill_attention == "sdpa" and settings.prefill_attention == "amx" \
+            and settings.native_attention and not gemm_f32:
+        if head_dim != 64:
+            out.append(f"AMX prefill: head_dim {head_dim} (64 only)")
+        elif not 0 < group <= 4:
+            out.append(f"AMX prefill: {group or 'uneven'} query heads per kv head (AMX prefill: 1-4)")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     """The kernels of a forward's parts. Values:
@@ -144,6 +182,8 @@ class KernelPlan:
     prefill_attention: str
     prefill_linears: str
     weight_copies: int = 2
+    # why a part runs a slower kernel than this machine's best for it: ("part: reason", ...)
+    why: tuple[str, ...] = ()
 
     @staticmethod
     def choose(*, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, n_heads: int,
@@ -187,12 +227,16 @@ class KernelPlan:
             prefill_linears = "amx"
         else:
             prefill_linears = "float32" if gemm_f32 else str(dtype).removeprefix("torch.")
+        why = _fallbacks(cpu=cpu, dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, native=native,
+                         fused=fused, packed=packed, amx_top=amx_top, amx_weights=amx_weights, head_k=head_k,
+                         gemm_f32=gemm_f32, settings=settings, facts=facts, rows_linears=rows_linears,
+                         prefill_attention=prefill_attention)
         return KernelPlan(device=str(torch.device(device)), isa=facts.isa if cpu else "-", dtype=str(dtype).removeprefix("torch."),
                           kv_dtype=str(kv_dtype).removeprefix("torch."), kv_packed=kv_packed,
                           rows_path="fused" if fused else "layered", rows_attention=rows_attention,
                           rows_linears=rows_linears, rows_norms=rows_norms,
                           head=rows_linears if packed else "torch", prefill_attention=prefill_attention,
-                          prefill_linears=prefill_linears, weight_copies=weight_copies)
+                          prefill_linears=prefill_linears, weight_copies=weight_copies, why=why)
 
     @property
     def fused(self) -> bool:
@@ -230,7 +274,9 @@ class KernelPlan:
                 f"{self.rows_norms} norms)")
         pre = f"prefill: {self.prefill_attention} attention, {self.prefill_linears} linears"
         copies = ", one weight copy" if self.weight_copies == 1 else ""
-        return f"kernels at {self.isa}: {rows}; {pre}; KV {self.kv_dtype}{' packed' if self.kv_packed else ''}{copies}"
+        why = f" [{'; '.join(self.why)}]" if self.why else ""
+        return (f"kernels at {self.isa}: {rows}; {pre}; KV {self.kv_dtype}{' packed' if self.kv_packed else ''}"
+                f"{copies}{why}")
 
     def table(self) -> list[tuple[str, str]]:
         """(part, kernel) rows: the plan as a table (docs, notes, ``agentspec`` benchmarks)."""
