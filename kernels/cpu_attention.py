@@ -41,13 +41,18 @@ def available() -> bool:
     return _cpu is not None
 
 
+# head_dims the float32-cache kernel (``decode_attention``, ``segment_attention``) takes; the
+# bfloat16 rows kernels over packed copies (``QKVAttention``, prefill) take 64 only
+FLOAT32_HEAD_DIMS = (64, 128)
+
+
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether ``decode_attention`` handles queries like ``q`` (any float dtype: cast to float32
     first) over the cache ``k`` (else use the torch path)."""
     return (
         available()
         and q.device.type == "cpu" and k.device.type == "cpu" and k.dtype == torch.float32
-        and q.shape[-1] == 64 and q.shape[0] % k.shape[0] == 0 and q.shape[0] // k.shape[0] <= 8
+        and q.shape[-1] in FLOAT32_HEAD_DIMS and q.shape[0] % k.shape[0] == 0 and q.shape[0] // k.shape[0] <= 8
     )
 
 

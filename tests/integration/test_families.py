@@ -38,7 +38,7 @@ transformers = pytest.importorskip("transformers")
 SHAPES = {
     "llama": dict(dim=256, heads=4, kv_heads=2, hidden=512),
     "mistral": dict(dim=256, heads=4, kv_heads=1, hidden=512),
-    "qwen2": dict(dim=256, heads=4, kv_heads=2, hidden=512),
+    "qwen2": dict(dim=256, heads=2, kv_heads=1, hidden=512),     # head_dim 128, as Qwen2.5-Coder 1.5B/7B
     "qwen3": dict(dim=128, heads=12, kv_heads=1, hidden=256),
 }
 CONVERSATION = [

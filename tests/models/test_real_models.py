@@ -60,7 +60,7 @@ def test_the_file_loads_and_answers(engine, model_path):
     assert engine.vocab_size >= 151_643 and engine.tokenizer.eos_token_ids
     g = engine.generate([{"role": "user", "content": "Write a Python function that returns the sum of a list."}],
                         max_tokens=64, spec=None)
-    assert "def " in g.text and "return" in g.text
+    assert "def " in g.text and "sum" in g.text.lower() and len(g.token_ids) > 16
     info = engine.kernel_info()
     assert info["kernel_plan"]["dtype"] == info["dtype"]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import random
+import sys
 
 import pytest
 
@@ -20,6 +21,16 @@ from helpers.models import packed_cache, random_model
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="agentspec.kernels._cpu not built")
 
 H, HKV, D = 9, 3, 64
+
+
+@pytest.fixture(params=[(9, 3, 64), (12, 2, 128)], ids=["hd64", "hd128"])
+def shape(request, monkeypatch):
+    """The float32 kernel's head shapes: SmolLM2's (head_dim 64) and Qwen2.5-Coder-1.5B's (128);
+    the tests below read H, HKV and D from the module."""
+    mod = sys.modules[__name__]
+    for name, value in zip(("H", "HKV", "D"), request.param):
+        monkeypatch.setattr(mod, name, value)
+    return request.param
 
 
 def reference(q, k, v, mask, L):
@@ -44,6 +55,7 @@ def make_cache(g: torch.Generator, cap: int):
     return k, v
 
 
+@pytest.mark.usefixtures("shape")
 @pytest.mark.parametrize("T", [1, 2, 3, 5, 8, 13, 16, 17, 33, 40])
 def test_matches_float64_reference_with_tree_masks(T):
     g = torch.Generator().manual_seed(T)
@@ -62,6 +74,7 @@ def test_matches_float64_reference_with_tree_masks(T):
         torch.testing.assert_close(out_all.double(), reference(q, k, v, None, L), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.usefixtures("shape")
 def test_wide_mask_noncontiguous_q_and_sparse_rows():
     g = torch.Generator().manual_seed(1)
     T, L = 6, 517
@@ -76,6 +89,7 @@ def test_wide_mask_noncontiguous_q_and_sparse_rows():
     assert torch.equal(out[0], v[:, 400].repeat_interleave(H // HKV, dim=0))
 
 
+@pytest.mark.usefixtures("shape")
 def test_large_scores_are_stable():
     g = torch.Generator().manual_seed(2)
     T, L = 4, 300
@@ -86,6 +100,7 @@ def test_large_scores_are_stable():
     torch.testing.assert_close(out.double(), reference(q, k, v, None, L), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.usefixtures("shape")
 @pytest.mark.parametrize("start", [0, 5, 127, 128, 300, 1199])
 def test_tree_node_equals_plain_row_bitwise(start):
     """A node's output in a tree forward equals the same token's in a plain 2-row forward, where
@@ -124,6 +139,7 @@ def test_tree_node_equals_plain_row_bitwise(start):
         assert torch.equal(alone[0], tree_out[i])
 
 
+@pytest.mark.usefixtures("shape")
 def test_thread_count_does_not_change_bits():
     g = torch.Generator().manual_seed(3)
     T, L = 11, 1000
@@ -133,6 +149,7 @@ def test_thread_count_does_not_change_bits():
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
+@pytest.mark.usefixtures("shape")
 def test_segment_attention_equals_each_segment_alone():
     """Several requests in one native call: each gets the bits it gets alone, and the new keys /
     values land at its cache slots [L - T, L)."""

@@ -50,20 +50,25 @@ def test_avx512_bf16_without_amx_and_avx2():
     assert p.torch_linears == "float32"
 
 
-def test_head_dim_128_takes_the_layered_path_with_the_packed_linears():
+def test_head_dim_128_takes_the_layered_path_with_the_packed_linears_and_native_attention():
     p = plan(AMX, QWEN15)
-    assert rows(p) == ("layered", "torch", "vector", "torch", "vector") and not p.kv_packed
-    assert p.layered_linears == "vector" and p.layered_attention == "torch" and prefill(p) == ("sdpa", "bfloat16")
+    assert rows(p) == ("layered", "native", "vector", "torch", "vector") and not p.kv_packed
+    assert p.layered_linears == "vector" and p.layered_attention == "native" and prefill(p) == ("sdpa", "bfloat16")
+    # other head_dims have no native kernel: torch attention
+    p = plan(AVX2, dict(head_dim=96, n_heads=8, n_kv_heads=2, head_k=768))
+    assert rows(p) == ("layered", "torch", "vector", "torch", "vector") and p.layered_attention == "torch"
 
 
 def test_the_plan_says_why_a_part_falls_back():
     assert plan(AMX).why == () and plan(AVX512BF16).why == ()   # each machine's best: nothing to explain
     p = plan(AMX, QWEN15)
-    assert p.why == ("native attention: head_dim 128 has no native kernel yet (64 only): torch attention",
-                     "AMX decode linears: they run on the fused rows path only",
+    layered = "fused rows: head_dim 128 (the fused bfloat16 kernels take 64): layered rows, native float32 attention"
+    assert p.why == (layered, "AMX decode linears: they run on the fused rows path only",
                      "AMX prefill: head_dim 128 (64 only)")
-    assert "[native attention: head_dim 128" in p.describe()
-    assert plan(AVX2, QWEN15).why == ("native attention: head_dim 128 has no native kernel yet (64 only): torch attention",)
+    assert "[fused rows: head_dim 128" in p.describe()
+    assert plan(AVX2, QWEN15).why == (layered,)
+    assert plan(AVX2, dict(head_dim=96, n_heads=8, n_kv_heads=2, head_k=768)).why == (
+        "native attention: head_dim 96 has no native kernel yet (64, 128): torch attention",)
     assert "query heads per kv head (native: 1-8)" in plan(AVX512BF16, dict(head_dim=64, n_heads=18, n_kv_heads=2,
                                                                              head_k=1152)).why[0]
     assert plan(AMX, dict(head_dim=64, n_heads=10, n_kv_heads=2, head_k=640)).why == (

@@ -116,17 +116,23 @@ def _fallbacks(*, cpu: bool, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim
     shapes, dtypes and the extension: a setting that asks for a kernel is not a reason to report)."""
     if not cpu:
         return ()
+    from ...kernels.cpu_attention import FLOAT32_HEAD_DIMS
+
     out = []
     if not facts.extension:
         return ("native kernels: agentspec.kernels._cpu is not built (re-run scripts/setup.sh)",)
     bf16 = dtype == torch.bfloat16
-    if settings.native_attention and settings.fused and not fused:
+    if settings.native_attention and head_dim not in FLOAT32_HEAD_DIMS:
+        out.append(f"native attention: head_dim {head_dim} has no native kernel yet (64, 128): torch attention")
+    elif settings.native_attention and settings.fused and not fused and head_dim != 64 and bf16 \
+            and kv_dtype == torch.float32:
+        out.append(f"fused rows: head_dim {head_dim} (the fused bfloat16 kernels take 64): layered rows, "
+                   "native float32 attention")
+    if settings.native_attention and settings.fused and not fused and head_dim == 64:
         if not bf16:
             out.append(f"fused rows: the model runs in {str(dtype).removeprefix('torch.')} (fused: bfloat16)")
         elif kv_dtype != torch.float32:
             out.append(f"fused rows: a {str(kv_dtype).removeprefix('torch.')} KV cache (fused: float32)")
-        elif head_dim != 64:
-            out.append(f"native attention: head_dim {head_dim} has no native kernel yet (64 only): torch attention")
         elif not 0 < group <= 8:
             out.append(f"native attention: {group or 'uneven'} query heads per kv head (native: 1-8): torch attention")
     if bf16 and not packed and facts.linear_kernels and settings.native_linears:
@@ -195,6 +201,8 @@ class KernelPlan:
         packs where ``linears_native`` says); ``amx_weights``: every projection's shape takes
         the AMX kernels; ``head_k``: the output head's input width; ``gemm_f32``: prompt
         projections multiply in float32 (``Transformer.set_gemm_float32``)."""
+        from ...kernels.cpu_attention import FLOAT32_HEAD_DIMS
+
         cpu = torch.device(device).type == "cpu"
         bf16 = dtype == torch.bfloat16
         group = n_heads // n_kv_heads if n_kv_heads and n_heads % n_kv_heads == 0 else 0
@@ -205,8 +213,8 @@ class KernelPlan:
         if fused:
             rows_attention = "amx" if settings.decode_attention == "amx" and amx_top else "rows"
         else:
-            rows_attention = ("native" if native and kv_dtype == torch.float32 and head_dim == 64 and 0 < group <= 8
-                              else "torch")
+            rows_attention = ("native" if native and kv_dtype == torch.float32 and head_dim in FLOAT32_HEAD_DIMS
+                              and 0 < group <= 8 else "torch")
         if not packed:
             rows_linears = "torch"
         elif fused and amx_weights and not gemm_f32 and head_k % 32 == 0 and settings.decode_linears == "amx" \
