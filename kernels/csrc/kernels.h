@@ -33,6 +33,12 @@ int agentspec_isa();
 void linear_bf16(uintptr_t x, int64_t x_st, int64_t M, uintptr_t wp, int64_t N, int64_t K, uintptr_t out,
                  int64_t o_st, int threads);
 
+// qlinear.cpp: row-invariant linears over GGUF-quantized weights (repacked: cpu_quant), and the body
+// the ISA level set now runs ("avx512vnni", "avx2", "scalar")
+void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, uintptr_t mn, uintptr_t s8,
+              uintptr_t m8, int fmt, int B, int64_t N, int64_t K, uintptr_t out, int64_t o_st, int threads);
+const char* qlinear_body();
+
 // amx.cpp: AMX prefill attention, RMSNorm rows, linears and the AMX phases of decode attention
 bool prefill_amx_available();
 void prefill_attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, int64_t k_sh, int64_t k_st,

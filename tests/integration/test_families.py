@@ -25,7 +25,7 @@ from agentspec import SpecConfig
 from agentspec.drafting import Draft
 from agentspec.backends.embedded.model import KVCache, Transformer
 from agentspec.backends.embedded.weights import load_checkpoint
-from agentspec.errors import ModelLoadError
+from agentspec.errors import ConfigError, ModelLoadError
 
 from helpers.families import write_family, write_gguf, write_quantized_pair
 from helpers.trees import with_decoys
@@ -142,7 +142,12 @@ def test_verification_rows_equal_plain_rows_bitwise(family, isa_level, engines, 
     if cpu_isa.ISA_LEVELS.index(isa_level) > cpu_isa.ISA_LEVELS.index(cpu_isa.active()):
         pytest.skip(f"kernels capped at {cpu_isa.active()}")
     cpu_isa.set_isa(isa_level)
-    eng = engines[family][1]
+    _verified_rows_equal_plain_rows(engines[family][1])
+
+
+def _verified_rows_equal_plain_rows(eng) -> None:
+    """Greedy speculation (oracle trees with decoys) equals plain decoding, and every accepted-path
+    row of every verification forward has the very logits plain decoding computed there."""
     ids = _prompt(eng)
     P = len(ids)
     recorded = []
@@ -417,3 +422,62 @@ def test_serve_model_folder_answers_with_transformers_tokens(folders, tmp_path):
         assert r.usage.prompt_tokens == len(ids)
     finally:
         server.stop()
+
+
+# -- quantized weights kept quantized -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """family -> (GGUF engine with its K-quant projections kept quantized, the folder of their
+    dequantization): Llama (head_dim 64, fused rows, Q/K rows permuted in the file) and Qwen2
+    (head_dim 128, layered rows, q/k/v biases)."""
+    root = tmp_path_factory.mktemp("quantized")
+    out = {}
+    for family in ("llama", "qwen2"):
+        folder = write_family(root / family, family, **SHAPES[family])
+        path = write_quantized_pair(folder, root / f"{family}.gguf", {"ffn_down.weight": "Q6_K",
+                                                                      "attn_v.weight": "Q5_K", "token_embd.weight": "Q6_K"})
+        eng = agentspec.Engine.embedded(model=str(path), quiet=True, row_cost=0.05, prefix_cache_bytes=0,
+                                        weights="quantized")
+        out[family] = (eng, folder)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_quantized_weights_give_the_dequantized_models_logits(family, quantized):
+    eng, folder = quantized[family]
+    info = eng.kernel_info()
+    assert info["weights"]["quantized"] and set(info["weights"]["types"]) == {"Q4_K", "Q5_K", "Q6_K"}
+    assert info["kernel_plan"]["rows_linears"] == "quantized" == info["kernel_plan"]["prefill_linears"]
+    assert eng.model.layers[0].wqkv.weight.numel() == 0   # no dense copy of a projection
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    dense = agentspec.Engine.embedded(model=str(folder), quiet=True, row_cost=0.05, prefix_cache_bytes=0)
+    ids = _prompt(eng)
+    with torch.no_grad():
+        theirs = ref(torch.tensor([ids])).logits[0].double()
+    ours, bf16 = (e.model(torch.tensor(ids), torch.arange(len(ids)), e.new_cache(512)).double() for e in (eng, dense))
+
+    def err(x):   # the median row's relative error (random weights give sharp attention, where a
+        # small change can move a row's attention to another key: such a row is far off either way)
+        return ((x - theirs).norm(dim=-1) / theirs.norm(dim=-1)).median().item()
+    # against the float32 model: the dense bfloat16 engine's error (bfloat16 hidden states) and, on
+    # top, the int8 activations' (~0.5% per projection): within twice the former plus 2%
+    assert err(ours) < 2 * err(bf16) + 0.02, (err(ours), err(bf16))
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() > 0.9
+
+
+@pytest.mark.parametrize("isa_level", _isa_levels())
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_quantized_verification_rows_equal_plain_rows_bitwise(family, isa_level, quantized, restore_isa):
+    cpu_isa = restore_isa
+    if cpu_isa.ISA_LEVELS.index(isa_level) > cpu_isa.ISA_LEVELS.index(cpu_isa.active()):
+        pytest.skip(f"kernels capped at {cpu_isa.active()}")
+    cpu_isa.set_isa(isa_level)
+    _verified_rows_equal_plain_rows(quantized[family][0])
+
+
+def test_quantized_weights_are_refused_where_they_cannot_run(tmp_path, folders):
+    with pytest.raises(ConfigError, match="weights='quantized' cannot run here: the model is not a GGUF file"):
+        agentspec.Engine.embedded(model=str(folders["qwen2"]), quiet=True, row_cost=0.05, weights="quantized")
+    with pytest.raises(ConfigError, match="weights='fast': use auto, quantized or dense"):
+        agentspec.Engine.embedded(model=str(folders["qwen2"]), quiet=True, row_cost=0.05, weights="fast")

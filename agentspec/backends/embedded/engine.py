@@ -18,7 +18,7 @@ import torch
 
 from ...config import DEFAULT_SPEC, SpecConfig, check_drafters
 from ...drafting import Drafter, default_drafter
-from ...errors import ConfigError, InvalidRequestError
+from ...errors import ConfigError, InvalidRequestError, ModelLoadError
 from ...kernels import cpu_linear
 from ...kernels import cpu_isa as _cpu_isa
 from ..protocol import GenerationRequest, check_request
@@ -118,6 +118,7 @@ class EmbeddedEngine:
         prefix_cache_bytes: int | None = None,
         prefix_cache_shared: bool = False,
         speculate_on_cuda: bool | None = None,
+        weights: str | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -155,8 +156,9 @@ class EmbeddedEngine:
         self.eagle3_gate = (os.environ.get("AGENTSPEC_EAGLE3_GATE", "1") != "0") if eagle3_gate is None \
             else bool(eagle3_gate)
         _weight_copies_setting()   # a bad value fails before the weights load
+        quant = self._quantized_weights(weights, model, settings, dtype)
         t0 = time.perf_counter()
-        ckpt = load_checkpoint(model, quiet=quiet)
+        ckpt = load_checkpoint(model, quiet=quiet, quantized=quant)
         self.args = ckpt.args
         self.model_path = ckpt.source
         # the bundled model (its EAGLE-3 head ships with agentspec: drafting.eagle3_drafter)
@@ -166,14 +168,18 @@ class EmbeddedEngine:
         self.model = Transformer(ckpt.args, init_weights=False)  # every weight is loaded next
         self.model.set_kernel_settings(settings)
         self.model.kv_dtype = self.kv_dtype
+        if quant:
+            self.model.drop_projections()   # they come quantized, below
         # to the device and dtype first (the parameters are still empty), then the checkpoint's
         # tensors one at a time, each converted as it is copied in: no second copy of the model
         self.model.to(device=self.device, dtype=dtype)
-        ckpt.load_into(self.model)
+        ckpt.load_into(self.model, projections=not quant)
+        if quant:
+            self.model.set_quantized(_repack(ckpt, quiet))
         self.model.rope_cos = self.model.rope_cos.float()
         self.model.rope_sin = self.model.rope_sin.float()
         self.model.eval()
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not quant:
             # decode rows: native row-invariant bf16 linears where they run
             self.model.pack_linears(keep_weights=self._keep_weight_copy())
             # prefill: torch's GEMM, in float32 where the CPU has no bf16 dot products
@@ -241,6 +247,39 @@ class EmbeddedEngine:
                 f"the prefix cache off")
         self.prefix_cache = PrefixCache(capacity_bytes, shared=shared) if capacity_bytes else None
 
+    def _quantized_weights(self, weights: str | None, model, settings: Settings, dtype: torch.dtype) -> bool:
+        """Whether a GGUF file's projections stay quantized (``cpu_quant.QuantLinear``) or are
+        dequantized (the converted cache, then ``pack_linears``). ``weights`` (default
+        ``$AGENTSPEC_WEIGHTS``, else "auto"): "quantized", "dense" or "auto" (quantized for a GGUF
+        file other than the bundled model wherever the native quantized linears run: the bundled
+        model's dense bfloat16 kernels, AMX paths and EAGLE-3 head are its tuned path)."""
+        from pathlib import Path
+
+        from ...kernels import cpu_quant
+
+        mode = (weights if weights is not None else os.environ.get("AGENTSPEC_WEIGHTS", "auto")).strip().lower()
+        if mode not in ("auto", "quantized", "dense"):
+            raise ConfigError(f"weights={mode!r}: use auto, quantized or dense (AGENTSPEC_WEIGHTS)")
+        if mode == "dense":
+            return False
+        gguf = model is not None and Path(model).suffix.lower() == ".gguf"
+        why = None
+        if not gguf:
+            why = "the model is not a GGUF file" if model is not None else "the bundled model runs dense"
+        elif self.device.type != "cpu":
+            why = f"the quantized linears run on CPU, not {self.device.type}"
+        elif not cpu_quant.linear_q_supported():
+            why = "agentspec.kernels._cpu is not built with the quantized linears (re-run scripts/setup.sh)"
+        elif not settings.native_linears:
+            why = "AGENTSPEC_CPU_LINEAR=0 turns the native linears off"
+        elif dtype != torch.bfloat16:
+            why = f"the quantized linears take bfloat16 activations, not {str(dtype).removeprefix('torch.')}"
+        elif mode == "auto" and _same_file(str(model), bundled_model_path):
+            why = "the bundled model runs dense"
+        if why is not None and mode == "quantized":
+            raise ConfigError(f"weights='quantized' cannot run here: {why}; use weights='dense'")
+        return why is None
+
     def _keep_weight_copy(self) -> bool:
         """Whether the native linears' packed copy goes beside the torch weights (2 copies) or
         replaces them (1 copy; prompt chunks off the AMX path then unpack a projection per
@@ -276,7 +315,21 @@ class EmbeddedEngine:
         info = _cpu_isa.machine_info() if self.device.type == "cpu" else {"device": str(self.device)}
         return {**info, "threads": self.governor.max_threads, "thread_governor": self.governor.enabled,
                 "dtype": str(self.dtype).removeprefix("torch."),
-                "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "kernel_plan": self.plan.to_dict()}
+                "kv_dtype": str(self.kv_dtype).removeprefix("torch."), "kernel_plan": self.plan.to_dict(),
+                "weights": self.weight_types()}
+
+    def weight_types(self) -> dict:
+        """The projections' weight types and bytes: {"quantized": bool, "types": {type: tensors},
+        "bytes": n} (a dense model: its dtype)."""
+        m = self.model
+        if not m.quantized:
+            return {"quantized": False, "types": {str(self.dtype).removeprefix("torch."): 4 * self.args.n_layers + 1},
+                    "bytes": m.linear_weight_bytes()}
+        types: dict[str, int] = {}
+        for lin in [x for layer in m.layers for x in layer.packed] + [m.head_packed]:
+            for t in lin.types():
+                types[t] = types.get(t, 0) + 1
+        return {"quantized": True, "types": dict(sorted(types.items())), "bytes": m.linear_weight_bytes()}
 
     def new_cache(self, capacity: int) -> KVCache:
         """A KV cache for this engine's model (packed for the native attention where it runs)."""
@@ -435,6 +488,24 @@ class EmbeddedEngine:
             self._cache = None
             self._cache = self.new_cache(max(cap, need))
         return self._cache
+
+
+def _repack(ckpt, quiet: bool) -> dict:
+    """Every quantized projection of ``ckpt`` repacked for the native kernel (``QuantLinear``),
+    with a progress bar (a few seconds for a 1.5B model)."""
+    from tqdm import tqdm
+
+    from ...kernels.cpu_quant import QuantLinear
+
+    a = ckpt.args
+    out = {}
+    for name, parts in tqdm(ckpt.projections(), total=4 * a.n_layers + 1, desc="repacking quantized weights",
+                            unit="tensor", disable=quiet, file=sys.stderr):
+        try:
+            out[name] = QuantLinear.from_raw(parts)
+        except ValueError as e:   # an unsupported type (named), or rows that are not whole blocks
+            raise ModelLoadError(f"{ckpt.source}: {name}: {e}") from None
+    return out
 
 
 def _same_file(path: str, other) -> bool:

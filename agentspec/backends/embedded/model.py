@@ -213,7 +213,7 @@ class Block(nn.Module):
         ``[gate; up]``: ``silu(gate) * up``), ``residual`` (``residual + y``)."""
         if kind == "amx":
             return self.packed[i].prefill(x, residual=residual, silu=silu)
-        if kind == "vector":
+        if kind in ("vector", "quantized"):   # PackedLinear, or cpu_quant.QuantLinear
             y = self.packed[i](x)
         elif kind == "float32" and x.dtype == torch.bfloat16:
             y = F.linear(x.float(), self.weight(i).float()).to(torch.bfloat16)
@@ -536,6 +536,9 @@ class Transformer(nn.Module):
             self.lm_head = (nn.Linear(args.dim, args.vocab_size, bias=False) if init_weights
                             else skip_init(nn.Linear, args.dim, args.vocab_size, bias=False))
         self.head_packed: cpu_linear.PackedLinear | None = None
+        # the projections and the head are cpu_quant.QuantLinear (a GGUF file's weights, kept
+        # quantized: ``set_quantized``), in ``Block.packed`` / ``head_packed``
+        self.quantized = False
         # what the kernels are asked to do (the environment's unless set: ``set_kernel_settings``)
         # and the plan chosen from it, per ISA level (``plan``)
         self.kernel_settings: Settings = Settings.from_env()
@@ -638,6 +641,8 @@ class Transformer(nn.Module):
         step)."""
         plan = self.plan() if plan is None else plan
         cast = (lambda t: t.float()) if to_float else (lambda t: t)
+        if self.quantized:
+            return cast(self.head_packed(self.norm(x)))
         if fused and plan.head == "amx":
             return cast(self.head_packed.prefill(cpu_attention.rms_norm(x, self.norm.weight, self.norm.eps)))
         if self.head_packed is not None and (fused or x.shape[0] <= SMALL_T):
@@ -670,7 +675,8 @@ class Transformer(nn.Module):
                 device=w.device, dtype=w.dtype, kv_dtype=self.kv_dtype, head_dim=a.head_dim, n_heads=a.n_heads,
                 n_kv_heads=a.n_kv_heads, packed=head is not None, amx_weights=self.layers[0].amx_linears,
                 head_k=head.K if head is not None else 0, gemm_f32=self.layers[0].gemm_f32,
-                settings=self.kernel_settings, facts=facts, weight_copies=self.weight_copies)
+                settings=self.kernel_settings, facts=facts, weight_copies=self.weight_copies,
+                quantized=self.quantized)
         return got
 
     def native_decode_norm(self) -> bool:
@@ -732,8 +738,31 @@ class Transformer(nn.Module):
             _drop_weight(self.lm_head)
         return True
 
+    def drop_projections(self) -> None:
+        """Free every projection's (and an untied head's) torch weight before the model moves to
+        its dtype: a model whose projections come quantized (``set_quantized``) never holds them."""
+        for layer in self.layers:
+            for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
+                _drop_weight(m)
+        if self.lm_head is not None:
+            _drop_weight(self.lm_head)
+
+    def set_quantized(self, linears: dict) -> None:
+        """The projections as quantized linears (``cpu_quant.QuantLinear``, by our parameter name,
+        e.g. ``layers.0.wqkv.weight``, and ``head`` for the output projection): every decode,
+        verify and prefill row multiplies with them (the plan's "quantized" linears); a row's
+        bits depend on that row alone. Call ``drop_projections`` first."""
+        for i, layer in enumerate(self.layers):
+            layer.packed = tuple(linears[f"layers.{i}.{n}.weight"] for n in ("wqkv", "wo", "w_gate_up", "w_down"))
+            layer.amx_linears = False
+        self.head_packed = linears["head"]
+        self.quantized = True
+        self._plans.clear()
+
     def linear_weight_bytes(self) -> int:
         """Bytes of the projections ``pack_linears`` packs (each layer's four and the output head)."""
+        if self.quantized:
+            return sum(lin.nbytes for layer in self.layers for lin in layer.packed) + self.head_packed.nbytes
         mods = [m for layer in self.layers for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return sum(m.weight.numel() * m.weight.element_size() for m in mods) + head.numel() * head.element_size()

@@ -111,7 +111,8 @@ def _facts_at(level: int) -> Facts:
 
 def _fallbacks(*, cpu: bool, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, group: int, native: bool,
                fused: bool, packed: bool, amx_top: bool, amx_weights: bool, head_k: int, gemm_f32: bool,
-               settings: Settings, facts: Facts, rows_linears: str, prefill_attention: str) -> tuple[str, ...]:
+               settings: Settings, facts: Facts, rows_linears: str, prefill_attention: str,
+               quantized: bool = False) -> tuple[str, ...]:
     """Why each part the plan gives a slower kernel than this machine's best runs that one (only
     shapes, dtypes and the extension: a setting that asks for a kernel is not a reason to report)."""
     if not cpu:
@@ -135,6 +136,8 @@ def _fallbacks(*, cpu: bool, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim
             out.append(f"fused rows: a {str(kv_dtype).removeprefix('torch.')} KV cache (fused: float32)")
         elif not 0 < group <= 8:
             out.append(f"native attention: {group or 'uneven'} query heads per kv head (native: 1-8): torch attention")
+    if quantized and facts.amx:
+        out.append("quantized linears: no AMX-INT8 body yet (the VNNI / AVX2 bodies run)")
     if bf16 and not packed and facts.linear_kernels and settings.native_linears:
         out.append("native linears: the projections' shapes have no packed kernel: torch linears")
     if amx_top and rows_linears == "vector" and settings.decode_linears == "amx":
@@ -163,14 +166,15 @@ class KernelPlan:
     - ``rows_attention``: "amx" / "rows" (``QKVAttention``'s modes), "native" (the float32-cache
       kernel ``cpu_attention.decode_attention`` / ``segment_attention``) or "torch"
       (``small_attention``);
-    - ``rows_linears``: "amx" (``PackedLinear.prefill``'s tiles), "vector" (``PackedLinear``) or
-      "torch" (``F.linear``); ``rows_norms``: "native" (``cpu_attention.rms_norm``) or "torch";
+    - ``rows_linears``: "amx" (``PackedLinear.prefill``'s tiles), "vector" (``PackedLinear``),
+      "quantized" (``cpu_quant.QuantLinear``: a GGUF file's weights kept quantized, its body in
+      ``quant_body``) or "torch" (``F.linear``); ``rows_norms``: "native" (``cpu_attention.rms_norm``) or "torch";
     - ``head``: the output projection of decode / verify rows, as ``rows_linears`` (the packed head
       where there is one);
     - ``prefill_attention``: "amx" (AMX tiles over the packed cache), "sdpa" (torch's flash
       kernel), "blockwise" (``model.prefill_attention``) or "torch" (float32 SDPA over the cache);
     - ``prefill_linears``: "amx" (``Block.forward_amx``: AMX projections, native norms and rotary),
-      "bfloat16" or "float32" (torch's GEMM in that dtype; float32 where the CPU has no bfloat16
+      "quantized" (as ``rows_linears``), "bfloat16" or "float32" (torch's GEMM in that dtype; float32 where the CPU has no bfloat16
       dot products: exact, and faster there);
     - ``kv_packed``: the KV cache keeps the packed bfloat16 copies the native kernels read.
     """
@@ -188,13 +192,15 @@ class KernelPlan:
     prefill_attention: str
     prefill_linears: str
     weight_copies: int = 2
+    # the quantized linears' body at this level ("avx512vnni", "avx2", "scalar"; "" for other linears)
+    quant_body: str = ""
     # why a part runs a slower kernel than this machine's best for it: ("part: reason", ...)
     why: tuple[str, ...] = ()
 
     @staticmethod
     def choose(*, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, n_heads: int,
                n_kv_heads: int, packed: bool, amx_weights: bool, head_k: int, gemm_f32: bool, settings: Settings,
-               facts: Facts, weight_copies: int = 2) -> KernelPlan:
+               facts: Facts, weight_copies: int = 2, quantized: bool = False) -> KernelPlan:
         """The plan for a model of ``dtype`` on ``device`` with a ``kv_dtype`` cache.
 
         ``packed``: the projections have packed copies (``Transformer.pack_linears``, which
@@ -215,7 +221,9 @@ class KernelPlan:
         else:
             rows_attention = ("native" if native and kv_dtype == torch.float32 and head_dim in FLOAT32_HEAD_DIMS
                               and 0 < group <= 8 else "torch")
-        if not packed:
+        if quantized:
+            rows_linears = "quantized"
+        elif not packed:
             rows_linears = "torch"
         elif fused and amx_weights and not gemm_f32 and head_k % 32 == 0 and settings.decode_linears == "amx" \
                 and amx_top:
@@ -231,20 +239,28 @@ class KernelPlan:
                 prefill_attention = "blockwise" if settings.prefill_attention == "blockwise" else "sdpa"
         else:
             prefill_attention = "torch"
-        if prefill_attention == "amx" and amx_weights:
+        if quantized:
+            prefill_linears = "quantized"
+        elif prefill_attention == "amx" and amx_weights:
             prefill_linears = "amx"
         else:
             prefill_linears = "float32" if gemm_f32 else str(dtype).removeprefix("torch.")
         why = _fallbacks(cpu=cpu, dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim, group=group, native=native,
                          fused=fused, packed=packed, amx_top=amx_top, amx_weights=amx_weights, head_k=head_k,
                          gemm_f32=gemm_f32, settings=settings, facts=facts, rows_linears=rows_linears,
-                         prefill_attention=prefill_attention)
+                         prefill_attention=prefill_attention, quantized=quantized)
+        quant_body = ""
+        if quantized:
+            from ...kernels import cpu_quant
+
+            quant_body = cpu_quant.body()
         return KernelPlan(device=str(torch.device(device)), isa=facts.isa if cpu else "-", dtype=str(dtype).removeprefix("torch."),
                           kv_dtype=str(kv_dtype).removeprefix("torch."), kv_packed=kv_packed,
                           rows_path="fused" if fused else "layered", rows_attention=rows_attention,
                           rows_linears=rows_linears, rows_norms=rows_norms,
                           head=rows_linears if packed else "torch", prefill_attention=prefill_attention,
-                          prefill_linears=prefill_linears, weight_copies=weight_copies, why=why)
+                          prefill_linears=prefill_linears, weight_copies=weight_copies, quant_body=quant_body,
+                          why=why)
 
     @property
     def fused(self) -> bool:
@@ -278,9 +294,10 @@ class KernelPlan:
 
     def describe(self) -> str:
         """One line for the start-up output."""
-        rows = (f"decode/verify rows: {self.rows_path} ({self.rows_attention} attention, {self.rows_linears} linears, "
+        q = f" {self.quant_body}" if self.quant_body else ""
+        rows = (f"decode/verify rows: {self.rows_path} ({self.rows_attention} attention, {self.rows_linears}{q} linears, "
                 f"{self.rows_norms} norms)")
-        pre = f"prefill: {self.prefill_attention} attention, {self.prefill_linears} linears"
+        pre = f"prefill: {self.prefill_attention} attention, {self.prefill_linears}{q} linears"
         copies = ", one weight copy" if self.weight_copies == 1 else ""
         why = f" [{'; '.join(self.why)}]" if self.why else ""
         return (f"kernels at {self.isa}: {rows}; {pre}; KV {self.kv_dtype}{' packed' if self.kv_packed else ''}"

@@ -4,11 +4,16 @@ Families and config fields: ``agentspec.backends.embedded.families``. Tensors ar
 the model's parameters in the model's dtype (``Checkpoint.load_into``), so loading a model never
 holds a second full copy of it.
 
-GGUF tensors (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...) are dequantized with the
-``gguf`` package's reference dequantizer and cached on disk as float32 safetensors shards (one per
-layer, our parameter names, Llama's Q/K rows back in Hugging Face order), beside the tokenizer;
-later starts memory-map that cache. Cache writes are atomic: a temp folder renamed into place. The
-cache is keyed by the file's content and bounded (``model_cache``).
+A GGUF file loads one of two ways. **In place** (``quantized=True``, what the engine does on CPU for
+a GGUF file other than the bundled model): the file is memory-mapped, its projections stay
+quantized (``Checkpoint.projections``: raw rows that ``cpu_quant.QuantLinear`` repacks in memory)
+and only the embedding, norms and biases are dequantized; nothing is written to disk. **Dense**
+(the bundled model, other devices, ``weights="dense"``): every tensor (F32, F16, BF16, Q8_0, Q4_0,
+Q4_1, Q4_K, Q5_K, Q6_K, ...) is dequantized with the ``gguf`` package's reference dequantizer and
+cached on disk as float32 safetensors shards (one per layer, our parameter names, Llama's Q/K rows
+back in Hugging Face order), beside the tokenizer; later starts memory-map that cache. Cache
+writes are atomic: a temp folder renamed into place. The cache is keyed by the file's content and
+bounded (``model_cache``).
 """
 
 from __future__ import annotations
@@ -42,12 +47,15 @@ class Checkpoint:
     """A checkpoint: architecture, tokenizer and its tensors under our parameter names, read one
     at a time (``tensors``)."""
 
-    def __init__(self, args: ModelArgs, tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+    def __init__(self, args: ModelArgs, tensors: Callable[..., Iterator[tuple[str, torch.Tensor]]],
                  tokenizer: Tokenizer, source: str):
         self.args = args
         self._tensors = tensors
         self.tokenizer = tokenizer
         self.source = source
+        # a GGUF file read in place: () -> (our projection name or "head", [(GGUF type, raw rows, K), ...])
+        # for each quantized projection (``cpu_quant.QuantLinear.from_raw``); None elsewhere
+        self.projections: Callable[[], Iterator[tuple[str, list]]] | None = None
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for every parameter, one at a time, in the checkpoint's dtype."""
@@ -57,13 +65,20 @@ class Checkpoint:
         """Every tensor at once, float32 (tests and tools; the engine uses ``load_into``)."""
         return {name: t.float() for name, t in self.tensors()}
 
-    def load_into(self, model: torch.nn.Module) -> None:
+    def load_into(self, model: torch.nn.Module, *, projections: bool = True) -> None:
         """Copy every tensor into ``model``'s parameters (converted to each parameter's dtype).
-        A missing, unexpected or wrongly shaped tensor raises ModelLoadError naming it."""
+        A missing, unexpected or wrongly shaped tensor raises ModelLoadError naming it.
+        ``projections=False`` (a checkpoint with ``projections``): the dense tensors only, the
+        model's projections being the quantized ones (``Transformer.set_quantized``)."""
         params = dict(model.named_parameters())
+        if not projections:
+            if self.projections is None:
+                raise ValueError("this checkpoint has no quantized projections")
+            params = {k: v for k, v in params.items()
+                      if not (k.endswith(PROJECTIONS) or k == "lm_head.weight")}
         seen: set[str] = set()
         with torch.no_grad():
-            for name, tensor in self.tensors():
+            for name, tensor in (self.tensors() if projections else self._tensors(projections=False)):
                 p = params.get(name)
                 if p is None:
                     raise ModelLoadError(f"{self.source}: unexpected tensor {name!r} for a {self.args.family} model")
@@ -106,8 +121,11 @@ def _log(msg: str, quiet: bool) -> None:
         print(f"[agentspec] {msg}", file=sys.stderr, flush=True)
 
 
-def load_checkpoint(model: str | os.PathLike | None = None, *, quiet: bool = False) -> Checkpoint:
-    """Load ``model`` (None: the bundled model): a ``.gguf`` file or a Hugging Face folder."""
+def load_checkpoint(model: str | os.PathLike | None = None, *, quiet: bool = False,
+                    quantized: bool = False) -> Checkpoint:
+    """Load ``model`` (None: the bundled model): a ``.gguf`` file or a Hugging Face folder.
+    ``quantized``: a GGUF file is read in place, its projections left quantized
+    (``Checkpoint.projections``); else its tensors come dequantized from the converted cache."""
     path = bundled_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {str(path)!r}")
@@ -115,6 +133,8 @@ def load_checkpoint(model: str | os.PathLike | None = None, *, quiet: bool = Fal
         return _load_hf_folder(path, quiet=quiet)
     if path.suffix.lower() != ".gguf":
         raise ModelLoadError(f"model must be a .gguf file or a Hugging Face folder, got {str(path)!r}")
+    if quantized:
+        return _load_gguf_quantized(path, quiet=quiet)
     return _load_gguf_cached(path, quiet=quiet)
 
 
@@ -157,10 +177,7 @@ def _load_converted(cache: Path, *, source: str) -> Checkpoint:
 
 
 def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+    return reader.fields.get(key, default)
 
 
 def _reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -189,42 +206,159 @@ def _gguf_layer_names(args: ModelArgs, i: int) -> dict[str, list[str]]:
     return names
 
 
-def _convert_gguf(path: Path, cache: Path, *, quiet: bool) -> None:
-    try:
-        import gguf
+class _GGUF:
+    """An open GGUF file (memory-mapped, ``gguf_file.GGUFFile``): its architecture, the
+    tensors by name, dequantized (``dense``) or as their raw rows (``raw``), and its tokenizer."""
+
+    def __init__(self, path: Path, *, quiet: bool):
+        from .gguf_file import GGUFFile
+
+        self.where = str(path)
+        try:
+            self.reader = GGUFFile(path)
+        except (ValueError, OSError) as e:
+            raise ModelLoadError(f"cannot read GGUF file {self.where!r}: {e}") from e
+        self.by_name = {t.name: t for t in self.reader.tensors}
+        freq_factors: tuple[float, ...] = ()
+        if "rope_freqs.weight" in self.by_name:  # Llama 3.1+: the llama3 rope scaling as per-frequency divisors
+            freq_factors = tuple(float(x) for x in self.dense("rope_freqs.weight").reshape(-1))
+        self.args = families.args_from_gguf(lambda k: _field(self.reader, k), set(self.by_name), self.where,
+                                            freq_factors=freq_factors, log=lambda m: _log(m, quiet))
+        # llama.cpp permutes Llama's Q/K rows only
+        self.permute = _field(self.reader, "general.architecture") == "llama"
+
+    def get(self, name: str):
+        t = self.by_name.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.where}: missing tensor {name!r}")
+        return t
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in reversed(self.get(name).shape))  # GGUF lists dims innermost first
+
+    def dense(self, name: str) -> np.ndarray:
+        """The tensor dequantized to float32 by the ``gguf`` package's reference dequantizer."""
         from gguf.quants import dequantize
-    except ImportError as e:  # pragma: no cover - gguf is a hard dependency
-        raise ModelLoadError("reading GGUF needs the `gguf` package") from e
+
+        t = self.get(name)
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"{self.where}: tensor {name!r} has GGUF type {t.tensor_type.name}, which this "
+                                 f"gguf package cannot dequantize ({e})") from None
+        arr = arr.astype(np.float32, copy=False).reshape(self.shape(name))
+        return arr if arr.flags.writeable else arr.copy()   # a view of the read-only map: copied
+
+    def raw(self, name: str) -> tuple[str, np.ndarray, int]:
+        """``(type name, rows, K)``: a quantized tensor's raw rows ``[N, bytes]`` (a view of the
+        memory map), or a float tensor's values ``[N, K]``."""
+        t = self.get(name)
+        shape = self.shape(name)
+        if len(shape) != 2:
+            raise ModelLoadError(f"{self.where}: tensor {name!r} has shape {shape}, a projection needs 2 dims")
+        kind = t.tensor_type.name
+        if kind in ("F32", "F16", "BF16"):
+            return kind, self.dense(name), shape[1]
+        return kind, np.asarray(t.data).reshape(shape[0], -1), shape[1]
+
+    def tokenizer(self) -> Tokenizer:
+        r = self.reader
+        return Tokenizer.from_gguf_fields(
+            model=_field(r, "tokenizer.ggml.model", "gpt2"),
+            pre=_field(r, "tokenizer.ggml.pre"),
+            tokens=_field(r, "tokenizer.ggml.tokens"),
+            token_types=_field(r, "tokenizer.ggml.token_type"),
+            merges=_field(r, "tokenizer.ggml.merges", []),
+            eos_token_id=_field(r, "tokenizer.ggml.eos_token_id"),
+            bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
+            chat_template=_field(r, "tokenizer.chat_template"),
+            add_bos=bool(_field(r, "tokenizer.ggml.add_bos_token", False)),
+            eot_token_id=_field(r, "tokenizer.ggml.eot_token_id"),
+            eom_token_id=_field(r, "tokenizer.ggml.eom_token_id"),
+        )
+
+    def check_rows(self, theirs: list[str]) -> None:
+        """q/k/v of a fused projection: each has the rows the config says."""
+        a = self.args
+        for n, rows in zip(theirs, (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim)):
+            got = self.shape(n)[0]
+            if got != rows:
+                raise ModelLoadError(f"{self.where}: tensor {n!r} has {got} rows, the config says {rows}")
+
+    def layer_parts(self, i: int, ours: str, theirs: list[str], get):
+        """The parts of our tensor ``ours`` of layer ``i`` (``get(name)`` of each of ``theirs``),
+        with Llama's Q/K rows back in Hugging Face order."""
+        parts = [get(n) for n in theirs]
+        if ours.endswith("wqkv.weight") or ours.endswith("qkv_bias"):
+            self.check_rows(theirs)
+            if self.permute and ours.endswith("wqkv.weight"):
+                a = self.args
+                parts = [_permute_part(parts[0], a.n_heads), _permute_part(parts[1], a.n_kv_heads), parts[2]]
+            elif self.permute:
+                raise ModelLoadError(f"{self.where}: q/k/v biases on a GGUF 'llama' model are not supported")
+        return parts
+
+
+def _permute_part(part, n_head: int):
+    """``_reverse_permute`` of a dense array or of a ``raw`` triple's rows (a row permutation: the
+    quantized blocks of a row stay whole)."""
+    if isinstance(part, tuple):
+        kind, rows, K = part
+        return kind, _reverse_permute(rows, n_head), K
+    return _reverse_permute(part, n_head)
+
+
+PROJECTIONS = ("wqkv.weight", "wo.weight", "w_gate_up.weight", "w_down.weight")
+
+
+def _load_gguf_quantized(path: Path, *, quiet: bool) -> Checkpoint:
+    """A GGUF file read in place: the projections stay quantized (``Checkpoint.projections``:
+    their raw rows, views of the memory map, for ``cpu_quant.QuantLinear`` to repack), the rest
+    (the embedding, norms, biases) dequantized as it is read. No conversion step, no disk cache."""
+    g = _GGUF(path, quiet=quiet)
+    args = g.args
+    names = [_gguf_layer_names(args, i) for i in range(args.n_layers)]
+    head_name = "token_embd.weight" if args.tie_embeddings else "output.weight"
+    used = {"rope_freqs.weight", "token_embd.weight", "output_norm.weight", head_name}
+    for layer in names:
+        for theirs in layer.values():
+            used.update(theirs)
+    left = sorted(set(g.by_name) - used)
+    if left:
+        raise ModelLoadError(f"{g.where}: unexpected tensors {left[:5]} (not part of a {args.family} model)")
+
+    def tensors(projections: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        yield "embed.weight", torch.from_numpy(g.dense("token_embd.weight"))
+        yield "norm.weight", torch.from_numpy(g.dense("output_norm.weight"))
+        if projections and not args.tie_embeddings:
+            yield "lm_head.weight", torch.from_numpy(g.dense("output.weight"))
+        for i, layer in enumerate(names):
+            for ours, theirs in layer.items():
+                if not projections and ours.split(".", 2)[2] in PROJECTIONS:
+                    continue
+                parts = g.layer_parts(i, ours, theirs, g.dense)
+                yield ours, torch.from_numpy(np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1
+                                                                  else parts[0]))
+
+    def projections() -> Iterator[tuple[str, list[tuple[str, np.ndarray, int]]]]:
+        for i, layer in enumerate(names):
+            for ours, theirs in layer.items():
+                if ours.split(".", 2)[2] in PROJECTIONS:
+                    yield ours, g.layer_parts(i, ours, theirs, g.raw)
+        yield "head", [g.raw(head_name)]
+
+    ckpt = Checkpoint(args, tensors, g.tokenizer(), str(path))
+    ckpt.projections = projections
+    return ckpt
+
+
+def _convert_gguf(path: Path, cache: Path, *, quiet: bool) -> None:
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
     t0 = time.perf_counter()
-    where = str(path)
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:
-        raise ModelLoadError(f"cannot read GGUF file {where!r}: {e}") from e
-    by_name = {t.name: t for t in reader.tensors}
-
-    def tensor(name: str) -> np.ndarray:
-        t = by_name.get(name)
-        if t is None:
-            raise ModelLoadError(f"{where}: missing tensor {name!r}")
-        try:
-            arr = dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise ModelLoadError(f"{where}: tensor {name!r} has GGUF type {t.tensor_type.name}, which this "
-                                 f"gguf package cannot dequantize ({e})") from None
-        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
-        return arr.astype(np.float32, copy=False).reshape(shape)
-
-    freq_factors: tuple[float, ...] = ()
-    if "rope_freqs.weight" in by_name:  # Llama 3.1+: the llama3 rope scaling as per-frequency divisors
-        freq_factors = tuple(float(x) for x in tensor("rope_freqs.weight").reshape(-1))
-    args = families.args_from_gguf(lambda k: _field(reader, k), set(by_name), where, freq_factors=freq_factors,
-                                   log=lambda m: _log(m, quiet))
-    permute = _field(reader, "general.architecture") == "llama"  # llama.cpp permutes Llama's Q/K rows only
-
+    g = _GGUF(path, quiet=quiet)
+    where, by_name, args, tensor = g.where, g.by_name, g.args, g.dense
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".tmp-", dir=cache.parent))
     used = {"rope_freqs.weight"}
@@ -240,39 +374,15 @@ def _convert_gguf(path: Path, cache: Path, *, quiet: bool) -> None:
                       file=sys.stderr):
             layer: dict[str, np.ndarray] = {}
             for ours, theirs in _gguf_layer_names(args, i).items():
-                parts = [tensor(n) for n in theirs]
+                parts = g.layer_parts(i, ours, theirs, tensor)
                 used.update(theirs)
-                if ours.endswith("wqkv.weight") or ours.endswith("qkv_bias"):
-                    q_rows = args.n_heads * args.head_dim
-                    kv_rows = args.n_kv_heads * args.head_dim
-                    for n, part, rows in zip(theirs, parts, (q_rows, kv_rows, kv_rows)):
-                        if part.shape[0] != rows:
-                            raise ModelLoadError(f"{where}: tensor {n!r} has {part.shape[0]} rows, the config "
-                                                 f"says {rows}")
-                    if permute and ours.endswith("wqkv.weight"):
-                        parts = [_reverse_permute(parts[0], args.n_heads),
-                                 _reverse_permute(parts[1], args.n_kv_heads), parts[2]]
-                    elif permute:
-                        raise ModelLoadError(f"{where}: q/k/v biases on a GGUF 'llama' model are not supported")
                 layer[ours] = np.ascontiguousarray(np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0])
             save_file(layer, str(tmp / f"model-{i:05d}.safetensors"))
         left = sorted(set(by_name) - used)
         if left:
             raise ModelLoadError(f"{where}: unexpected tensors {left[:5]} (not part of a {args.family} model)")
         (tmp / "config.json").write_text(json.dumps(args.to_dict()))
-        tok = Tokenizer.from_gguf_fields(
-            model=_field(reader, "tokenizer.ggml.model", "gpt2"),
-            pre=_field(reader, "tokenizer.ggml.pre"),
-            tokens=_field(reader, "tokenizer.ggml.tokens"),
-            token_types=_field(reader, "tokenizer.ggml.token_type"),
-            merges=_field(reader, "tokenizer.ggml.merges", []),
-            eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-            chat_template=_field(reader, "tokenizer.chat_template"),
-            add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-            eot_token_id=_field(reader, "tokenizer.ggml.eot_token_id"),
-            eom_token_id=_field(reader, "tokenizer.ggml.eom_token_id"),
-        )
+        tok = g.tokenizer()
         tok.save(tmp)
         fsync_tree(tmp)
         try:

@@ -1,0 +1,406 @@
+"""Linear layers over GGUF-quantized weights, kept quantized (native: ``_cpu.linear_q``).
+
+A GGUF file's projection tensors (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) are
+repacked at load, in memory, into the two layouts the native kernel reads (kernels/csrc/qlinear.cpp):
+
+- **U4**: 4-bit ``q`` in [0, 15], blocks of 32 columns, ``w = scale * q + min`` (Q4_0, Q4_1, Q4_K);
+- **I8**: 8-bit ``q`` in [-128, 127] (stored as ``q + 128``), blocks of 16 or 32 columns,
+  ``w = scale * q (+ min)`` (Q5_0, Q5_1, Q5_K, Q8_0, Q2_K, Q3_K);
+- **U4K** (Q4_K) and **U6K** (Q6_K): U4's nibbles (and, for Q6_K, a plane of the high 2 bits),
+  the scale and min kept as the file keeps them: a float32 per 256-column super-block times a
+  byte per block (0.59 and 0.83 bytes per weight, against the file's 0.56 and 0.82).
+
+``scale`` and ``min`` are the float32 products of the block's fields that the ``gguf`` package's
+reference dequantizer forms, so ``scale * q + min`` is that dequantizer's value bit for bit
+(``QuantLinear.dequantize``; tested per type). F32, F16 and BF16 projections become bfloat16
+``PackedLinear`` parts. Other types (the IQ* family, TQ*) are refused by name.
+
+``QuantLinear(x)`` quantizes each row of ``x`` on its own (int8 per 32 columns), so a row's result
+depends on that row alone, at every ISA level the same bits (see qlinear.cpp for the arithmetic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .cpu_attention import _cpu, available
+
+__all__ = ["QUANT_TYPES", "QuantLinear", "QuantPart", "UnsupportedQuantType", "body", "linear_q_supported",
+           "repack", "unpack"]
+
+FMT_U4, FMT_I8, FMT_U4K, FMT_U6K = 0, 1, 2, 3
+QK_K = 256
+
+
+class UnsupportedQuantType(ValueError):
+    """A GGUF tensor type this kernel has no repacking for (named in the message)."""
+
+
+def linear_q_supported() -> bool:
+    """Whether the native quantized linear is built here (CPU)."""
+    return available() and hasattr(_cpu, "linear_q")
+
+
+def body() -> str:
+    """The quantized linears' body at the ISA level set now ("avx512vnni", "avx2", "scalar")."""
+    return _cpu.qlinear_body() if linear_q_supported() else "none"
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+# Per type: raw blocks [n, type_size] uint8 -> (q [n, block] int16, scale [n, sub] f32, min or None,
+# fmt, B). The arithmetic mirrors gguf.quants' dequantize_blocks step for step.
+def _q4_0(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    qs = b[:, 2:].reshape(n, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)
+    q = (qs & 0x0F).reshape(n, 32).astype(np.int16)
+    return q, d, -8 * d, FMT_U4, 32          # d * (q - 8) == d * q + (-8 d), both exact
+
+
+def _q4_1(b):
+    n = b.shape[0]
+    d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
+    qs = b[:, 4:].reshape(n, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)
+    return (qs & 0x0F).reshape(n, 32).astype(np.int16), d, m, FMT_U4, 32
+
+
+def _q5(b, has_min: bool):
+    n = b.shape[0]
+    o = 4 if has_min else 2
+    d = _f16(b[:, :2])
+    qh = np.ascontiguousarray(b[:, o:o + 4]).view(np.uint32).reshape(n, 1) >> np.arange(32, dtype=np.uint32)
+    ql = b[:, o + 4:].reshape(n, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)
+    q = ((ql & 0x0F).reshape(n, 32) | ((qh & 1).astype(np.uint8) << 4)).astype(np.int16)
+    if has_min:
+        return q, d, _f16(b[:, 2:4]), FMT_I8, 32
+    return q - 16, d, None, FMT_I8, 32
+
+
+def _q8_0(b):
+    return b[:, 2:].view(np.int8).astype(np.int16), _f16(b[:, :2]), None, FMT_I8, 32
+
+
+def _q2_k(b):
+    n = b.shape[0]
+    scales, qs, d, dmin = b[:, :16], b[:, 16:80], _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    dl = d * (scales & 0xF).astype(np.float32)
+    ml = dmin * (scales >> 4).astype(np.float32)
+    q = (qs.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    return q.reshape(n, QK_K).astype(np.int16), dl, -ml, FMT_I8, 16
+
+
+def _q3_k(b):
+    n = b.shape[0]
+    hmask, qs, scales, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])
+    ls = (scales[:, :8].reshape(n, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(n, 16)
+    hs = (scales[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)).reshape(n, 16)
+    sc = ((ls & 0x0F) | ((hs & 0x03) << 4)).astype(np.int8) - np.int8(32)
+    dl = d * sc.astype(np.float32)
+    ql = (qs.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)).reshape(n, 16, 16) & 3
+    qh = (hmask.reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)).reshape(n, 16, 16) & 1
+    q = ql.astype(np.int16) - ((qh ^ 1).astype(np.int16) << 2)
+    return q.reshape(n, QK_K), dl, None, FMT_I8, 16
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    n = scales.shape[0]
+    s = scales.reshape(n, 3, 4)
+    d, m, m_d = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _q4_k(b):
+    n = b.shape[0]
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    q = (b[:, 16:].reshape(n, -1, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    return q.reshape(n, QK_K).astype(np.int16), d * sc, -(dmin * mn), FMT_U4, 32
+
+
+def _q5_k(b):
+    n = b.shape[0]
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    sc, mn = _k_scale_min(b[:, 4:16])
+    qh, qs = b[:, 16:48], b[:, 48:]
+    ql = (qs.reshape(n, -1, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)).reshape(n, 8, 32) & 0x0F
+    qh = (qh.reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)).reshape(n, 8, 32) & 1
+    q = (ql | (qh << 4)).reshape(n, QK_K).astype(np.int16)
+    return q, d * sc, -(dmin * mn), FMT_I8, 32
+
+
+def _q6_k(b):
+    n = b.shape[0]
+    ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
+    dl = d * scales.view(np.int8).astype(np.float32)
+    ql = (ql.reshape(n, -1, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)).reshape(n, -1, 32) & 0x0F
+    qh = (qh.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)).reshape(n, -1, 32) & 3
+    q = (ql | (qh << 4)).astype(np.int16) - 32
+    return q.reshape(n, QK_K), dl, None, FMT_I8, 16
+
+
+# GGUF type name -> (block columns, block bytes, unpacker)
+_UNPACK = {"Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q5_0": (32, 22, lambda b: _q5(b, False)),
+           "Q5_1": (32, 24, lambda b: _q5(b, True)), "Q8_0": (32, 34, _q8_0), "Q2_K": (256, 84, _q2_k),
+           "Q3_K": (256, 110, _q3_k), "Q4_K": (256, 144, _q4_k), "Q5_K": (256, 176, _q5_k),
+           "Q6_K": (256, 210, _q6_k)}
+QUANT_TYPES = tuple(_UNPACK)
+DENSE_TYPES = ("F32", "F16", "BF16")
+
+
+def unpack(raw: np.ndarray, qtype: str, K: int):
+    """A quantized tensor's raw rows ``[N, K / block * block_bytes]`` uint8 -> ``(q [N, K] int16,
+    scale [N, K / B] float32, min [N, K / B] float32 or None, fmt, B)`` with ``scale * q + min``
+    equal to the gguf dequantizer's value."""
+    if qtype not in _UNPACK:
+        raise UnsupportedQuantType(f"GGUF tensor type {qtype} is not supported by the quantized linears "
+                                   f"(supported: {', '.join(QUANT_TYPES + DENSE_TYPES)})")
+    bs, ts, fn = _UNPACK[qtype]
+    if K % bs:
+        raise ValueError(f"a {qtype} row of {K} columns is not whole blocks of {bs}")
+    N = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(N * (K // bs), ts)
+    q, scale, mn, fmt, B = fn(blocks)
+    q = q.reshape(N, K)
+    scale = np.ascontiguousarray(scale, dtype=np.float32).reshape(N, K // B)
+    mn = None if mn is None else np.ascontiguousarray(mn, dtype=np.float32).reshape(N, K // B)
+    return q, scale, mn, fmt, B
+
+
+@dataclass
+class QuantPart:
+    """One repacked row range of a ``QuantLinear`` (see qlinear.cpp for the layout)."""
+
+    qtype: str
+    fmt: int
+    B: int
+    N: int
+    K: int
+    q: torch.Tensor               # uint8 [ceil(N/16), K/B, bytes per block of 16 rows]
+    scale: torch.Tensor           # float32 [ceil(N/16), K/B, 16]; U4K / U6K: [ceil(N/16), K/256, 16] (d)
+    mins: torch.Tensor | None     # float32 as scale, or None; U4K: -dmin per super-block
+    sub: torch.Tensor | None = None       # U4K: uint8 sc [ceil(N/16), K/B, 16]; U6K: int8 sc as uint8
+    sub_mins: torch.Tensor | None = None  # U4K: uint8 m
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.mins, self.sub, self.sub_mins)
+                   if t is not None)
+
+
+def _lanes(a: np.ndarray, NP: int) -> torch.Tensor:
+    """[N, n] per-row values (N padded to 16 NP rows) -> [NP, n, 16]."""
+    n = a.shape[1]
+    return torch.from_numpy(np.ascontiguousarray(a.reshape(NP, 16, n).transpose(0, 2, 1)))
+
+
+def _nibbles(q: np.ndarray, NP: int, nb: int) -> np.ndarray:
+    """[16 NP, K] values < 16 -> U4's steps [NP, nb, K/nb/8, 16, 4] (byte i: weight i | weight i + 4 << 4)."""
+    B = q.shape[1] // nb
+    u = q.astype(np.uint8).reshape(NP, 16, nb, B // 8, 2, 4)
+    return (u[..., 0, :] | (u[..., 1, :] << 4)).transpose(0, 2, 3, 1, 4)
+
+
+def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
+    return a if a.shape[0] == rows else np.concatenate([a, np.zeros((rows - a.shape[0],) + a.shape[1:], a.dtype)])
+
+
+def _repack_k(raw: np.ndarray, qtype: str, K: int) -> QuantPart:
+    """Q4_K -> U4K, Q6_K -> U6K: the file's super-block scales and block bytes kept as they are."""
+    N = raw.shape[0]
+    NP = -(-N // 16)
+    b = _pad_rows(np.ascontiguousarray(raw), NP * 16).reshape(NP * 16 * (K // QK_K), -1)
+    ns = K // QK_K
+    if qtype == "Q4_K":
+        q, _, _, _, _ = _q4_k(b)
+        d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+        sc, mn = _k_scale_min(b[:, 4:16])
+        nb = K // 32
+        packed = _nibbles(q.reshape(NP * 16, K), NP, nb).reshape(NP, nb, 256)
+        return QuantPart(qtype=qtype, fmt=FMT_U4K, B=32, N=N, K=K, q=torch.from_numpy(np.ascontiguousarray(packed)),
+                         scale=_lanes(d.reshape(NP * 16, ns), NP), mins=_lanes(-dmin.reshape(NP * 16, ns), NP),
+                         sub=_lanes(sc.astype(np.uint8).reshape(NP * 16, nb), NP),
+                         sub_mins=_lanes(mn.astype(np.uint8).reshape(NP * 16, nb), NP))
+    q, _, _, _, _ = _q6_k(b)
+    u = (q + 32).astype(np.uint8).reshape(NP * 16, K)           # [0, 63]
+    nb = K // 16
+    lo = _nibbles(u & 0x0F, NP, nb).reshape(NP, nb, 128)
+    # the high 2 bits: lane r, byte i, bits 2k..2k+1 (k = 2 step + half) of weight 8 step + 4 half + i
+    hb = (u >> 4).reshape(NP, 16, nb, 2, 2, 4)                   # [.., step, half, i]
+    plane = np.zeros((NP, 16, nb, 4), np.uint8)
+    for st in range(2):
+        for h in range(2):
+            plane |= hb[:, :, :, st, h, :] << np.uint8(2 * (2 * st + h))
+    plane = plane.transpose(0, 2, 1, 3).reshape(NP, nb, 64)
+    packed = np.concatenate([lo, plane], axis=2)
+    d = _f16(b[:, 208:210])
+    sc = b[:, 192:208].view(np.int8)
+    return QuantPart(qtype=qtype, fmt=FMT_U6K, B=16, N=N, K=K, q=torch.from_numpy(np.ascontiguousarray(packed)),
+                     scale=_lanes(d.reshape(NP * 16, ns), NP), mins=None,
+                     sub=_lanes(sc.view(np.uint8).reshape(NP * 16, nb), NP))
+
+
+def repack(raw: np.ndarray, qtype: str, K: int) -> QuantPart:
+    """Raw GGUF rows of ``qtype`` -> a ``QuantPart`` (a new, contiguous copy; ``raw`` may be a
+    memory map and is not kept)."""
+    if qtype in ("Q4_K", "Q6_K") and K % QK_K == 0:
+        return _repack_k(raw, qtype, K)
+    q, scale, mn, fmt, B = unpack(raw, qtype, K)
+    N = q.shape[0]
+    NP = -(-N // 16)
+    pad = NP * 16 - N
+    nb = K // B
+    if pad:
+        q = np.concatenate([q, np.zeros((pad, K), q.dtype)])
+        scale = np.concatenate([scale, np.zeros((pad, nb), np.float32)])
+        mn = None if mn is None else np.concatenate([mn, np.zeros((pad, nb), np.float32)])
+    if fmt == FMT_U4:
+        u = q.astype(np.uint8).reshape(NP, 16, nb, B // 8, 2, 4)
+        packed = (u[..., 0, :] | (u[..., 1, :] << 4)).transpose(0, 2, 3, 1, 4)   # [NP, nb, steps, 16, 4]
+    else:
+        packed = (q + 128).astype(np.uint8).reshape(NP, 16, nb, B // 4, 4).transpose(0, 2, 3, 1, 4)
+
+    def lanes(a):
+        return torch.from_numpy(np.ascontiguousarray(a.reshape(NP, 16, nb).transpose(0, 2, 1)))
+
+    return QuantPart(qtype=qtype, fmt=fmt, B=B, N=N, K=K, q=torch.from_numpy(np.ascontiguousarray(packed)),
+                     scale=lanes(scale), mins=None if mn is None else lanes(mn))
+
+
+def _dequantize_part(p: QuantPart) -> np.ndarray:
+    """``scale * q + min`` float32 ``[N, K]`` from a part's packed arrays."""
+    NP, nb = p.scale.shape[0], p.K // p.B
+    if p.fmt in (FMT_U4K, FMT_U6K):
+        per = p.B // QK_K if p.B >= QK_K else QK_K // p.B            # blocks per super-block
+        d = np.repeat(p.scale.numpy(), per, axis=1)                 # [NP, nb, 16]
+        sub = p.sub.numpy().view(np.int8 if p.fmt == FMT_U6K else np.uint8).astype(np.float32)
+        scale = d * sub
+        mins = None
+        if p.fmt == FMT_U4K:
+            mins = np.repeat(p.mins.numpy(), per, axis=1) * p.sub_mins.numpy().astype(np.float32)
+        raw = p.q.numpy().reshape(NP, nb, -1)
+        nib = raw[:, :, :64 * (p.B // 8)].reshape(NP, nb, p.B // 8, 16, 4)
+        q = np.stack([nib & 0x0F, nib >> 4], axis=3).transpose(0, 4, 1, 2, 3, 5).reshape(NP * 16, p.K)
+        q = q.astype(np.int16)
+        if p.fmt == FMT_U6K:
+            plane = raw[:, :, 128:].reshape(NP, nb, 16, 4)
+            hi = np.stack([(plane >> np.uint8(2 * k)) & 3 for k in range(4)], axis=3)   # [NP, nb, 16, k, 4]
+            hi = hi.reshape(NP, nb, 16, 2, 2, 4).transpose(0, 2, 1, 3, 4, 5).reshape(NP * 16, p.K)
+            q = (q | (hi.astype(np.int16) << 4)) - 32
+        w = q.astype(np.float32).reshape(NP * 16, nb, p.B) * scale.transpose(0, 2, 1).reshape(NP * 16, nb, 1)
+        if mins is not None:
+            w = w + mins.transpose(0, 2, 1).reshape(NP * 16, nb, 1)
+        return w.reshape(NP * 16, p.K)[:p.N]
+    raw = p.q.numpy()
+    if p.fmt == FMT_U4:
+        lo, hi = raw & 0x0F, raw >> 4                                   # [NP, nb, steps, 16, 4]
+        q = np.stack([lo, hi], axis=3).transpose(0, 4, 1, 2, 3, 5)      # [NP, 16, nb, steps, 2, 4]
+        q = q.reshape(NP * 16, p.K).astype(np.float32)
+    else:
+        q = (raw.astype(np.int16) - 128).transpose(0, 3, 1, 2, 4).reshape(NP * 16, p.K).astype(np.float32)
+    scale = p.scale.numpy().transpose(0, 2, 1).reshape(NP * 16, nb, 1)
+    w = (q.reshape(NP * 16, nb, p.B) * scale)
+    if p.mins is not None:
+        w = w + p.mins.numpy().transpose(0, 2, 1).reshape(NP * 16, nb, 1)
+    return w.reshape(NP * 16, p.K)[:p.N]
+
+
+class QuantLinear:
+    """``y = x @ W.T`` (no bias) for bfloat16 rows ``x [M, K]`` -> ``[M, N]`` bfloat16, ``W`` kept
+    quantized: row ranges (``parts``: a fused q/k/v or gate/up projection whose parts have
+    different GGUF types) each repacked (``QuantPart``) or, for F32/F16/BF16, a bfloat16
+    ``PackedLinear``."""
+
+    __slots__ = ("N", "K", "parts")
+
+    def __init__(self, parts: list):
+        if not parts:
+            raise ValueError("a QuantLinear needs at least one part")
+        self.K = parts[0].K
+        if any(p.K != self.K for p in parts):
+            raise ValueError("every part of a QuantLinear must have the same input width")
+        self.parts = list(parts)
+        self.N = sum(p.N for p in self.parts)
+
+    @classmethod
+    def from_raw(cls, tensors: list[tuple[str, np.ndarray, int]]) -> QuantLinear:
+        """``[(gguf_type_name, raw rows or dense [N, K] array, K), ...]`` -> one ``QuantLinear``
+        whose output rows are the tensors' rows in order."""
+        from .cpu_linear import PackedLinear
+
+        parts = []
+        for qtype, arr, K in tensors:
+            if qtype in DENSE_TYPES:
+                w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(torch.bfloat16)
+                lin = PackedLinear(w)
+                parts.append(_DensePart(lin))
+            else:
+                parts.append(repack(arr, qtype, K))
+        return cls(parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def types(self) -> list[str]:
+        return [p.qtype for p in self.parts]
+
+    def dequantize(self) -> torch.Tensor:
+        """The ``[N, K]`` float32 weight the kernel multiplies with (``scale * q + min``)."""
+        return torch.cat([torch.from_numpy(_dequantize_part(p)) if isinstance(p, QuantPart) else p.lin.weight().float()
+                          for p in self.parts])
+
+    def weight(self) -> torch.Tensor:
+        """The weight as bfloat16 ``[N, K]`` (tools and torch-path fallbacks; not the kernel's bits)."""
+        return self.dequantize().to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, *, threads: int = 0) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.K or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            raise ValueError(f"x must be bfloat16 [M, {self.K}], got {tuple(x.shape)} {x.dtype}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        M = x.shape[0]
+        if out is None:
+            out = torch.empty(M, self.N, dtype=torch.bfloat16)
+        if M == 0:
+            return out
+        off = 0
+        for p in self.parts:
+            if isinstance(p, QuantPart):
+                _cpu.linear_q(x.data_ptr(), x.stride(0), M, p.q.data_ptr(), p.scale.data_ptr(),
+                              0 if p.mins is None else p.mins.data_ptr(), 0 if p.sub is None else p.sub.data_ptr(),
+                              0 if p.sub_mins is None else p.sub_mins.data_ptr(), p.fmt, p.B, p.N, p.K,
+                              out.data_ptr() + 2 * off, out.stride(0), threads)
+            else:
+                p.lin(x, out[:, off:off + p.N])
+            off += p.N
+        return out
+
+
+class _DensePart:
+    """An F32 / F16 / BF16 row range of a ``QuantLinear``: a bfloat16 ``PackedLinear``."""
+
+    __slots__ = ("lin", "qtype")
+
+    def __init__(self, lin):
+        self.lin = lin
+        self.qtype = "BF16"
+
+    @property
+    def N(self) -> int:
+        return self.lin.N
+
+    @property
+    def K(self) -> int:
+        return self.lin.K
+
+    @property
+    def nbytes(self) -> int:
+        return self.lin.packed.numel() * 2

@@ -1,0 +1,140 @@
+"""The quantized linears (agentspec.kernels.cpu_quant, kernels/csrc/qlinear.cpp) on random GGUF
+blocks of every supported type: the repacked weight is the gguf package's dequantization; every
+ISA level gives the plain reference's bits; a row's result does not depend on the other rows or
+the thread count; the arithmetic is the documented one (an independent numpy implementation);
+and the product stays close to the dequantized float product."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from agentspec.kernels import cpu_isa, cpu_quant
+
+from helpers.families import random_quantized
+
+pytestmark = pytest.mark.skipif(not cpu_quant.linear_q_supported(), reason="the native extension is not built")
+
+TYPES = cpu_quant.QUANT_TYPES
+# float16 fields of the types random_quantized does not know (offsets in a block)
+_F16 = {"Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,)}
+
+
+def _raw(qtype: str, N: int, K: int, seed: int = 0) -> np.ndarray:
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    if qtype not in _F16:
+        return random_quantized(N, K, qtype, rng)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    raw = rng.integers(0, 256, size=(N, K // block, size), dtype=np.uint8)
+    for off in _F16[qtype]:
+        raw[:, :, off:off + 2] = rng.uniform(0.5e-4, 2e-4, size=(N, K // block)).astype(np.float16).view(
+            np.uint8).reshape(N, K // block, 2)
+    return raw.reshape(N, -1)
+
+
+def _dequant(raw, qtype, N, K) -> np.ndarray:
+    import gguf
+    from gguf.quants import dequantize
+
+    return np.asarray(dequantize(raw, gguf.GGMLQuantizationType[qtype]), np.float32).reshape(N, K)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_repacked_weight_is_the_gguf_dequantization(qtype):
+    N, K = 40, 512   # 40 rows: a partial last panel of 16
+    raw = _raw(qtype, N, K)
+    lin = cpu_quant.QuantLinear.from_raw([(qtype, raw, K)])
+    assert (lin.N, lin.K, lin.types()) == (N, K, [qtype])
+    ours = lin.dequantize().numpy()
+    ref = _dequant(raw, qtype, N, K)
+    assert np.array_equal(ours, ref)   # values (Q4_0's zero may carry the other sign)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_every_isa_level_gives_the_references_bits_row_by_row(qtype, restore_isa):
+    N, K, M = 40, 512, 7
+    lin = cpu_quant.QuantLinear.from_raw([(qtype, _raw(qtype, N, K, seed=1), K)])
+    x = (torch.randn(M, K, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
+    restore_isa.set_isa("scalar")
+    assert cpu_quant.body() == "scalar"
+    ref = lin(x)
+    for isa in restore_isa.supported():
+        restore_isa.set_isa(isa)
+        got = lin(x)
+        assert torch.equal(got, ref), (isa, cpu_quant.body())
+        # each row alone, and one thread: the same bits
+        assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(M)]), ref), isa
+        assert torch.equal(lin(x, threads=1), ref), isa
+
+
+def _reference(raw: np.ndarray, qtype: str, x: torch.Tensor) -> torch.Tensor:
+    """The documented arithmetic (qlinear.cpp's header) in numpy float32, one operation at a time,
+    from the unpacked blocks (``cpu_quant.unpack``: q, scale, min)."""
+    f32 = np.float32
+    xf = x.float().numpy()
+    M, K = xf.shape
+    blocks = xf.reshape(M, K // 32, 32)
+    amax = np.abs(blocks).max(axis=2)
+    d = (amax / f32(127)).astype(f32)
+    inv = np.where(d != 0, f32(1) / np.where(d != 0, d, f32(1)), f32(0)).astype(f32)
+    xq = np.clip(np.rint((blocks * inv[:, :, None]).astype(f32)), -127, 127).astype(np.int64).reshape(M, K)
+    q, scale, mins, fmt, B = cpu_quant.unpack(raw, qtype, K)
+    acc = np.zeros((M, q.shape[0]), f32)
+    for j in range(K // B):
+        isum = xq[:, j * B:(j + 1) * B] @ q[:, j * B:(j + 1) * B].astype(np.int64).T     # [M, N] exact
+        t = (isum.astype(f32) * d[:, (j * B) // 32][:, None]).astype(f32)
+        acc = (acc + (scale[None, :, j] * t).astype(f32)).astype(f32)
+        if mins is not None:
+            xs = xq[:, j * B:(j + 1) * B].sum(axis=1)
+            xsf = (d[:, (j * B) // 32] * xs.astype(f32)).astype(f32)
+            acc = (acc + (mins[None, :, j] * xsf[:, None]).astype(f32)).astype(f32)
+    return torch.from_numpy(acc).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_1", "Q8_0"])   # U4 + min, I8 B16, I8 + min, I8 B32
+def test_the_arithmetic_is_the_documented_one(qtype):
+    N, K = 24, 512
+    raw = _raw(qtype, N, K, seed=3)
+    lin = cpu_quant.QuantLinear.from_raw([(qtype, raw, K)])
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    x[1, :32] = 0   # an all-zero block: its scale is 0
+    assert torch.equal(lin(x), _reference(raw, qtype, x))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_close_to_the_dequantized_float_product(qtype):
+    """int8 activations per 32 columns (scale amax / 127): for Gaussian rows each value is off by
+    at most half a step, ~0.3% of the block's amax in RMS, so the product's relative error is
+    about 0.5%; 2% is the bound."""
+    N, K = 64, 1024
+    raw = _raw(qtype, N, K, seed=5)
+    lin = cpu_quant.QuantLinear.from_raw([(qtype, raw, K)])
+    x = torch.randn(8, K, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    exact = x.double() @ torch.from_numpy(_dequant(raw, qtype, N, K)).double().T
+    err = (lin(x).double() - exact).norm() / exact.norm()
+    assert err < 0.02, err
+
+
+def test_parts_of_different_types_fill_their_rows():
+    K = 256
+    a, b = _raw("Q4_K", 48, K, 7), _raw("Q6_K", 16, K, 8)
+    lin = cpu_quant.QuantLinear.from_raw([("Q4_K", a, K), ("Q6_K", b, K), ("F32", np.ones((8, K), np.float32), K)])
+    assert (lin.N, lin.types()) == (72, ["Q4_K", "Q6_K", "BF16"])
+    x = torch.randn(3, K).to(torch.bfloat16)
+    y = lin(x)
+    assert torch.equal(y[:, :48], cpu_quant.QuantLinear.from_raw([("Q4_K", a, K)])(x))
+    assert torch.equal(y[:, 48:64], cpu_quant.QuantLinear.from_raw([("Q6_K", b, K)])(x))
+    torch.testing.assert_close(y[:, 64:].float(), x.float().sum(dim=1, keepdim=True).expand(3, 8), rtol=2e-2, atol=0.2)
+
+
+def test_unsupported_types_are_refused_by_name():
+    with pytest.raises(cpu_quant.UnsupportedQuantType, match="GGUF tensor type IQ2_XXS is not supported"):
+        cpu_quant.QuantLinear.from_raw([("IQ2_XXS", np.zeros((16, 66), np.uint8), 256)])
+    with pytest.raises(ValueError, match="not whole blocks of 256"):
+        cpu_quant.unpack(np.zeros((2, 144), np.uint8), "Q4_K", 128)
+    lin = cpu_quant.QuantLinear.from_raw([("Q8_0", _raw("Q8_0", 16, 64), 64)])
+    with pytest.raises(ValueError, match=r"x must be bfloat16 \[M, 64\]"):
+        lin(torch.zeros(2, 32, dtype=torch.bfloat16))
