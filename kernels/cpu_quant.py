@@ -274,42 +274,38 @@ def repack(raw: np.ndarray, qtype: str, K: int) -> QuantPart:
                      scale=lanes(scale), mins=None if mn is None else lanes(mn))
 
 
-def _dequantize_part(p: QuantPart) -> np.ndarray:
-    """``scale * q + min`` float32 ``[N, K]`` from a part's packed arrays."""
-    NP, nb = p.scale.shape[0], p.K // p.B
-    if p.fmt in (FMT_U4K, FMT_U6K):
-        per = p.B // QK_K if p.B >= QK_K else QK_K // p.B            # blocks per super-block
-        d = np.repeat(p.scale.numpy(), per, axis=1)                 # [NP, nb, 16]
-        sub = p.sub.numpy().view(np.int8 if p.fmt == FMT_U6K else np.uint8).astype(np.float32)
-        scale = d * sub
-        mins = None
-        if p.fmt == FMT_U4K:
-            mins = np.repeat(p.mins.numpy(), per, axis=1) * p.sub_mins.numpy().astype(np.float32)
-        raw = p.q.numpy().reshape(NP, nb, -1)
-        nib = raw[:, :, :64 * (p.B // 8)].reshape(NP, nb, p.B // 8, 16, 4)
-        q = np.stack([nib & 0x0F, nib >> 4], axis=3).transpose(0, 4, 1, 2, 3, 5).reshape(NP * 16, p.K)
-        q = q.astype(np.int16)
-        if p.fmt == FMT_U6K:
-            plane = raw[:, :, 128:].reshape(NP, nb, 16, 4)
-            hi = np.stack([(plane >> np.uint8(2 * k)) & 3 for k in range(4)], axis=3)   # [NP, nb, 16, k, 4]
-            hi = hi.reshape(NP, nb, 16, 2, 2, 4).transpose(0, 2, 1, 3, 4, 5).reshape(NP * 16, p.K)
-            q = (q | (hi.astype(np.int16) << 4)) - 32
-        w = q.astype(np.float32).reshape(NP * 16, nb, p.B) * scale.transpose(0, 2, 1).reshape(NP * 16, nb, 1)
-        if mins is not None:
-            w = w + mins.transpose(0, 2, 1).reshape(NP * 16, nb, 1)
-        return w.reshape(NP * 16, p.K)[:p.N]
-    raw = p.q.numpy()
-    if p.fmt == FMT_U4:
-        lo, hi = raw & 0x0F, raw >> 4                                   # [NP, nb, steps, 16, 4]
-        q = np.stack([lo, hi], axis=3).transpose(0, 4, 1, 2, 3, 5)      # [NP, 16, nb, steps, 2, 4]
-        q = q.reshape(NP * 16, p.K).astype(np.float32)
+def _dequantize_part(p: QuantPart, rows: np.ndarray | None = None) -> np.ndarray:
+    """``scale * q + min`` float32 ``[len(rows), K]`` (default: every row) from a part's packed
+    arrays: the gguf dequantizer's values, bit for bit."""
+    rows = np.arange(p.N) if rows is None else np.asarray(rows, dtype=np.int64)
+    pi, li = rows // 16, rows % 16
+    T, nb = rows.shape[0], p.K // p.B
+    raw = p.q.numpy().reshape(p.q.shape[0], nb, -1)
+
+    def lanes(t: torch.Tensor) -> np.ndarray:          # [NP, n, 16] -> [T, n]
+        return t.numpy()[pi, :, li]
+
+    if p.fmt == FMT_I8:
+        q = (raw.reshape(-1, nb, p.B // 4, 16, 4)[pi, :, :, li, :].astype(np.int16) - 128).reshape(T, p.K)
     else:
-        q = (raw.astype(np.int16) - 128).transpose(0, 3, 1, 2, 4).reshape(NP * 16, p.K).astype(np.float32)
-    scale = p.scale.numpy().transpose(0, 2, 1).reshape(NP * 16, nb, 1)
-    w = (q.reshape(NP * 16, nb, p.B) * scale)
-    if p.mins is not None:
-        w = w + p.mins.numpy().transpose(0, 2, 1).reshape(NP * 16, nb, 1)
-    return w.reshape(NP * 16, p.K)[:p.N]
+        steps = p.B // 8
+        nib = raw[:, :, :64 * steps].reshape(-1, nb, steps, 16, 4)[pi, :, :, li, :]   # [T, nb, steps, 4]
+        q = np.stack([nib & 0x0F, nib >> 4], axis=3).reshape(T, p.K).astype(np.int16)
+        if p.fmt == FMT_U6K:
+            plane = raw[:, :, 64 * steps:].reshape(-1, nb, 16, 4)[pi, :, li, :]            # [T, nb, 4]
+            hi = np.stack([(plane >> np.uint8(2 * k)) & 3 for k in range(4)], axis=2)     # [T, nb, k, 4]
+            q = (q | (hi.reshape(T, p.K).astype(np.int16) << 4)) - 32
+    if p.fmt in (FMT_U4K, FMT_U6K):
+        per = QK_K // p.B                                   # blocks per super-block
+        sub = lanes(p.sub).view(np.int8 if p.fmt == FMT_U6K else np.uint8).astype(np.float32)
+        scale = np.repeat(lanes(p.scale), per, axis=1) * sub
+        mins = None if p.fmt == FMT_U6K else np.repeat(lanes(p.mins), per, axis=1) * lanes(p.sub_mins).astype(np.float32)
+    else:
+        scale, mins = lanes(p.scale), None if p.mins is None else lanes(p.mins)
+    w = q.astype(np.float32).reshape(T, nb, p.B) * scale[:, :, None]
+    if mins is not None:
+        w = w + mins[:, :, None]
+    return w.reshape(T, p.K)
 
 
 class QuantLinear:
@@ -360,6 +356,24 @@ class QuantLinear:
     def weight(self) -> torch.Tensor:
         """The weight as bfloat16 ``[N, K]`` (tools and torch-path fallbacks; not the kernel's bits)."""
         return self.dequantize().to(torch.bfloat16)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight, float32 ``[len(ids), K]`` (an embedding lookup: the same
+        values as ``dequantize()[ids]``, without dequantizing the rest)."""
+        ids = ids.reshape(-1).to(torch.int64).numpy()
+        if ids.size and (ids.min() < 0 or ids.max() >= self.N):
+            raise IndexError(f"row ids must be in [0, {self.N})")
+        out = np.empty((ids.size, self.K), np.float32)
+        off = 0
+        for p in self.parts:
+            sel = (ids >= off) & (ids < off + p.N)
+            if sel.any():
+                if isinstance(p, QuantPart):
+                    out[sel] = _dequantize_part(p, ids[sel] - off)
+                else:
+                    out[sel] = p.lin.weight()[torch.from_numpy(ids[sel] - off)].float().numpy()
+            off += p.N
+        return torch.from_numpy(out)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, *, threads: int = 0) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.K or x.dtype != torch.bfloat16 or x.device.type != "cpu":

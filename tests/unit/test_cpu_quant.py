@@ -138,3 +138,17 @@ def test_unsupported_types_are_refused_by_name():
     lin = cpu_quant.QuantLinear.from_raw([("Q8_0", _raw("Q8_0", 16, 64), 64)])
     with pytest.raises(ValueError, match=r"x must be bfloat16 \[M, 64\]"):
         lin(torch.zeros(2, 32, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_rows_are_the_dequantized_rows(qtype):
+    """An embedding lookup (``QuantLinear.rows``) gives the very values of the whole dequantization."""
+    N, K = 40, 512
+    raw = _raw(qtype, N, K, seed=9)
+    lin = cpu_quant.QuantLinear.from_raw([(qtype, raw[:24], K), ("Q8_0", _raw("Q8_0", 16, K, seed=10), K)])
+    ids = torch.tensor([0, 39, 17, 23, 24, 5, 5])
+    assert torch.equal(lin.rows(ids), lin.dequantize()[ids])
+    first = torch.tensor([0, 17, 23])   # rows of the first part
+    assert torch.equal(lin.rows(first), torch.from_numpy(_dequant(raw, qtype, N, K))[first])
+    with pytest.raises(IndexError, match=r"row ids must be in \[0, 40\)"):
+        lin.rows(torch.tensor([40]))

@@ -499,12 +499,22 @@ def _repack(ckpt, quiet: bool) -> dict:
 
     a = ckpt.args
     out = {}
-    for name, parts in tqdm(ckpt.projections(), total=4 * a.n_layers + 1, desc="repacking quantized weights",
-                            unit="tensor", disable=quiet, file=sys.stderr):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(item):
+        name, parts = item
         try:
-            out[name] = QuantLinear.from_raw(parts)
+            return name, QuantLinear.from_raw(parts)
         except ValueError as e:   # an unsupported type (named), or rows that are not whole blocks
             raise ModelLoadError(f"{ckpt.source}: {name}: {e}") from None
+
+    # numpy releases the GIL in the unpacking and interleaving: one worker per usable core
+    total = 4 * a.n_layers + 1 + (not a.tie_embeddings)
+    with ThreadPoolExecutor(max_workers=_cpu_isa.usable_cpus()) as pool, \
+            tqdm(total=total, desc="repacking quantized weights", unit="tensor", disable=quiet, file=sys.stderr) as bar:
+        for name, lin in pool.map(one, ckpt.projections()):
+            out[name] = lin
+            bar.update()
     return out
 
 

@@ -157,6 +157,29 @@ def skip_init(cls, *args, **kwargs):
     return cls(*args, device="meta", **kwargs).to_empty(device="cpu")
 
 
+class QuantEmbedding(nn.Module):
+    """The token embedding of a model whose weights stay quantized: each forward dequantizes the
+    rows it looks up (``cpu_quant.QuantLinear.rows``: the gguf dequantizer's values, rounded to
+    the model's dtype as a dense embedding would hold them), from the output head's own
+    quantized copy where the embeddings are tied. ``weight`` dequantizes the whole table (once,
+    on demand: tools and draft heads that need it)."""
+
+    def __init__(self, lin, dtype: torch.dtype):
+        super().__init__()
+        self.lin = lin
+        self.dtype = dtype
+        self._dense: torch.Tensor | None = None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lin.rows(tokens).to(self.dtype).view(*tokens.shape, self.lin.K)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = self.lin.dequantize().to(self.dtype)
+        return self._dense
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -574,7 +597,7 @@ class Transformer(nn.Module):
         start = cache.length
         if start + tokens.shape[0] > cache.capacity:
             raise RuntimeError(f"KV cache overflow: {start} + {tokens.shape[0]} > {cache.capacity}")
-        dtype = self.embed.weight.dtype
+        dtype = self.norm.weight.dtype
         x = self.embed(tokens)
         cos = self.rope_cos[positions].to(dtype)
         sin = self.rope_sin[positions].to(dtype)
@@ -669,7 +692,7 @@ class Transformer(nn.Module):
         key = (facts, self.kernel_settings)
         got = self._plans.get(key)
         if got is None:
-            a, w = self.args, self.embed.weight
+            a, w = self.args, self.norm.weight    # the model's dtype and device
             head = self.head_packed
             got = self._plans[key] = KernelPlan.choose(
                 device=w.device, dtype=w.dtype, kv_dtype=self.kv_dtype, head_dim=a.head_dim, n_heads=a.n_heads,
@@ -746,16 +769,20 @@ class Transformer(nn.Module):
                 _drop_weight(m)
         if self.lm_head is not None:
             _drop_weight(self.lm_head)
+        _drop_weight(self.embed)
 
     def set_quantized(self, linears: dict) -> None:
         """The projections as quantized linears (``cpu_quant.QuantLinear``, by our parameter name,
-        e.g. ``layers.0.wqkv.weight``, and ``head`` for the output projection): every decode,
-        verify and prefill row multiplies with them (the plan's "quantized" linears); a row's
-        bits depend on that row alone. Call ``drop_projections`` first."""
+        e.g. ``layers.0.wqkv.weight``, ``head`` for the output projection and, where the
+        embeddings are not tied, ``embed`` for the token embedding): every decode, verify and
+        prefill row multiplies with them (the plan's "quantized" linears); a row's bits depend on
+        that row alone. The embedding looks its rows up from ``embed`` (tied: ``head``).
+        Call ``drop_projections`` first."""
         for i, layer in enumerate(self.layers):
             layer.packed = tuple(linears[f"layers.{i}.{n}.weight"] for n in ("wqkv", "wo", "w_gate_up", "w_down"))
             layer.amx_linears = False
         self.head_packed = linears["head"]
+        self.embed = QuantEmbedding(linears.get("embed", linears["head"]), self.norm.weight.dtype)
         self.quantized = True
         self._plans.clear()
 
@@ -799,7 +826,7 @@ class Transformer(nn.Module):
             off += sg.rows
         if off != tokens.shape[0]:
             raise ValueError(f"segments cover {off} rows, tokens has {tokens.shape[0]}")
-        dtype = self.embed.weight.dtype
+        dtype = self.norm.weight.dtype
         x = self.embed(tokens)
         cos = self.rope_cos[positions].to(dtype)
         sin = self.rope_sin[positions].to(dtype)
@@ -823,6 +850,11 @@ class Transformer(nn.Module):
     def param_count(self) -> int:
         """Parameters of the model (a projection kept only in packed form counts its weight)."""
         n = sum(p.numel() for p in self.parameters())
+        if self.quantized:
+            lins = [lin for layer in self.layers for lin in layer.packed] + [self.head_packed]
+            if self.embed.lin is not self.head_packed:
+                lins.append(self.embed.lin)
+            return n + sum(lin.N * lin.K for lin in lins)
         if self.weight_copies == 1:
             n += sum(lin.N * lin.K for layer in self.layers for lin in layer.packed)
             if self.lm_head is not None:

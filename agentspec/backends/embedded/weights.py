@@ -75,7 +75,7 @@ class Checkpoint:
             if self.projections is None:
                 raise ValueError("this checkpoint has no quantized projections")
             params = {k: v for k, v in params.items()
-                      if not (k.endswith(PROJECTIONS) or k == "lm_head.weight")}
+                      if not (k.endswith(PROJECTIONS) or k in ("lm_head.weight", "embed.weight"))}
         seen: set[str] = set()
         with torch.no_grad():
             for name, tensor in (self.tensors() if projections else self._tensors(projections=False)):
@@ -328,7 +328,8 @@ def _load_gguf_quantized(path: Path, *, quiet: bool) -> Checkpoint:
         raise ModelLoadError(f"{g.where}: unexpected tensors {left[:5]} (not part of a {args.family} model)")
 
     def tensors(projections: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        yield "embed.weight", torch.from_numpy(g.dense("token_embd.weight"))
+        if projections:
+            yield "embed.weight", torch.from_numpy(g.dense("token_embd.weight"))
         yield "norm.weight", torch.from_numpy(g.dense("output_norm.weight"))
         if projections and not args.tie_embeddings:
             yield "lm_head.weight", torch.from_numpy(g.dense("output.weight"))
@@ -346,6 +347,8 @@ def _load_gguf_quantized(path: Path, *, quiet: bool) -> Checkpoint:
                 if ours.split(".", 2)[2] in PROJECTIONS:
                     yield ours, g.layer_parts(i, ours, theirs, g.raw)
         yield "head", [g.raw(head_name)]
+        if not args.tie_embeddings:
+            yield "embed", [g.raw("token_embd.weight")]
 
     ckpt = Checkpoint(args, tensors, g.tokenizer(), str(path))
     ckpt.projections = projections
