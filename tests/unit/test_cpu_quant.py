@@ -152,3 +152,16 @@ def test_rows_are_the_dequantized_rows(qtype):
     assert torch.equal(lin.rows(first), torch.from_numpy(_dequant(raw, qtype, N, K))[first])
     with pytest.raises(IndexError, match=r"row ids must be in \[0, 40\)"):
         lin.rows(torch.tensor([40]))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "Q4_1"])
+def test_repacking_in_row_chunks_is_the_same(qtype, monkeypatch):
+    """Large tensors repack a few thousand rows at a time (bounded temporaries): the same arrays."""
+    N, K = 72, 256
+    raw = _raw(qtype, N, K, seed=11)
+    whole = cpu_quant.repack(raw, qtype, K)
+    monkeypatch.setattr(cpu_quant, "REPACK_ROWS", 32)
+    chunked = cpu_quant.repack(raw, qtype, K)
+    for name in ("q", "scale", "mins", "sub", "sub_mins"):
+        a, b = getattr(whole, name), getattr(chunked, name)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name

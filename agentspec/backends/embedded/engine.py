@@ -504,9 +504,11 @@ def _repack(ckpt, quiet: bool) -> dict:
     def one(item):
         name, parts = item
         try:
-            return name, QuantLinear.from_raw(parts)
+            lin = QuantLinear.from_raw(parts)
         except ValueError as e:   # an unsupported type (named), or rows that are not whole blocks
             raise ModelLoadError(f"{ckpt.source}: {name}: {e}") from None
+        ckpt.release(parts)   # the file's pages of these tensors: not resident twice
+        return name, lin
 
     # numpy releases the GIL in the unpacking and interleaving: one worker per usable core
     total = 4 * a.n_layers + 1 + (not a.tie_embeddings)

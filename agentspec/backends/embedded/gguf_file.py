@@ -92,6 +92,19 @@ class GGUFFile:
                 arr = raw.reshape(outer + (dims[0] // block * size,))
             self.tensors.append(GGUFTensor(name, dims, qt, arr))
 
+    def release(self, arr: np.ndarray) -> None:
+        """Drop the pages of ``arr`` (a tensor's view of the map) from this process's memory: a
+        tensor repacked into its own copy need not stay resident twice (read again from the file
+        if it is touched again)."""
+        base = np.frombuffer(self._mm, dtype=np.uint8).__array_interface__["data"][0]
+        start = arr.__array_interface__["data"][0] - base
+        if not 0 <= start < len(self._mm):
+            return
+        page = mmap.PAGESIZE
+        lo, hi = start // page * page, min(len(self._mm), start + arr.nbytes)
+        if hi > lo and hasattr(self._mm, "madvise"):
+            self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
     def _unpack(self, fmt: str):
         vals = struct.unpack_from(fmt, self._buf, self._off)
         self._off += struct.calcsize(fmt)

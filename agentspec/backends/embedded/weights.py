@@ -56,6 +56,8 @@ class Checkpoint:
         # a GGUF file read in place: () -> (our projection name or "head", [(GGUF type, raw rows, K), ...])
         # for each quantized projection (``cpu_quant.QuantLinear.from_raw``); None elsewhere
         self.projections: Callable[[], Iterator[tuple[str, list]]] | None = None
+        # (parts) -> None: the memory-mapped file's pages of those parts may go (repacked)
+        self.release: Callable[[list], None] | None = None
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for every parameter, one at a time, in the checkpoint's dtype."""
@@ -350,8 +352,13 @@ def _load_gguf_quantized(path: Path, *, quiet: bool) -> Checkpoint:
         if not args.tie_embeddings:
             yield "embed", [g.raw("token_embd.weight")]
 
+    def release(parts: list) -> None:
+        for _, arr, _ in parts:
+            g.reader.release(arr)
+
     ckpt = Checkpoint(args, tensors, g.tokenizer(), str(path))
     ckpt.projections = projections
+    ckpt.release = release
     return ckpt
 
 
