@@ -115,6 +115,10 @@ static void quantize_row(const uint16_t* x, int64_t K, int B, int8_t* q, float* 
     }
 }
 
+// Rows of x per pass over the weight (prompt chunks): their int8 copies stay in L2 (~96 KB) while
+// every panel streams past them; which rows go together never changes a row's arithmetic
+static inline int64_t row_block(int64_t K) { return std::max<int64_t>(4, std::min<int64_t>(64, 96 * 1024 / K / 4 * 4)); }
+
 static inline void store_row_bf16(uint16_t* dst, const float* acc, int n) {
     for (int l = 0; l < n; ++l) dst[l] = float_to_bf16(acc[l]);
 }
@@ -296,10 +300,14 @@ static inline __attribute__((always_inline)) void tile(const QW& w, const QX& x,
 
 template <int FMT, bool MIN>
 static void run(const QW& w, const QX& x, int64_t M, uint16_t* out, int64_t o_st, int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) tile<4, FMT, MIN>(w, x, m, p, out, o_st);
-        for (; m < M; ++m) tile<1, FMT, MIN>(w, x, m, p, out, o_st);
+    const int64_t MB = row_block(x.K);
+    for (int64_t mb = 0; mb < M; mb += MB) {
+        const int64_t me = std::min(M, mb + MB);
+        for (int64_t p = p0; p < p1; ++p) {
+            int64_t m = mb;
+            for (; m + 4 <= me; m += 4) tile<4, FMT, MIN>(w, x, m, p, out, o_st);
+            for (; m < me; ++m) tile<1, FMT, MIN>(w, x, m, p, out, o_st);
+        }
     }
 }
 
@@ -400,14 +408,18 @@ static inline __attribute__((always_inline)) void tile(const QW& w, const QX& x,
 
 template <int FMT, bool MIN>
 static void run(const QW& w, const QX& x, int64_t M, uint16_t* out, int64_t o_st, int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) tile<4, FMT, MIN>(w, x, m, p, out, o_st);
-        switch (M - m) {
-            case 3: tile<3, FMT, MIN>(w, x, m, p, out, o_st); break;
-            case 2: tile<2, FMT, MIN>(w, x, m, p, out, o_st); break;
-            case 1: tile<1, FMT, MIN>(w, x, m, p, out, o_st); break;
-            default: break;
+    const int64_t MB = row_block(x.K);
+    for (int64_t mb = 0; mb < M; mb += MB) {
+        const int64_t me = std::min(M, mb + MB);
+        for (int64_t p = p0; p < p1; ++p) {
+            int64_t m = mb;
+            for (; m + 4 <= me; m += 4) tile<4, FMT, MIN>(w, x, m, p, out, o_st);
+            switch (me - m) {
+                case 3: tile<3, FMT, MIN>(w, x, m, p, out, o_st); break;
+                case 2: tile<2, FMT, MIN>(w, x, m, p, out, o_st); break;
+                case 1: tile<1, FMT, MIN>(w, x, m, p, out, o_st); break;
+                default: break;
+            }
         }
     }
 }

@@ -68,6 +68,9 @@ def test_every_isa_level_gives_the_references_bits_row_by_row(qtype, restore_isa
         # each row alone, and one thread: the same bits
         assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(M)]), ref), isa
         assert torch.equal(lin(x, threads=1), ref), isa
+        # a prompt chunk (more rows than one pass over the weight takes): each row the same bits
+        big = torch.cat([x] * 11)
+        assert torch.equal(lin(big), torch.cat([ref] * 11)), isa
 
 
 def _reference(raw: np.ndarray, qtype: str, x: torch.Tensor) -> torch.Tensor:
