@@ -407,27 +407,52 @@ class QuantLinear:
             off += p.N
         return torch.from_numpy(out)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, *, threads: int = 0) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, *, threads: int = 0,
+                 norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """``x @ W.T``. ``norm=(weight, eps)``: of ``rms_norm(x) * weight`` instead, the norm fused
+        into the activation quantization (rounded to bfloat16 per value: qlinear.cpp's
+        ACT_RMSNORM; not torch's bits, and no torch call). Each row's result depends on that row
+        alone."""
         if x.dim() != 2 or x.shape[1] != self.K or x.dtype != torch.bfloat16 or x.device.type != "cpu":
             raise ValueError(f"x must be bfloat16 [M, {self.K}], got {tuple(x.shape)} {x.dtype}")
         if x.stride(1) != 1:
             x = x.contiguous()
+        act, nw, eps = 0, 0, 0.0
+        if norm is not None:
+            w, eps = norm
+            if w.dtype != torch.bfloat16 or w.shape != (self.K,):
+                raise ValueError(f"the norm weight must be bfloat16 [{self.K}], got {tuple(w.shape)} {w.dtype}")
+            w = w.contiguous()
+            act, nw = 1, w.data_ptr()
         M = x.shape[0]
         if out is None:
             out = torch.empty(M, self.N, dtype=torch.bfloat16)
         if M == 0:
             return out
         off = 0
+        dense_x = None
         for p in self.parts:
             if isinstance(p, QuantPart):
                 _cpu.linear_q(x.data_ptr(), x.stride(0), M, p.q.data_ptr(), p.scale.data_ptr(),
                               0 if p.mins is None else p.mins.data_ptr(), 0 if p.sub is None else p.sub.data_ptr(),
                               0 if p.sub_mins is None else p.sub_mins.data_ptr(), p.fmt, p.B, p.N, p.K,
-                              out.data_ptr() + 2 * off, out.stride(0), threads)
+                              out.data_ptr() + 2 * off, out.stride(0), threads, act, nw, float(eps))
             else:
-                p.lin(x, out[:, off:off + p.N])
+                if dense_x is None:
+                    dense_x = _act_reference(x, act, norm)
+                p.lin(dense_x, out[:, off:off + p.N])
             off += p.N
         return out
+
+
+def _act_reference(x: torch.Tensor, act: int, norm) -> torch.Tensor:
+    """qlinear.cpp's ACT_RMSNORM in torch (an F32 / F16 / BF16 part of a QuantLinear)."""
+    if act == 0:
+        return x
+    xf = x.float()
+    w, eps = norm
+    r = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf * r * w.float()).to(torch.bfloat16)
 
 
 class _DensePart:

@@ -12,8 +12,8 @@ NB_MODULE(_cpu, m) {
     m.def("abi_version", []() { return 11; });
     m.def("linear_q", &linear_q, nb::arg("x"), nb::arg("x_stride"), nb::arg("M"), nb::arg("q"), nb::arg("scales"),
           nb::arg("mins"), nb::arg("sub_scales"), nb::arg("sub_mins"), nb::arg("fmt"), nb::arg("block"), nb::arg("N"), nb::arg("K"), nb::arg("out"),
-          nb::arg("out_stride"), nb::arg("threads") = 0,
-          "Raw-pointer entry point; call agentspec.kernels.cpu_quant.QuantLinear instead.");
+          nb::arg("out_stride"), nb::arg("threads") = 0, nb::arg("act") = 0, nb::arg("norm_weight") = 0,
+          nb::arg("eps") = 0.0, "Raw-pointer entry point; call agentspec.kernels.cpu_quant.QuantLinear instead.");
     m.def("qlinear_body", &qlinear_body, "the quantized linears' body at the ISA level set now");
     m.def("linear_bf16", &linear_bf16, nb::arg("x"), nb::arg("x_stride"), nb::arg("M"), nb::arg("w_packed"),
           nb::arg("N"), nb::arg("K"), nb::arg("out"), nb::arg("out_stride"), nb::arg("threads") = 0,

@@ -90,19 +90,38 @@ struct QX {  // quantized rows of x
 
 static inline int32_t load_i32(const void* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
 
+// What a row of x goes through before it is quantized (one scalar implementation for every ISA
+// level, row by row: the same bits everywhere):
+//   ACT_NONE    x as it is
+//   ACT_RMSNORM x * r * w rounded to bfloat16, r = 1 / sqrt(sum(x * x) / K + eps) (the sum in
+//               column order, float32): a projection's input norm, fused
+enum { ACT_NONE = 0, ACT_RMSNORM = 1 };
+
+static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
 // One row of bfloat16 x -> int8 per 32 columns (see the header); xs / xsf per weight block of B.
-static void quantize_row(const uint16_t* x, int64_t K, int B, int8_t* q, float* dx, int32_t* xs, float* xsf) {
-    for (int64_t b = 0; b < K / 32; ++b) {
-        float f[32], amax = 0.0f;
-        for (int i = 0; i < 32; ++i) {
-            f[i] = bf16_to_float(x[32 * b + i]);
-            amax = std::max(amax, std::fabs(f[i]));
+static void quantize_row(const uint16_t* x, int64_t K, int B, int8_t* q, float* dx, int32_t* xs, float* xsf,
+                         int act, const uint16_t* nw, float eps, float* f) {
+    if (act == ACT_RMSNORM) {
+        float ss = 0.0f;
+        for (int64_t i = 0; i < K; ++i) {
+            const float v = bf16_to_float(x[i]);
+            ss = ss + v * v;
         }
+        const float r = 1.0f / std::sqrt(ss / (float)K + eps);
+        for (int64_t i = 0; i < K; ++i) f[i] = round_bf16(bf16_to_float(x[i]) * r * bf16_to_float(nw[i]));
+    } else {
+        for (int64_t i = 0; i < K; ++i) f[i] = bf16_to_float(x[i]);
+    }
+    for (int64_t b = 0; b < K / 32; ++b) {
+        const float* fb = f + 32 * b;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(fb[i]));
         const float d = amax / 127.0f;
         const float id = d != 0.0f && std::isfinite(d) ? 1.0f / d : 0.0f;
         dx[b] = d;
         for (int i = 0; i < 32; ++i) {
-            float v = std::nearbyint(f[i] * id);
+            float v = std::nearbyint(fb[i] * id);
             v = std::min(127.0f, std::max(-127.0f, v));
             q[32 * b + i] = (int8_t)(std::isnan(v) ? 0 : (int)v);
         }
@@ -115,8 +134,6 @@ static void quantize_row(const uint16_t* x, int64_t K, int B, int8_t* q, float* 
     }
 }
 
-// Rows of x per pass over the weight (prompt chunks): their int8 copies stay in L2 (~96 KB) while
-// every panel streams past them; which rows go together never changes a row's arithmetic
 static inline int64_t row_block(int64_t K) { return std::max<int64_t>(4, std::min<int64_t>(64, 96 * 1024 / K / 4 * 4)); }
 
 static inline void store_row_bf16(uint16_t* dst, const float* acc, int n) {
@@ -472,8 +489,11 @@ const char* qlinear_body() {
 // x: bfloat16 [M, K] (row stride x_st); the repacked weight (q, sc, mn: see the header; mn 0 for
 // none); out: bfloat16 [M, N] (row stride o_st). Runs the body of the ISA level set by set_isa.
 void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, uintptr_t mn, uintptr_t s8,
-              uintptr_t m8, int fmt, int B, int64_t N, int64_t K, uintptr_t out, int64_t o_st, int threads) {
+              uintptr_t m8, int fmt, int B, int64_t N, int64_t K, uintptr_t out, int64_t o_st, int threads, int act,
+              uintptr_t norm_w, double eps) {
     const bool k = fmt == FMT_U4K || fmt == FMT_U6K;
+    if (act < ACT_NONE || act > ACT_RMSNORM || (act == ACT_RMSNORM && !norm_w))
+        throw std::invalid_argument("linear_q: bad activation mode");
     if (M <= 0 || N <= 0 || K <= 0 || K % 32 != 0 || x_st < K || o_st < N || fmt < FMT_U4 || fmt > FMT_U6K ||
         ((fmt == FMT_U4 || fmt == FMT_U4K) && B != 32) || (fmt == FMT_I8 && B != 16 && B != 32) ||
         (fmt == FMT_U6K && B != 16) || (k && (K % 256 != 0 || !s8)) || (fmt == FMT_U4K && (!mn || !m8)))
@@ -489,6 +509,7 @@ void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, u
     static thread_local std::vector<int8_t> xq;
     static thread_local std::vector<float> dx, xsf;
     static thread_local std::vector<int32_t> xs;
+    static thread_local std::vector<float> fbuf;
     xq.resize((size_t)(M * K));
     dx.resize((size_t)(M * (K / 32)));
     xs.resize((size_t)(M * (K / B)));
@@ -498,9 +519,20 @@ void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, u
     float *dxp = dx.data(), *xsfp = xsf.data();
     int32_t* xsp = xs.data();
     const int qt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, M));
+    fbuf.resize((size_t)(qt * K));
+    float* fb = fbuf.data();
+    const uint16_t* nw = reinterpret_cast<const uint16_t*>(norm_w);
+    const float e = (float)eps;
+    if (qt == 1) {
+        for (int64_t m = 0; m < M; ++m)
+            quantize_row(xh + m * x_st, K, B, xqp + m * K, dxp + m * (K / 32), xsp + m * (K / B), xsfp + m * (K / B),
+                         act, nw, e, fb);
+    } else {
 #pragma omp parallel for num_threads(qt) schedule(static)
-    for (int64_t m = 0; m < M; ++m)
-        quantize_row(xh + m * x_st, K, B, xqp + m * K, dxp + m * (K / 32), xsp + m * (K / B), xsfp + m * (K / B));
+        for (int64_t m = 0; m < M; ++m)
+            quantize_row(xh + m * x_st, K, B, xqp + m * K, dxp + m * (K / 32), xsp + m * (K / B), xsfp + m * (K / B),
+                         act, nw, e, fb + (int64_t)omp_get_thread_num() * K);
+    }
     const QX xx{xqp, dxp, xsp, xsfp, K, K / 32, K / B};
     uint16_t* o = reinterpret_cast<uint16_t*>(out);
     const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, NP));

@@ -168,3 +168,26 @@ def test_repacking_in_row_chunks_is_the_same(qtype, monkeypatch):
     for name in ("q", "scale", "mins", "sub", "sub_mins"):
         a, b = getattr(whole, name), getattr(chunked, name)
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+def test_fused_norm_input(qtype, restore_isa):
+    """The input's RMSNorm fused into the activation quantization: every ISA level the same bits,
+    a row alone the same bits, and close to torch's norm then the linear."""
+    import torch.nn.functional as F
+
+    N, K, M = 48, 512, 6
+    lin = cpu_quant.QuantLinear.from_raw([(qtype, _raw(qtype, N, K, seed=12), K)])
+    g = torch.Generator().manual_seed(13)
+    x = (torch.randn(M, K, generator=g) * 4).to(torch.bfloat16)
+    w = (torch.rand(K, generator=g) + 0.5).to(torch.bfloat16)
+    restore_isa.set_isa("scalar")
+    ref = lin(x, norm=(w, 1e-6))
+    for isa in restore_isa.supported():
+        restore_isa.set_isa(isa)
+        assert torch.equal(lin(x, norm=(w, 1e-6)), ref), isa
+        assert torch.equal(torch.cat([lin(x[i:i + 1], norm=(w, 1e-6)) for i in range(M)]), ref), isa
+    unfused = lin(F.rms_norm(x, (K,), w, 1e-6))
+    assert ((ref.double() - unfused.double()).norm() / unfused.double().norm()).item() < 0.02
+    with pytest.raises(ValueError, match=r"the norm weight must be bfloat16 \[512\]"):
+        lin(x, norm=(w.float(), 1e-6))

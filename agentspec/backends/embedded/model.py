@@ -226,17 +226,21 @@ class Block(nn.Module):
         self.gemm_f32 = False
 
     def proj(self, kind: str, i: int, x: torch.Tensor, *, residual: torch.Tensor | None = None,
-             silu: bool = False) -> torch.Tensor:
+             silu: bool = False, norm: "RMSNorm | None" = None) -> torch.Tensor:
         """Projection ``i`` (0 wqkv, 1 wo, 2 w_gate_up, 3 w_down) of ``x`` with the linear kernel
         ``kind`` (the plan's): "amx" (``PackedLinear.prefill``: tiles, the epilogue fused),
         "vector" (``PackedLinear``: the row-invariant native linears), "float32" (torch's GEMM
         with weights and rows widened to float32 and the result rounded to bfloat16 once: exact,
         for CPUs whose bfloat16 GEMM is slow), or the model's dtype ("bfloat16", ...: torch's
         GEMM). Then the epilogue, rounded as torch rounds it: ``silu`` (the weight is
-        ``[gate; up]``: ``silu(gate) * up``), ``residual`` (``residual + y``)."""
+        ``[gate; up]``: ``silu(gate) * up``), ``residual`` (``residual + y``). "quantized"
+        (``cpu_quant.QuantLinear``) also takes its input's RMSNorm ``norm``, fused into the
+        activation quantization."""
         if kind == "amx":
             return self.packed[i].prefill(x, residual=residual, silu=silu)
-        if kind in ("vector", "quantized"):   # PackedLinear, or cpu_quant.QuantLinear
+        if kind == "quantized":
+            y = self.packed[i](x, norm=None if norm is None else (norm.weight, norm.eps))
+        elif kind == "vector":
             y = self.packed[i](x)
         elif kind == "float32" and x.dtype == torch.bfloat16:
             y = F.linear(x.float(), self.weight(i).float()).to(torch.bfloat16)
@@ -275,7 +279,10 @@ class Block(nn.Module):
         projection's kernel (``proj``)."""
         a = self.args
         T = x.shape[0]
-        qkv = self._qkv_post(self.proj(lin, 0, self.attn_norm(x)))
+        if lin == "quantized":   # the norm fused into the projection's input
+            qkv = self._qkv_post(self.proj(lin, 0, x, norm=self.attn_norm))
+        else:
+            qkv = self._qkv_post(self.proj(lin, 0, self.attn_norm(x)))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(T, a.n_heads, a.head_dim).transpose(0, 1), cos, sin)
         k = apply_rope(k.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1), cos, sin)
@@ -373,11 +380,17 @@ class Block(nn.Module):
         else:
             def norm(x, m):
                 return F.rms_norm(x, (x.shape[-1],), m.weight, m.eps)
+        if lin == "quantized":   # the norms fused into the projections' inputs
+            qkv = self._qkv_post(self.proj(lin, 0, x, norm=self.attn_norm))
+            x = self.proj(lin, 1, attn(qkv, layer), residual=x)
+            return self.proj(lin, 3, self.proj(lin, 2, x, norm=self.ffn_norm, silu=True), residual=x)
         qkv = self._qkv_post(self.proj(lin, 0, norm(x, self.attn_norm)))
         x = self.proj(lin, 1, attn(qkv, layer), residual=x)
         return self.proj(lin, 3, self.proj(lin, 2, norm(x, self.ffn_norm), silu=True), residual=x)
 
     def _mlp(self, x, lin: str):
+        if lin == "quantized":   # the norm fused into the projection's input
+            return self.proj(lin, 3, self.proj(lin, 2, x, norm=self.ffn_norm, silu=True), residual=x)
         n = self.ffn_norm
         h = self.proj(lin, 2, F.rms_norm(x, (x.shape[-1],), n.weight, n.eps), silu=True)
         return self.proj(lin, 3, h, residual=x)
@@ -664,8 +677,8 @@ class Transformer(nn.Module):
         step)."""
         plan = self.plan() if plan is None else plan
         cast = (lambda t: t.float()) if to_float else (lambda t: t)
-        if self.quantized:
-            return cast(self.head_packed(self.norm(x)))
+        if self.quantized:   # the final norm fused into the head's input
+            return cast(self.head_packed(x, norm=(self.norm.weight, self.norm.eps)))
         if fused and plan.head == "amx":
             return cast(self.head_packed.prefill(cpu_attention.rms_norm(x, self.norm.weight, self.norm.eps)))
         if self.head_packed is not None and (fused or x.shape[0] <= SMALL_T):
