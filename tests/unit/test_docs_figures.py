@@ -100,10 +100,12 @@ class Figure:
 
 
 FIGURES = [
-    Figure("docs/benchmarks.md", "| 0.5B file (0.46 GiB) | 37.22 | **189.49** |", "189.49",
-           "gguf_qwen2.5-coder-0.5b_2026-12-04.json", ("summary", "agentspec:spec", "tokens_per_s")),
-    Figure("docs/benchmarks.md", "| 1.5B file (1.04 GiB) | 16.39 | **73.17** | 27.84 |", "27.84",
-           "gguf_qwen2.5-coder-1.5b_2026-12-04.json", ("summary", "llama.cpp:plain", "tokens_per_s")),
+    Figure("docs/benchmarks.md", "| 0.5B file (0.46 GiB) | **52.91** | **152.31** |", "152.31",
+           "gguf_qwen2.5-coder-0.5b_2026-12-05.json", ("summary", "agentspec:spec", "tokens_per_s")),
+    Figure("docs/benchmarks.md", "| 1.5B file (1.04 GiB) | 24.79 | **63.35** | 25.89 |", "25.89",
+           "gguf_qwen2.5-coder-1.5b_2026-12-05.json", ("summary", "llama.cpp:plain", "tokens_per_s")),
+    Figure("docs/benchmarks.md", "| 1.5B file (1.04 GiB) | 24.79 |", "24.79",
+           "gguf_qwen2.5-coder-1.5b_2026-12-05.json", ("summary", "agentspec:plain", "tokens_per_s")),
     Figure("README.md", "**1.95x faster than vLLM-CPU", "1.95",
            "agent_loop_amx_decode.json", ("summary", "conversation_speedup_vs_vllm_suffix")),
     Figure("docs/benchmarks.md", "| agentspec, prefix cache + speculation | **0.56 s** | **25.8 s** |", "25.8",

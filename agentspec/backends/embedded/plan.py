@@ -137,7 +137,8 @@ def _fallbacks(*, cpu: bool, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim
         elif not 0 < group <= 8:
             out.append(f"native attention: {group or 'uneven'} query heads per kv head (native: 1-8): torch attention")
     if quantized and facts.amx:
-        out.append("quantized linears: no AMX-INT8 body yet (the VNNI / AVX2 bodies run)")
+        out.append("quantized linears: no AMX-INT8 body yet (the VNNI / AVX2 bodies run); prompt attention "
+                   "on SDPA, not AMX tiles")
     if bf16 and not packed and facts.linear_kernels and settings.native_linears:
         out.append("native linears: the projections' shapes have no packed kernel: torch linears")
     if amx_top and rows_linears == "vector" and settings.decode_linears == "amx":
@@ -233,7 +234,7 @@ class KernelPlan:
         rows_norms = "native" if fused and (rows_attention == "amx" or rows_linears == "amx") else "torch"
         if bf16 and not gemm_f32:
             if (kv_packed and settings.prefill_attention == "amx" and settings.native_attention and amx_top
-                    and 0 < group <= 4):
+                    and 0 < group <= 4 and not quantized):
                 prefill_attention = "amx"
             else:
                 prefill_attention = "blockwise" if settings.prefill_attention == "blockwise" else "sdpa"
