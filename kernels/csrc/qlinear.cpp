@@ -323,7 +323,12 @@ static void run(const QW& w, const QX& x, int64_t M, uint16_t* out, int64_t o_st
         for (int64_t p = p0; p < p1; ++p) {
             int64_t m = mb;
             for (; m + 4 <= me; m += 4) tile<4, FMT, MIN>(w, x, m, p, out, o_st);
-            for (; m < me; ++m) tile<1, FMT, MIN>(w, x, m, p, out, o_st);
+            switch (me - m) {
+                case 3: tile<3, FMT, MIN>(w, x, m, p, out, o_st); break;
+                case 2: tile<2, FMT, MIN>(w, x, m, p, out, o_st); break;
+                case 1: tile<1, FMT, MIN>(w, x, m, p, out, o_st); break;
+                default: break;
+            }
         }
     }
 }

@@ -815,8 +815,14 @@ class Transformer(nn.Module):
     def row_invariant(self, cache: KVCache) -> bool:
         """Whether a decode / verify row's logits over ``cache`` are the same bits however many
         rows share its forward (so a plain decoding step needs no padding row): the fused path
-        with packed linears."""
-        return self.head_packed is not None and self.plan().fused and getattr(cache, "packed", False)
+        with packed linears, or the quantized linears (their norms fused in) with the native
+        attention on the layered path, where every other op is elementwise."""
+        if self.head_packed is None:
+            return False
+        plan = self.plan()
+        if self.quantized and not plan.fused:
+            return plan.layered_attention == "native" and cache.k.dtype == torch.float32
+        return plan.fused and getattr(cache, "packed", False)
 
     @torch.inference_mode()
     def forward_segments(
