@@ -287,23 +287,14 @@ def _repack_rows(raw: np.ndarray, qtype: str, K: int) -> QuantPart:
     q, scale, mn, fmt, B = unpack(raw, qtype, K)
     N = q.shape[0]
     NP = -(-N // 16)
-    pad = NP * 16 - N
     nb = K // B
-    if pad:
-        q = np.concatenate([q, np.zeros((pad, K), q.dtype)])
-        scale = np.concatenate([scale, np.zeros((pad, nb), np.float32)])
-        mn = None if mn is None else np.concatenate([mn, np.zeros((pad, nb), np.float32)])
+    q, scale = _pad_rows(q, NP * 16), _pad_rows(scale, NP * 16)
     if fmt == FMT_U4:
-        u = q.astype(np.uint8).reshape(NP, 16, nb, B // 8, 2, 4)
-        packed = (u[..., 0, :] | (u[..., 1, :] << 4)).transpose(0, 2, 3, 1, 4)   # [NP, nb, steps, 16, 4]
+        packed = _nibbles(q, NP, nb)                                                 # [NP, nb, steps, 16, 4]
     else:
         packed = (q + 128).astype(np.uint8).reshape(NP, 16, nb, B // 4, 4).transpose(0, 2, 3, 1, 4)
-
-    def lanes(a):
-        return torch.from_numpy(np.ascontiguousarray(a.reshape(NP, 16, nb).transpose(0, 2, 1)))
-
     return QuantPart(qtype=qtype, fmt=fmt, B=B, N=N, K=K, q=torch.from_numpy(np.ascontiguousarray(packed)),
-                     scale=lanes(scale), mins=None if mn is None else lanes(mn))
+                     scale=_lanes(scale, NP), mins=None if mn is None else _lanes(_pad_rows(mn, NP * 16), NP))
 
 
 def _dequantize_part(p: QuantPart, rows: np.ndarray | None = None) -> np.ndarray:
@@ -346,9 +337,9 @@ class QuantLinear:
     different GGUF types) each repacked (``QuantPart``) or, for F32/F16/BF16, a bfloat16
     ``PackedLinear``."""
 
-    __slots__ = ("N", "K", "parts")
+    __slots__ = ("N", "K", "parts", "tensor_types")
 
-    def __init__(self, parts: list):
+    def __init__(self, parts: list, tensor_types: list[str] | None = None):
         if not parts:
             raise ValueError("a QuantLinear needs at least one part")
         self.K = parts[0].K
@@ -356,29 +347,40 @@ class QuantLinear:
             raise ValueError("every part of a QuantLinear must have the same input width")
         self.parts = list(parts)
         self.N = sum(p.N for p in self.parts)
+        # the type each source tensor runs as (its GGUF type; BF16 for float ones), in order:
+        # neighbouring tensors of one type are one part
+        self.tensor_types = list(tensor_types) if tensor_types is not None else [p.qtype for p in self.parts]
 
     @classmethod
     def from_raw(cls, tensors: list[tuple[str, np.ndarray, int]]) -> QuantLinear:
         """``[(gguf_type_name, raw rows or dense [N, K] array, K), ...]`` -> one ``QuantLinear``
-        whose output rows are the tensors' rows in order."""
+        whose output rows are the tensors' rows in order. Neighbours of one quantized type (a
+        fused q/k, gate/up) are repacked as one part: one kernel call, one activation
+        quantization per forward (a row's bits do not depend on which rows share its panel)."""
         from .cpu_linear import PackedLinear
 
-        parts = []
+        groups: list[tuple[str, list[np.ndarray], int]] = []
         for qtype, arr, K in tensors:
-            if qtype in DENSE_TYPES:
-                w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(torch.bfloat16)
-                lin = PackedLinear(w)
-                parts.append(_DensePart(lin))
+            if groups and qtype not in DENSE_TYPES and groups[-1][0] == qtype and groups[-1][2] == K:
+                groups[-1][1].append(arr)
             else:
-                parts.append(repack(arr, qtype, K))
-        return cls(parts)
+                groups.append((qtype, [arr], K))
+        parts = []
+        for qtype, arrs, K in groups:
+            if qtype in DENSE_TYPES:
+                w = torch.from_numpy(np.ascontiguousarray(arrs[0], dtype=np.float32)).to(torch.bfloat16)
+                parts.append(_DensePart(PackedLinear(w)))
+            else:
+                parts.append(repack(arrs[0] if len(arrs) == 1 else np.concatenate(arrs), qtype, K))
+        return cls(parts, ["BF16" if qtype in DENSE_TYPES else qtype for qtype, _, _ in tensors])
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
     def types(self) -> list[str]:
-        return [p.qtype for p in self.parts]
+        """The type each tensor this projection was made of runs as, in order."""
+        return self.tensor_types
 
     def dequantize(self) -> torch.Tensor:
         """The ``[N, K]`` float32 weight the kernel multiplies with (``scale * q + min``)."""

@@ -1,12 +1,13 @@
 // agentspec.kernels._cpu: y = x @ W.T with W kept quantized (GGUF's 4- to 8-bit types), for decode,
 // verification and prefill rows on CPU.
 //
-// Weights. agentspec.kernels.cpu_quant repacks every GGUF block type at load into one of two
-// layouts, both "w = scale * q + min" per block of B consecutive input columns (B = 32 or 16),
+// Weights. agentspec.kernels.cpu_quant repacks every GGUF block type at load into one of four
+// layouts, each "w = scale * q + min" per block of B consecutive input columns (B = 32 or 16),
 // exactly the value the gguf reference dequantizer gives (the scale and min are float32 products
 // of the file's float16 / 6-bit / 8-bit scale fields, exact in float32):
-//   U4  q in [0, 15] (Q4_0, Q4_1, Q4_K), B = 32, two per byte
-//   I8  q in [-128, 127] stored as q + 128 (Q5_0, Q5_1, Q5_K, Q8_0, Q2_K, Q3_K), B = 16 or 32
+//   U4  q in [0, 15] (Q4_0, Q4_1), B = 32, two per byte; float32 scale and min per block
+//   I8  q in [-128, 127] stored as q + 128 (Q5_0, Q5_1, Q5_K, Q8_0, Q2_K, Q3_K), B = 16 or 32;
+//       float32 scale (and min) per block
 //   U4K Q4_K: U4's nibbles; the scale and min from the super-block's (256 columns) float32 d and
 //       -dmin times the block's 6-bit sc and m (bytes): the same products, a quarter of the bytes
 //   U6K Q6_K: q + 32 in [0, 63]: its low 4 bits as U4's nibbles (B = 16: two steps), its high 2 bits
@@ -14,8 +15,8 @@
 //       weight 8s + 4h + i); scale d * sc (int8 sc), and the integer sum corrected by 32 * sum q_x
 // Rows come in panels of 16 output rows, interleaved for broadcasting x: per block, "steps" of 64
 // bytes, each holding 4 consecutive weights of each of the 16 rows (lane r = bytes 4r .. 4r + 3);
-// a U4 step holds 8 weights per row (byte i: weight i in its low nibble, weight i + 4 in its high).
-// Then the block's 16 scales and (where the type has one) 16 mins, float32.
+// a nibble step holds 8 weights per row (byte i: weight i in its low nibble, weight i + 4 in its
+// high). The scales and mins are arrays of their own, 16 lanes per (panel, block or super-block).
 //
 // Activations. Each row of x is quantized on its own (quantize_row, one scalar implementation
 // every ISA level shares): per 32 columns, d = amax / 127 and q = round-to-nearest-even(x / d) in
@@ -50,9 +51,7 @@ namespace nb = nanobind;
 namespace {
 
 enum { FMT_U4 = 0, FMT_I8 = 1, FMT_U4K = 2, FMT_U6K = 3 };
-#ifndef PF_AHEAD
-#define PF_AHEAD 2048
-#endif
+constexpr int PF_AHEAD = 2048;   // bytes of weights the VNNI body prefetches ahead of the block it reads
 
 struct QW {  // one repacked weight
     const uint8_t* q;
@@ -315,32 +314,7 @@ static inline __attribute__((always_inline)) void tile(const QW& w, const QX& x,
     }
 }
 
-template <int FMT, bool MIN>
-static void run(const QW& w, const QX& x, int64_t M, uint16_t* out, int64_t o_st, int64_t p0, int64_t p1) {
-    const int64_t MB = row_block(x.K);
-    for (int64_t mb = 0; mb < M; mb += MB) {
-        const int64_t me = std::min(M, mb + MB);
-        for (int64_t p = p0; p < p1; ++p) {
-            int64_t m = mb;
-            for (; m + 4 <= me; m += 4) tile<4, FMT, MIN>(w, x, m, p, out, o_st);
-            switch (me - m) {
-                case 3: tile<3, FMT, MIN>(w, x, m, p, out, o_st); break;
-                case 2: tile<2, FMT, MIN>(w, x, m, p, out, o_st); break;
-                case 1: tile<1, FMT, MIN>(w, x, m, p, out, o_st); break;
-                default: break;
-            }
-        }
-    }
-}
-
-static void panels(const QW& w, const QX& x, int64_t M, uint16_t* out, int64_t o_st, int64_t p0, int64_t p1) {
-    switch (w.fmt) {
-        case FMT_U4: w.mn ? run<FMT_U4, true>(w, x, M, out, o_st, p0, p1) : run<FMT_U4, false>(w, x, M, out, o_st, p0, p1); break;
-        case FMT_U4K: run<FMT_U4K, true>(w, x, M, out, o_st, p0, p1); break;
-        case FMT_U6K: run<FMT_U6K, false>(w, x, M, out, o_st, p0, p1); break;
-        default: w.mn ? run<FMT_I8, true>(w, x, M, out, o_st, p0, p1) : run<FMT_I8, false>(w, x, M, out, o_st, p0, p1); break;
-    }
-}
+#include "qlinear_run.inc"
 
 }  // namespace qavx2
 #pragma GCC pop_options
@@ -428,32 +402,7 @@ static inline __attribute__((always_inline)) void tile(const QW& w, const QX& x,
     }
 }
 
-template <int FMT, bool MIN>
-static void run(const QW& w, const QX& x, int64_t M, uint16_t* out, int64_t o_st, int64_t p0, int64_t p1) {
-    const int64_t MB = row_block(x.K);
-    for (int64_t mb = 0; mb < M; mb += MB) {
-        const int64_t me = std::min(M, mb + MB);
-        for (int64_t p = p0; p < p1; ++p) {
-            int64_t m = mb;
-            for (; m + 4 <= me; m += 4) tile<4, FMT, MIN>(w, x, m, p, out, o_st);
-            switch (me - m) {
-                case 3: tile<3, FMT, MIN>(w, x, m, p, out, o_st); break;
-                case 2: tile<2, FMT, MIN>(w, x, m, p, out, o_st); break;
-                case 1: tile<1, FMT, MIN>(w, x, m, p, out, o_st); break;
-                default: break;
-            }
-        }
-    }
-}
-
-static void panels(const QW& w, const QX& x, int64_t M, uint16_t* out, int64_t o_st, int64_t p0, int64_t p1) {
-    switch (w.fmt) {
-        case FMT_U4: w.mn ? run<FMT_U4, true>(w, x, M, out, o_st, p0, p1) : run<FMT_U4, false>(w, x, M, out, o_st, p0, p1); break;
-        case FMT_U4K: run<FMT_U4K, true>(w, x, M, out, o_st, p0, p1); break;
-        case FMT_U6K: run<FMT_U6K, false>(w, x, M, out, o_st, p0, p1); break;
-        default: w.mn ? run<FMT_I8, true>(w, x, M, out, o_st, p0, p1) : run<FMT_I8, false>(w, x, M, out, o_st, p0, p1); break;
-    }
-}
+#include "qlinear_run.inc"
 
 }  // namespace qvnni
 #pragma GCC pop_options

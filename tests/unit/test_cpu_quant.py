@@ -191,3 +191,15 @@ def test_fused_norm_input(qtype, restore_isa):
     assert ((ref.double() - unfused.double()).norm() / unfused.double().norm()).item() < 0.02
     with pytest.raises(ValueError, match=r"the norm weight must be bfloat16 \[512\]"):
         lin(x, norm=(w.float(), 1e-6))
+
+
+def test_neighbours_of_one_type_are_one_part_with_the_same_bits():
+    """A fused q/k or gate/up of one GGUF type repacks as one part (one call per forward): each
+    row's result is what the tensors give as separate parts."""
+    K = 256
+    a, b = _raw("Q4_K", 40, K, 14), _raw("Q4_K", 24, K, 15)
+    merged = cpu_quant.QuantLinear.from_raw([("Q4_K", a, K), ("Q4_K", b, K)])
+    apart = cpu_quant.QuantLinear([cpu_quant.repack(a, "Q4_K", K), cpu_quant.repack(b, "Q4_K", K)])
+    assert len(merged.parts) == 1 and merged.types() == ["Q4_K", "Q4_K"] and merged.N == 64
+    x = torch.randn(5, K).to(torch.bfloat16)
+    assert torch.equal(merged(x), apart(x))

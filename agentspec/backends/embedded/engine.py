@@ -319,7 +319,7 @@ class EmbeddedEngine:
                 "weights": self.weight_types()}
 
     def weight_types(self) -> dict:
-        """The projections' weight types and bytes: {"quantized": bool, "types": {type: tensors},
+        """The projections' weight types and bytes: {"quantized": bool, "types": {type: GGUF tensors},
         "bytes": n} (a dense model: its dtype)."""
         m = self.model
         if not m.quantized:
@@ -493,14 +493,14 @@ class EmbeddedEngine:
 def _repack(ckpt, quiet: bool) -> dict:
     """Every quantized projection of ``ckpt`` repacked for the native kernel (``QuantLinear``),
     with a progress bar (a few seconds for a 1.5B model)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tqdm import tqdm
 
     from ...kernels.cpu_quant import QuantLinear
 
     a = ckpt.args
     out = {}
-    from concurrent.futures import ThreadPoolExecutor
-
     def one(item):
         name, parts = item
         try:

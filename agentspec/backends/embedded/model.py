@@ -226,16 +226,18 @@ class Block(nn.Module):
         self.gemm_f32 = False
 
     def proj(self, kind: str, i: int, x: torch.Tensor, *, residual: torch.Tensor | None = None,
-             silu: bool = False, norm: "RMSNorm | None" = None) -> torch.Tensor:
+             silu: bool = False, norm: "RMSNorm | None" = None, norm_fn=None) -> torch.Tensor:
         """Projection ``i`` (0 wqkv, 1 wo, 2 w_gate_up, 3 w_down) of ``x`` with the linear kernel
         ``kind`` (the plan's): "amx" (``PackedLinear.prefill``: tiles, the epilogue fused),
         "vector" (``PackedLinear``: the row-invariant native linears), "float32" (torch's GEMM
         with weights and rows widened to float32 and the result rounded to bfloat16 once: exact,
         for CPUs whose bfloat16 GEMM is slow), or the model's dtype ("bfloat16", ...: torch's
         GEMM). Then the epilogue, rounded as torch rounds it: ``silu`` (the weight is
-        ``[gate; up]``: ``silu(gate) * up``), ``residual`` (``residual + y``). "quantized"
-        (``cpu_quant.QuantLinear``) also takes its input's RMSNorm ``norm``, fused into the
-        activation quantization."""
+        ``[gate; up]``: ``silu(gate) * up``), ``residual`` (``residual + y``). ``norm``: the
+        input's RMSNorm, fused into the activation quantization of "quantized"
+        (``cpu_quant.QuantLinear``), else applied first (``norm_fn(x, norm)``; default torch's)."""
+        if norm is not None and kind != "quantized":
+            x = norm_fn(x, norm) if norm_fn is not None else norm(x)
         if kind == "amx":
             return self.packed[i].prefill(x, residual=residual, silu=silu)
         if kind == "quantized":
@@ -279,10 +281,7 @@ class Block(nn.Module):
         projection's kernel (``proj``)."""
         a = self.args
         T = x.shape[0]
-        if lin == "quantized":   # the norm fused into the projection's input
-            qkv = self._qkv_post(self.proj(lin, 0, x, norm=self.attn_norm))
-        else:
-            qkv = self._qkv_post(self.proj(lin, 0, self.attn_norm(x)))
+        qkv = self._qkv_post(self.proj(lin, 0, x, norm=self.attn_norm))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(T, a.n_heads, a.head_dim).transpose(0, 1), cos, sin)
         k = apply_rope(k.view(T, a.n_kv_heads, a.head_dim).transpose(0, 1), cos, sin)
@@ -380,20 +379,12 @@ class Block(nn.Module):
         else:
             def norm(x, m):
                 return F.rms_norm(x, (x.shape[-1],), m.weight, m.eps)
-        if lin == "quantized":   # the norms fused into the projections' inputs
-            qkv = self._qkv_post(self.proj(lin, 0, x, norm=self.attn_norm))
-            x = self.proj(lin, 1, attn(qkv, layer), residual=x)
-            return self.proj(lin, 3, self.proj(lin, 2, x, norm=self.ffn_norm, silu=True), residual=x)
-        qkv = self._qkv_post(self.proj(lin, 0, norm(x, self.attn_norm)))
+        qkv = self._qkv_post(self.proj(lin, 0, x, norm=self.attn_norm, norm_fn=norm))
         x = self.proj(lin, 1, attn(qkv, layer), residual=x)
-        return self.proj(lin, 3, self.proj(lin, 2, norm(x, self.ffn_norm), silu=True), residual=x)
+        return self.proj(lin, 3, self.proj(lin, 2, x, norm=self.ffn_norm, norm_fn=norm, silu=True), residual=x)
 
     def _mlp(self, x, lin: str):
-        if lin == "quantized":   # the norm fused into the projection's input
-            return self.proj(lin, 3, self.proj(lin, 2, x, norm=self.ffn_norm, silu=True), residual=x)
-        n = self.ffn_norm
-        h = self.proj(lin, 2, F.rms_norm(x, (x.shape[-1],), n.weight, n.eps), silu=True)
-        return self.proj(lin, 3, h, residual=x)
+        return self.proj(lin, 3, self.proj(lin, 2, x, norm=self.ffn_norm, silu=True), residual=x)
 
 
     def forward_segments(self, x, layer: int, segs: list["Segment"], cos, sin, plan: KernelPlan):
