@@ -95,6 +95,9 @@ def _engine_args(p: argparse.ArgumentParser, *, deterministic: bool = True) -> N
     p.add_argument("--model", help="a .gguf file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16"],
+                   help="KV cache dtype (default float32; bfloat16 halves the cache's memory and the bytes a "
+                        "long-context step reads, exact with the native CPU attention)")
     if deterministic:
         p.add_argument("--deterministic", action="store_true",
                        help="fixed-shape decode steps: greedy identity with plain decoding by construction")
@@ -311,7 +314,7 @@ def _serve_backend_options(args) -> dict | None:
                               "and drafts with the routes' drafters)")
         return None
     given = [flag for flag, value in (("--threads", args.threads), ("--cpu-isa", args.cpu_isa),
-                                      ("--no-eagle3-gate", args.no_eagle3_gate)) if value]
+                                      ("--kv-dtype", args.kv_dtype), ("--no-eagle3-gate", args.no_eagle3_gate)) if value]
     if given:
         raise ConfigError(f"{', '.join(given)} {'are options' if len(given) > 1 else 'is an option'} of the embedded "
                           "engine, not of --backend sglang "
@@ -362,7 +365,7 @@ def cmd_serve(args) -> int:
         else:
             state = build_state(config, repo=args.repo, config_path=args.config,
                                 engine_options={"model": args.model or config.server.model, "device": args.device or "cpu",
-                                                "dtype": args.dtype, "threads": args.threads,
+                                                "dtype": args.dtype, "kv_dtype": args.kv_dtype, "threads": args.threads,
                                                 "cpu_isa": args.cpu_isa, "eagle3": args.eagle3,
                                                 "eagle3_gate": False if args.no_eagle3_gate else None})
         serve(state, host=args.host, port=args.port, log_level=args.log_level, sock=sock, started=started)
@@ -503,7 +506,8 @@ def _read_prompt(path: str) -> str:
 def _make_engine(args):
     from . import Engine
 
-    return Engine.embedded(model=args.model, device=args.device, dtype=args.dtype, deterministic=args.deterministic,
+    return Engine.embedded(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                           deterministic=args.deterministic,
                            threads=args.threads, cpu_isa=args.cpu_isa, eagle3=args.eagle3,
                            eagle3_gate=False if args.no_eagle3_gate else None)
 

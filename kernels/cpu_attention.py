@@ -1,7 +1,8 @@
 """Exact decode / tree-verification attention on CPU (native: ``agentspec.kernels._cpu``).
 
 ``decode_attention`` computes, for every query row and head, softmax attention over the row's
-visible keys (mask true) of one layer's float32 KV cache. It visits those keys in ascending slot
+visible keys (mask true) of one layer's float32 or bfloat16 KV cache (bfloat16 values are read
+as the floats they are: the same arithmetic as a float32 cache holding them). It visits those keys in ascending slot
 order with reductions whose shape depends only on that visible sequence, so a draft-tree node
 gets the same bits as the same token in plain decoding (its ancestors sit at tree slots there,
 at consecutive slots here); see kernels/csrc/attention.cpp. ``available()`` is False when the
@@ -41,9 +42,11 @@ def available() -> bool:
     return _cpu is not None
 
 
-# head_dims the float32-cache kernel (``decode_attention``, ``segment_attention``) takes; the
-# bfloat16 rows kernels over packed copies (``QKVAttention``, prefill) take 64 only
+# head_dims the float32-query kernel (``decode_attention``, ``segment_attention``: a float32 or
+# bfloat16 cache) takes; the bfloat16 rows kernels over packed copies (``QKVAttention``, prefill)
+# take 64 only
 FLOAT32_HEAD_DIMS = (64, 128)
+CACHE_DTYPES = (torch.float32, torch.bfloat16)   # the caches decode_attention / segment_attention read
 
 
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -51,7 +54,7 @@ def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
     first) over the cache ``k`` (else use the torch path)."""
     return (
         available()
-        and q.device.type == "cpu" and k.device.type == "cpu" and k.dtype == torch.float32
+        and q.device.type == "cpu" and k.device.type == "cpu" and k.dtype in CACHE_DTYPES
         and q.shape[-1] in FLOAT32_HEAD_DIMS and q.shape[0] % k.shape[0] == 0 and q.shape[0] // k.shape[0] <= 8
     )
 
@@ -70,7 +73,7 @@ def _mask_arg(mask: torch.Tensor | None, T: int, L: int):
 
 def decode_attention(
     q: torch.Tensor,            # [H, T, D] float32, unit stride in D
-    k: torch.Tensor,            # [Hkv, capacity, D] float32 contiguous (one layer of the cache)
+    k: torch.Tensor,            # [Hkv, capacity, D] float32 or bfloat16, contiguous (one layer of the cache)
     v: torch.Tensor,            # [Hkv, capacity, D]
     mask: torch.Tensor | None,  # [T, >= L] bool; None = all L keys visible
     L: int,                     # keys in use: slots [0, L)
@@ -81,8 +84,9 @@ def decode_attention(
     Hkv, cap, Dk = k.shape
     if Dk != D or v.shape != k.shape or not (0 < L <= cap):
         raise ValueError(f"shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, L {L}")
-    if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
-        raise TypeError("decode_attention needs float32 q, k, v")
+    if q.dtype != torch.float32 or k.dtype not in CACHE_DTYPES or v.dtype != k.dtype:
+        raise TypeError(f"decode_attention needs a float32 q and a float32 or bfloat16 k, v: {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
     if q.stride(2) != 1:
         q = q.contiguous()
     if not (k.is_contiguous() and v.is_contiguous()):
@@ -90,20 +94,21 @@ def decode_attention(
     out = torch.empty(T, H, D, dtype=torch.float32)
     mask, mask_ptr, mask_st = _mask_arg(mask, T, L)
     _cpu.attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), cap,
-                   mask_ptr, mask_st, out.data_ptr(), H, Hkv, T, L, D, threads)
+                   mask_ptr, mask_st, out.data_ptr(), H, Hkv, T, L, D, threads, k.dtype == torch.bfloat16)
     return out
 
 
 def segment_attention(
     q: torch.Tensor,            # [H, R, D] float32: every segment's query rows, unit stride in D
     kv_new: torch.Tensor,       # [2, Hkv, R, D] float32 contiguous: the rows' new keys and values
-    segments: list,             # per segment: (k [Hkv, cap, D], v [Hkv, cap, D], L, mask [T, >= L] bool, row_off, T)
+    segments: list,             # per segment: (k [Hkv, cap, D], v [Hkv, cap, D], L, mask [T, >= L] bool, row_off, T);
+                                # every cache float32, or every cache bfloat16
     *,
     threads: int = 0,
 ) -> torch.Tensor:              # [R, H, D] float32
     """Several requests' rows in one native call (continuous batching): writes each segment's new
-    keys/values at its cache slots ``[L - T, L)``, then attends exactly as ``decode_attention``
-    would for that segment alone."""
+    keys/values at its cache slots ``[L - T, L)`` (rounded as torch rounds them into a bfloat16
+    cache), then attends exactly as ``decode_attention`` would for that segment alone."""
     H, R, D = q.shape
     if kv_new.dtype != torch.float32 or q.dtype != torch.float32 or not kv_new.is_contiguous():
         raise TypeError("segment_attention needs float32 q and a contiguous float32 kv_new")
@@ -111,9 +116,11 @@ def segment_attention(
         q = q.contiguous()
     Hkv = kv_new.shape[1]
     rows = []
+    kv_dtype = segments[0][0].dtype if segments else torch.float32
     for k, v, L, mask, off, T in segments:
-        if not (k.is_contiguous() and v.is_contiguous()) or k.dtype != torch.float32:
-            raise ValueError("cache layers must be contiguous float32")
+        if not (k.is_contiguous() and v.is_contiguous()) or k.dtype != kv_dtype or v.dtype != kv_dtype \
+                or kv_dtype not in CACHE_DTYPES:
+            raise ValueError("cache layers must be contiguous, all float32 or all bfloat16")
         if mask.dtype != torch.bool or mask.shape[0] != T or mask.shape[1] < L or mask.stride(1) != 1:
             raise ValueError(f"mask must be bool [T, >= L] with unit column stride: {tuple(mask.shape)}")
         rows.append((k.data_ptr(), v.data_ptr(), k.shape[1], L, mask.data_ptr(), mask.stride(0), off, T))
@@ -121,7 +128,7 @@ def segment_attention(
     out = torch.empty(R, H, D, dtype=torch.float32)
     _cpu.attention_segments(q.data_ptr(), q.stride(0), q.stride(1), kv_new[0].data_ptr(), kv_new[1].data_ptr(),
                             kv_new.stride(1), kv_new.stride(2), segs.data_ptr(), len(rows), out.data_ptr(), H, Hkv,
-                            D, threads)
+                            D, threads, kv_dtype == torch.bfloat16)
     return out
 
 

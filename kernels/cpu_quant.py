@@ -212,8 +212,14 @@ def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
     return a if a.shape[0] == rows else np.concatenate([a, np.zeros((rows - a.shape[0],) + a.shape[1:], a.dtype)])
 
 
-def _repack_k(raw: np.ndarray, qtype: str, K: int) -> QuantPart:
-    """Q4_K -> U4K, Q6_K -> U6K: the file's super-block scales and block bytes kept as they are."""
+def _repack_k(raw: np.ndarray, qtype: str, K: int, *, native: bool | None = None) -> QuantPart:
+    """Q4_K -> U4K, Q6_K -> U6K: the file's super-block scales and block bytes kept as they are.
+    ``native`` (default: where the extension is built): ``_cpu.repack_k``, the same bytes as the
+    numpy code below (the reference the tests hold it to), several times faster at load."""
+    if native is None:
+        native = available() and hasattr(_cpu, "repack_k")
+    if native:
+        return _repack_k_native(raw, qtype, K)
     N = raw.shape[0]
     NP = -(-N // 16)
     b = _pad_rows(np.ascontiguousarray(raw), NP * 16).reshape(NP * 16 * (K // QK_K), -1)
@@ -245,6 +251,25 @@ def _repack_k(raw: np.ndarray, qtype: str, K: int) -> QuantPart:
     return QuantPart(qtype=qtype, fmt=FMT_U6K, B=16, N=N, K=K, q=torch.from_numpy(np.ascontiguousarray(packed)),
                      scale=_lanes(d.reshape(NP * 16, ns), NP), mins=None,
                      sub=_lanes(sc.view(np.uint8).reshape(NP * 16, nb), NP))
+
+
+def _repack_k_native(raw: np.ndarray, qtype: str, K: int) -> QuantPart:
+    N = raw.shape[0]
+    if raw.ndim != 2 or raw.dtype != np.uint8 or raw.strides[1] != 1:
+        raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N, -1)
+    NP, ns = -(-N // 16), K // QK_K
+    four = qtype == "Q4_K"
+    nb = K // 32 if four else K // 16
+    q = torch.empty((NP, nb, 256 if four else 192), dtype=torch.uint8)
+    scale = torch.empty((NP, ns, 16), dtype=torch.float32)
+    mins = torch.empty((NP, ns, 16), dtype=torch.float32) if four else None
+    sub = torch.empty((NP, nb, 16), dtype=torch.uint8)
+    sub_mins = torch.empty((NP, nb, 16), dtype=torch.uint8) if four else None
+    _cpu.repack_k(raw.ctypes.data, raw.strides[0], N, K, 4 if four else 6, q.data_ptr(), scale.data_ptr(),
+                  0 if mins is None else mins.data_ptr(), sub.data_ptr(), 0 if sub_mins is None else sub_mins.data_ptr(),
+                  1)
+    return QuantPart(qtype=qtype, fmt=FMT_U4K if four else FMT_U6K, B=32 if four else 16, N=N, K=K, q=q, scale=scale,
+                     mins=mins, sub=sub, sub_mins=sub_mins)
 
 
 REPACK_ROWS = 4096   # rows repacked at a time: bounds the temporaries (a 151,936-row head: ~20x less)

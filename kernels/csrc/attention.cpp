@@ -17,7 +17,8 @@
 // multiplies, and GCC spilled the accumulators of a per-lane fmaf loop.)
 //
 // `attention` serves one request's rows, `attention_segments` several requests' (continuous
-// batching); both run row_task per (row, kv head), over keys transposed per call into scratch.
+// batching); both run row_task per (row, kv head), over keys transposed (copies: no arithmetic)
+// per call into scratch or, for one or two rows, a block at a time as the row reads them.
 #include <nanobind/nanobind.h>
 
 #include <omp.h>
@@ -27,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
@@ -37,34 +39,83 @@ using namespace attn;
 
 namespace {
 
-// Keys of kv head hk, slots [j0, j1) (multiple of 16), transposed to kt[hk][d][j]; HD: head_dim.
-template <int HD>
-static inline __attribute__((always_inline)) void transpose_keys_t(const Args& a, int hk, int j0, int j1) {
-    const float* k = a.k + (int64_t)hk * a.cap * HD;
-    float* kt = const_cast<float*>(a.kt) + (int64_t)hk * HD * a.Lr;
-    for (int jb = j0; jb < j1; jb += 16) {
-        float blk[HD][16];
-        for (int l = 0; l < 16; ++l) {
-            int j = jb + l;
-            if (j < a.L) {
-                const float* kr = k + (int64_t)j * HD;
-                for (int d = 0; d < HD; ++d) blk[d][l] = kr[d];
-            } else {
-                for (int d = 0; d < HD; ++d) blk[d][l] = 0.0f;
-            }
+// Rows of one call (one segment) up to which each row transposes its keys a block at a time
+// (decode: the cache read once); more rows share one transposed copy per call.
+constexpr int LOCAL_T = 2;
+
+// 16 consecutive cache values as floats: float32, or bfloat16 (exact: the value shifted into a
+// float's high half), so a bfloat16 cache computes what a float32 cache holding the same values does.
+typedef uint16_t v16h __attribute__((vector_size(32)));
+static inline v16 load_kv(const float* p) { return load16(p); }
+static inline v16 load_kv(const uint16_t* p) {
+    v16h h;
+    std::memcpy(&h, p, sizeof h);
+    return (v16)(__builtin_convertvector(h, v16u) << 16);
+}
+
+// One butterfly stage of a 16 x 16 transpose: rows x (= row i) and y (= row i + S) swap their
+// off-diagonal S-blocks: x[j] <- (j & S) ? y[j - S] : x[j], y[j] <- (j & S) ? y[j] : x[j + S].
+#define AS_LO1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define AS_HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#define AS_LO2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define AS_HI2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define AS_LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define AS_HI4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define AS_LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define AS_HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define AS_STAGE(S)                                                                   \
+    for (int i = 0; i < 16; ++i)                                                      \
+        if (!(i & S)) {                                                               \
+            v16 x = r[i], y = r[i + S];                                               \
+            r[i] = __builtin_shufflevector(x, y, AS_LO##S);                           \
+            r[i + S] = __builtin_shufflevector(x, y, AS_HI##S);                       \
         }
-        for (int d = 0; d < HD; ++d)
-            std::memcpy(kt + (int64_t)d * a.Lr + jb, blk[d], sizeof blk[d]);
+
+// Keys [j, j + n) (n <= 16, the rest zeros) of a [slots, HD] cache, values d0..d0+15 of each,
+// transposed: dst[d * dst_st + l] = k[j + l][d0 + d]. Copies only: the bits of the keys.
+template <typename KV>
+static inline __attribute__((always_inline)) void transpose16(const KV* k, int64_t k_st, int n, float* dst,
+                                                              int64_t dst_st) {
+    v16 r[16];
+    for (int l = 0; l < 16; ++l) r[l] = l < n ? load_kv(k + (int64_t)l * k_st) : v16{};
+    AS_STAGE(1) AS_STAGE(2) AS_STAGE(4) AS_STAGE(8)
+    // after the four stages r[d][l] = k[l][d]
+    for (int d = 0; d < 16; ++d) store16(dst + (int64_t)d * dst_st, r[d]);
+}
+
+// Keys of kv head hk, slots [jb, jb + 16 * nb) (multiple of 16; slots >= L read as zeros),
+// transposed into dst[d * dst_st + (j - jb)]; HD: head_dim.
+template <int HD, typename KV>
+static inline __attribute__((always_inline)) void transpose_block(const Args& a, int hk, int jb, int nb, float* dst,
+                                                                  int64_t dst_st) {
+    const KV* k = reinterpret_cast<const KV*>(a.k) + (int64_t)hk * a.cap * HD;
+    for (int b = 0; b < nb; ++b) {
+        const int j = jb + 16 * b, n = std::max(0, std::min(16, a.L - j));
+        for (int d0 = 0; d0 < HD; d0 += 16)
+            transpose16(k + (int64_t)j * HD + d0, HD, n, dst + (int64_t)d0 * dst_st + 16 * b, dst_st);
     }
 }
 
-AGENTSPEC_CLONES
-void transpose_keys_64(const Args& a, int hk, int j0, int j1) { transpose_keys_t<64>(a, hk, j0, j1); }
-AGENTSPEC_CLONES
-void transpose_keys_128(const Args& a, int hk, int j0, int j1) { transpose_keys_t<128>(a, hk, j0, j1); }
+// Keys of kv head hk, slots [j0, j1) (multiple of 16), transposed to kt[hk][d][j]; HD: head_dim.
+template <int HD, typename KV>
+static inline __attribute__((always_inline)) void transpose_keys_t(const Args& a, int hk, int j0, int j1) {
+    float* kt = const_cast<float*>(a.kt) + (int64_t)hk * HD * a.Lr;
+    transpose_block<HD, KV>(a, hk, j0, (j1 - j0) / 16, kt + j0, a.Lr);
+}
 
-// One (row t, kv head hk): the G query heads h = hk*G + g of row t; HD: head_dim (64 or 128).
-template <int G, int HD>
+// the dispatched (target_clones) entry points: head_dim 64 / 128, a float32 (f) or bfloat16 (h) cache
+AGENTSPEC_CLONES
+void transpose_keys_64f(const Args& a, int hk, int j0, int j1) { transpose_keys_t<64, float>(a, hk, j0, j1); }
+AGENTSPEC_CLONES
+void transpose_keys_128f(const Args& a, int hk, int j0, int j1) { transpose_keys_t<128, float>(a, hk, j0, j1); }
+AGENTSPEC_CLONES
+void transpose_keys_64h(const Args& a, int hk, int j0, int j1) { transpose_keys_t<64, uint16_t>(a, hk, j0, j1); }
+AGENTSPEC_CLONES
+void transpose_keys_128h(const Args& a, int hk, int j0, int j1) { transpose_keys_t<128, uint16_t>(a, hk, j0, j1); }
+
+// One (row t, kv head hk): the G query heads h = hk*G + g of row t; HD: head_dim (64 or 128);
+// KV: the cache's element type (float, or uint16_t for bfloat16).
+template <int G, int HD, typename KV>
 static inline __attribute__((always_inline)) void row_body(const Args& a, int hk, int t, Scratch& sc) {
     const int Lr = a.Lr;
     sc.s.resize((size_t)G * Lr);
@@ -86,8 +137,14 @@ static inline __attribute__((always_inline)) void row_body(const Args& a, int hk
         for (int d = 0; d < HD; ++d) qs[g][d] = qr[d] * a.scale;
     }
 
-    // scores of the 64-slot blocks holding a visible key: one lane per slot, summed over d in order
-    const float* kt = a.kt + (int64_t)hk * HD * a.Lr;
+    // scores of the 64-slot blocks holding a visible key: one lane per slot, summed over d in order.
+    // The keys come transposed: from the call's shared copy (a.kt, several rows per kv head), or
+    // (a.kt null: one row) transposed here a block at a time into an L1/L2-sized buffer, so the
+    // cache is read once and no copy of it goes through memory. The same values either way.
+    const bool shared = a.kt != nullptr;
+    const float* kt = shared ? a.kt + (int64_t)hk * HD * a.Lr : nullptr;
+    const int64_t kst = shared ? a.Lr : KB;
+    alignas(64) float kblk[HD * KB];   // unused with the shared copy
     const int last = idx[n - 1];
     for (int jb = 0; jb <= last; jb += KB) {
         if (mr != nullptr) {  // skip blocks with no visible key (pad rows, masked prefixes)
@@ -97,12 +154,14 @@ static inline __attribute__((always_inline)) void row_body(const Args& a, int hk
             if (!any) continue;
         }
         const int nc = std::min(KB, Lr - jb) / 16;  // Lr is a multiple of 16
+        const float* kb = shared ? kt + jb : kblk;
+        if (!shared) transpose_block<HD, KV>(a, hk, jb, nc, kblk, KB);
         if (nc == 4) {
             v16 acc[G][4];
             for (int g = 0; g < G; ++g)
                 for (int c = 0; c < 4; ++c) acc[g][c] = v16{};
             for (int d = 0; d < HD; ++d) {
-                const float* kr = kt + (int64_t)d * a.Lr + jb;
+                const float* kr = kb + (int64_t)d * kst;
                 v16 k0 = load16(kr), k1 = load16(kr + 16), k2 = load16(kr + 32), k3 = load16(kr + 48);
                 for (int g = 0; g < G; ++g) {
                     const float qd = qs[g][d];
@@ -119,7 +178,7 @@ static inline __attribute__((always_inline)) void row_body(const Args& a, int hk
                 v16 acc[G];
                 for (int g = 0; g < G; ++g) acc[g] = v16{};
                 for (int d = 0; d < HD; ++d) {
-                    v16 k0 = load16(kt + (int64_t)d * a.Lr + jb + 16 * c);
+                    v16 k0 = load16(kb + (int64_t)d * kst + 16 * c);
                     for (int g = 0; g < G; ++g) acc[g] = acc[g] + qs[g][d] * k0;
                 }
                 for (int g = 0; g < G; ++g) store16(S + (int64_t)g * Lr + jb + 16 * c, acc[g]);
@@ -131,14 +190,14 @@ static inline __attribute__((always_inline)) void row_body(const Args& a, int hk
 
     // o = p @ v, sequentially over the visible keys, one lane per d; 64 dims at a time (each lane's
     // sum is its own, so splitting d changes no bits and keeps the accumulators in registers)
-    const float* v = a.v + (int64_t)hk * a.cap * HD;
+    const KV* v = reinterpret_cast<const KV*>(a.v) + (int64_t)hk * a.cap * HD;
     for (int d0 = 0; d0 < HD; d0 += 64) {
         v16 acc[G][4];
         for (int g = 0; g < G; ++g)
             for (int c = 0; c < 4; ++c) acc[g][c] = v16{};
         for (int i = 0; i < n; ++i) {
-            const float* vr = v + (int64_t)idx[i] * HD + d0;
-            v16 v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32), v3 = load16(vr + 48);
+            const KV* vr = v + (int64_t)idx[i] * HD + d0;
+            v16 v0 = load_kv(vr), v1 = load_kv(vr + 16), v2 = load_kv(vr + 32), v3 = load_kv(vr + 48);
             for (int g = 0; g < G; ++g) {
                 const float w = S[(int64_t)g * Lr + i];
                 acc[g][0] = acc[g][0] + w * v0;
@@ -152,33 +211,55 @@ static inline __attribute__((always_inline)) void row_body(const Args& a, int hk
     }
 }
 
-template <int HD>
+template <int HD, typename KV>
 static inline __attribute__((always_inline)) void row_task_t(const Args& a, int hk, int t, Scratch& sc) {
     switch (a.H / a.Hkv) {
-        case 1: return row_body<1, HD>(a, hk, t, sc);
-        case 2: return row_body<2, HD>(a, hk, t, sc);
-        case 3: return row_body<3, HD>(a, hk, t, sc);
-        case 4: return row_body<4, HD>(a, hk, t, sc);
-        case 5: return row_body<5, HD>(a, hk, t, sc);
-        case 6: return row_body<6, HD>(a, hk, t, sc);
-        case 7: return row_body<7, HD>(a, hk, t, sc);
-        default: return row_body<8, HD>(a, hk, t, sc);
+        case 1: return row_body<1, HD, KV>(a, hk, t, sc);
+        case 2: return row_body<2, HD, KV>(a, hk, t, sc);
+        case 3: return row_body<3, HD, KV>(a, hk, t, sc);
+        case 4: return row_body<4, HD, KV>(a, hk, t, sc);
+        case 5: return row_body<5, HD, KV>(a, hk, t, sc);
+        case 6: return row_body<6, HD, KV>(a, hk, t, sc);
+        case 7: return row_body<7, HD, KV>(a, hk, t, sc);
+        default: return row_body<8, HD, KV>(a, hk, t, sc);
     }
 }
 
 AGENTSPEC_CLONES
-void row_task_64(const Args& a, int hk, int t, Scratch& sc) { row_task_t<64>(a, hk, t, sc); }
+void row_task_64f(const Args& a, int hk, int t, Scratch& sc) { row_task_t<64, float>(a, hk, t, sc); }
 AGENTSPEC_CLONES
-void row_task_128(const Args& a, int hk, int t, Scratch& sc) { row_task_t<128>(a, hk, t, sc); }
+void row_task_128f(const Args& a, int hk, int t, Scratch& sc) { row_task_t<128, float>(a, hk, t, sc); }
+AGENTSPEC_CLONES
+void row_task_64h(const Args& a, int hk, int t, Scratch& sc) { row_task_t<64, uint16_t>(a, hk, t, sc); }
+AGENTSPEC_CLONES
+void row_task_128h(const Args& a, int hk, int t, Scratch& sc) { row_task_t<128, uint16_t>(a, hk, t, sc); }
 
-template <int HD>
+template <int HD, typename KV>
 void transpose_keys(const Args& a, int hk, int j0, int j1) {
-    if constexpr (HD == 64) transpose_keys_64(a, hk, j0, j1); else transpose_keys_128(a, hk, j0, j1);
+    constexpr bool f = std::is_same_v<KV, float>;
+    if constexpr (HD == 64) (f ? transpose_keys_64f : transpose_keys_64h)(a, hk, j0, j1);
+    else (f ? transpose_keys_128f : transpose_keys_128h)(a, hk, j0, j1);
 }
 
-template <int HD>
+template <int HD, typename KV>
 void row_task(const Args& a, int hk, int t, Scratch& sc) {
-    if constexpr (HD == 64) row_task_64(a, hk, t, sc); else row_task_128(a, hk, t, sc);
+    constexpr bool f = std::is_same_v<KV, float>;
+    if constexpr (HD == 64) (f ? row_task_64f : row_task_64h)(a, hk, t, sc);
+    else (f ? row_task_128f : row_task_128h)(a, hk, t, sc);
+}
+
+template <typename T> struct Tag { using type = T; };
+
+// run(head_dim as an integral_constant, the cache's element type as a Tag)
+template <typename F>
+void dispatch(int head_dim, bool kv_bf16, F&& run) {
+    using H64 = std::integral_constant<int, 64>;
+    using H128 = std::integral_constant<int, 128>;
+    if (head_dim == 64) {
+        if (kv_bf16) run(H64{}, Tag<uint16_t>{}); else run(H64{}, Tag<float>{});
+    } else {
+        if (kv_bf16) run(H128{}, Tag<uint16_t>{}); else run(H128{}, Tag<float>{});
+    }
 }
 
 // The float32 kernel's head shapes: head_dim 64 or 128, 1 to MAXG query heads per kv head.
@@ -191,7 +272,7 @@ void check_heads_f32(int H, int Hkv, int head_dim) {
 
 namespace {
 
-template <int HD>
+template <int HD, typename KV>
 void attention_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v, int64_t cap,
                  uintptr_t mask, int64_t m_st, uintptr_t out, int H, int Hkv, int T, int L, int threads) {
     if (T <= 0 || L <= 0 || L > cap) throw std::invalid_argument("bad T / L / capacity");
@@ -206,9 +287,9 @@ void attention_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t
     a.Lr = (L + 15) / 16 * 16;
     nb::gil_scoped_release nogil;
     static thread_local std::vector<float> kt;
-    kt.resize((size_t)Hkv * HD * a.Lr);
-    a.kt = kt.data();
-    const int nchunk = (a.Lr + 255) / 256;
+    if (T > LOCAL_T) kt.resize((size_t)Hkv * HD * a.Lr);
+    a.kt = T > LOCAL_T ? kt.data() : nullptr;
+    const int nchunk = T > LOCAL_T ? (a.Lr + 255) / 256 : 0;
     const int ntask = Hkv * T;
     if (threads <= 0) threads = omp_get_max_threads();
     threads = std::max(1, std::min(threads, std::max(ntask, Hkv * nchunk)));
@@ -218,10 +299,10 @@ void attention_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t
 #pragma omp for schedule(static)
         for (int c = 0; c < Hkv * nchunk; ++c) {
             int hk = c / nchunk, ch = c % nchunk;
-            transpose_keys<HD>(a, hk, ch * 256, std::min(a.Lr, ch * 256 + 256));
+            transpose_keys<HD, KV>(a, hk, ch * 256, std::min(a.Lr, ch * 256 + 256));
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < ntask; ++i) row_task<HD>(a, i % Hkv, i / Hkv, sc);
+        for (int i = 0; i < ntask; ++i) row_task<HD, KV>(a, i % Hkv, i / Hkv, sc);
     }
 }
 
@@ -229,10 +310,13 @@ void attention_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t
 
 void attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v, int64_t cap,
                uintptr_t mask, int64_t m_st, uintptr_t out, int H, int Hkv, int T, int L, int head_dim,
-               int threads) {
+               int threads, bool kv_bf16) {
     check_heads_f32(H, Hkv, head_dim);
-    if (head_dim == 64) attention_t<64>(q, q_sh, q_st, k, v, cap, mask, m_st, out, H, Hkv, T, L, threads);
-    else attention_t<128>(q, q_sh, q_st, k, v, cap, mask, m_st, out, H, Hkv, T, L, threads);
+    auto run = [&](auto hd, auto kv) {
+        attention_t<decltype(hd)::value, typename decltype(kv)::type>(q, q_sh, q_st, k, v, cap, mask, m_st, out, H,
+                                                                        Hkv, T, L, threads);
+    };
+    dispatch(head_dim, kv_bf16, run);
 }
 
 // Several requests' rows in one call (continuous batching): segment s owns rows
@@ -243,7 +327,7 @@ void attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v
 // row_off, T.
 namespace {
 
-template <int HD>
+template <int HD, typename KV>
 void attention_segments_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new, uintptr_t v_new, int64_t kn_sh,
                           int64_t kn_st, uintptr_t segs_ptr, int S, uintptr_t out, int H, int Hkv, int threads) {
     if (S <= 0) throw std::invalid_argument("no segments");
@@ -265,14 +349,15 @@ void attention_segments_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_n
         a.out = reinterpret_cast<float*>(out) + off * (int64_t)H * HD;
         a.H = H; a.Hkv = Hkv; a.scale = scale;
         a.Lr = (a.L + 15) / 16 * 16;
-        kt_off[s + 1] = kt_off[s] + (size_t)Hkv * HD * a.Lr;
+        const bool copy = a.T > LOCAL_T;   // a shared transposed copy of the keys (else per block, in row_body)
+        kt_off[s + 1] = kt_off[s] + (copy ? (size_t)Hkv * HD * a.Lr : 0);
         row_base[s + 1] = row_base[s] + Hkv * a.T;
-        tr_base[s + 1] = tr_base[s] + Hkv * ((a.Lr + 255) / 256);
+        tr_base[s + 1] = tr_base[s] + (copy ? Hkv * ((a.Lr + 255) / 256) : 0);
     }
     nb::gil_scoped_release nogil;
     static thread_local std::vector<float> kt;
     kt.resize(kt_off[S]);
-    for (int s = 0; s < S; ++s) args[s].kt = kt.data() + kt_off[s];
+    for (int s = 0; s < S; ++s) args[s].kt = args[s].T > LOCAL_T ? kt.data() + kt_off[s] : nullptr;
     const float* kn = reinterpret_cast<const float*>(k_new);
     const float* vn = reinterpret_cast<const float*>(v_new);
     const int nrows = row_base[S], ntr = tr_base[S];
@@ -288,21 +373,30 @@ void attention_segments_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_n
             int j = i - row_base[s], hk = j % Hkv, t = j / Hkv;
             int64_t src = (int64_t)hk * kn_sh + (sg[(int64_t)s * 8 + 6] + t) * kn_st;
             int64_t dst = ((int64_t)hk * a.cap + (a.L - a.T + t)) * HD;
-            std::memcpy(const_cast<float*>(a.k) + dst, kn + src, sizeof(float) * HD);
-            std::memcpy(const_cast<float*>(a.v) + dst, vn + src, sizeof(float) * HD);
+            KV* kd = reinterpret_cast<KV*>(const_cast<float*>(a.k)) + dst;
+            KV* vd = reinterpret_cast<KV*>(const_cast<float*>(a.v)) + dst;
+            if constexpr (std::is_same_v<KV, float>) {
+                std::memcpy(kd, kn + src, sizeof(float) * HD);
+                std::memcpy(vd, vn + src, sizeof(float) * HD);
+            } else {  // rounded as torch rounds a float32 tensor copied into a bfloat16 one
+                for (int d = 0; d < HD; d += 16) {
+                    store_bf16(kd + d, load16(kn + src + d));
+                    store_bf16(vd + d, load16(vn + src + d));
+                }
+            }
         }
 #pragma omp for schedule(static)
         for (int c = 0; c < ntr; ++c) {
             int s = int(std::upper_bound(tr_base.begin(), tr_base.end(), c) - tr_base.begin()) - 1;
             const Args& a = args[s];
             int nchunk = (a.Lr + 255) / 256, j = c - tr_base[s], hk = j / nchunk, ch = j % nchunk;
-            transpose_keys<HD>(a, hk, ch * 256, std::min(a.Lr, ch * 256 + 256));
+            transpose_keys<HD, KV>(a, hk, ch * 256, std::min(a.Lr, ch * 256 + 256));
         }
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < nrows; ++i) {
             int s = int(std::upper_bound(row_base.begin(), row_base.end(), i) - row_base.begin()) - 1;
             int j = i - row_base[s];
-            row_task<HD>(args[s], j % Hkv, j / Hkv, sc);
+            row_task<HD, KV>(args[s], j % Hkv, j / Hkv, sc);
         }
     }
 }
@@ -311,10 +405,12 @@ void attention_segments_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_n
 
 void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new, uintptr_t v_new, int64_t kn_sh,
                         int64_t kn_st, uintptr_t segs_ptr, int S, uintptr_t out, int H, int Hkv, int head_dim,
-                        int threads) {
+                        int threads, bool kv_bf16) {
     check_heads_f32(H, Hkv, head_dim);
-    if (head_dim == 64)
-        attention_segments_t<64>(q, q_sh, q_st, k_new, v_new, kn_sh, kn_st, segs_ptr, S, out, H, Hkv, threads);
-    else
-        attention_segments_t<128>(q, q_sh, q_st, k_new, v_new, kn_sh, kn_st, segs_ptr, S, out, H, Hkv, threads);
+    auto run = [&](auto hd, auto kv) {
+        attention_segments_t<decltype(hd)::value, typename decltype(kv)::type>(q, q_sh, q_st, k_new, v_new, kn_sh,
+                                                                                 kn_st, segs_ptr, S, out, H, Hkv,
+                                                                                 threads);
+    };
+    dispatch(head_dim, kv_bf16, run);
 }

@@ -5,13 +5,13 @@
 
 #include <cstdint>
 
-// attention.cpp: float32 decode / tree-verification attention
+// attention.cpp: decode / tree-verification attention over a float32 or bfloat16 KV cache
 void attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v, int64_t cap,
                uintptr_t mask, int64_t m_st, uintptr_t out, int H, int Hkv, int T, int L, int head_dim,
-               int threads);
+               int threads, bool kv_bf16);
 void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new, uintptr_t v_new, int64_t kn_sh,
                         int64_t kn_st, uintptr_t segs_ptr, int S, uintptr_t out, int H, int Hkv, int head_dim,
-                        int threads);
+                        int threads, bool kv_bf16);
 
 // qkv_attention.cpp: a bfloat16 model's whole attention for decode / verify rows; the packed copies
 void qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, int64_t cs_st, uintptr_t segs,
@@ -39,6 +39,8 @@ void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, u
               uintptr_t m8, int fmt, int B, int64_t N, int64_t K, uintptr_t out, int64_t o_st, int threads, int act,
               uintptr_t norm_w, double eps);
 const char* qlinear_body();
+void repack_k(uintptr_t raw, int64_t raw_st, int64_t N, int64_t K, int qbits, uintptr_t q, uintptr_t scale,
+              uintptr_t mins, uintptr_t sub, uintptr_t sub_mins, int threads);
 
 // amx.cpp: AMX prefill attention, RMSNorm rows, linears and the AMX phases of decode attention
 bool prefill_amx_available();

@@ -496,3 +496,130 @@ void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, u
         panels(w, xx, M, o, o_st, NP * t / n, NP * (t + 1) / n);
     }
 }
+
+// ---- repacking at load: Q4_K -> U4K and Q6_K -> U6K, native ----------------------------------
+// The layouts cpu_quant._repack_k makes with numpy (and tests against this): per 16-row panel p
+// and block b, the block's bytes (U4K: 4 steps x 16 rows x 4 bytes, byte i of a step = weight
+// 8s+i | weight 8s+4+i << 4; U6K: the same low nibbles of 16-weight blocks, 2 steps, then a
+// 16 x 4-byte plane of the high 2 bits, bits 2k..2k+1 of byte i = weight 8*(k/2) + 4*(k%2) + i),
+// and per panel, super-block and row the f16 scales as floats (U4K: d, -dmin; U6K: d), per block
+// and row the 6-bit (U4K: scale, min) or int8 (U6K) sub-scales. Rows past N read as zeros.
+namespace {
+
+static inline float f16_to_float(uint16_t h) {   // exact, as numpy's float16 -> float32
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {  // subnormal: normalise
+            int e = 113;
+            while (!(mant & 0x400u)) { mant <<= 1; --e; }
+            bits = sign | ((uint32_t)e << 23) | ((mant & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+
+// one super-block (256 weights) of one row: the 256 values (Q4_K: 0..15; Q6_K: 0..63)
+static inline void q4k_values(const uint8_t* blk, uint8_t* v) {
+    const uint8_t* qs = blk + 16;
+    for (int c = 0; c < 4; ++c)
+        for (int l = 0; l < 32; ++l) {
+            v[c * 64 + l] = qs[c * 32 + l] & 0x0F;
+            v[c * 64 + 32 + l] = qs[c * 32 + l] >> 4;
+        }
+}
+static inline void q6k_values(const uint8_t* blk, uint8_t* v) {
+    const uint8_t *ql = blk, *qh = blk + 128;
+    for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; ++l) {
+            const uint8_t a = ql[h * 64 + l], b = ql[h * 64 + 32 + l], hb = qh[h * 32 + l];
+            uint8_t* o = v + h * 128;
+            o[l] = (a & 0x0F) | ((hb & 3) << 4);
+            o[32 + l] = (b & 0x0F) | (((hb >> 2) & 3) << 4);
+            o[64 + l] = (a >> 4) | (((hb >> 4) & 3) << 4);
+            o[96 + l] = (b >> 4) | (((hb >> 6) & 3) << 4);
+        }
+}
+
+}  // namespace
+
+// raw: [N, K / 256 * block bytes] uint8 (rows of row stride raw_st bytes); outputs as
+// cpu_quant._repack_k allocates them for NP = ceil(N / 16) panels.
+void repack_k(uintptr_t raw, int64_t raw_st, int64_t N, int64_t K, int qbits, uintptr_t q, uintptr_t scale,
+              uintptr_t mins, uintptr_t sub, uintptr_t sub_mins, int threads) {
+    if (N <= 0 || K <= 0 || K % 256 != 0 || (qbits != 4 && qbits != 6) || (qbits == 4 && (!mins || !sub_mins)))
+        throw std::invalid_argument("repack_k: bad shapes or type");
+    const int64_t ts = qbits == 4 ? 144 : 210, ns = K / 256, NP = (N + 15) / 16;
+    if (raw_st < ns * ts) throw std::invalid_argument("repack_k: row stride below the row's bytes");
+    const int64_t nb = qbits == 4 ? K / 32 : K / 16;          // blocks per row
+    const int64_t bb = qbits == 4 ? 256 : 192;                // bytes per (panel, block)
+    const int per = qbits == 4 ? 8 : 16;                      // blocks per super-block
+    const uint8_t* rp = reinterpret_cast<const uint8_t*>(raw);
+    uint8_t* qo = reinterpret_cast<uint8_t*>(q);
+    float* so = reinterpret_cast<float*>(scale);
+    float* mo = reinterpret_cast<float*>(mins);
+    uint8_t* s8 = reinterpret_cast<uint8_t*>(sub);
+    uint8_t* m8 = reinterpret_cast<uint8_t*>(sub_mins);
+    if (threads <= 0) threads = omp_get_max_threads();
+    nb::gil_scoped_release nogil;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < NP * ns; ++t) {
+        const int64_t p = t / ns, s = t % ns;
+        static const uint8_t zeros[210] = {};
+        uint8_t v[16][256];
+        for (int r = 0; r < 16; ++r) {
+            const int64_t row = p * 16 + r;
+            const uint8_t* blk = row < N ? rp + row * raw_st + s * ts : zeros;
+            float d = f16_to_float(load_u16(qbits == 4 ? blk : blk + 208));
+            so[(p * ns + s) * 16 + r] = d;
+            if (qbits == 4) {
+                q4k_values(blk, v[r]);
+                mo[(p * ns + s) * 16 + r] = -f16_to_float(load_u16(blk + 2));
+                const uint8_t* sc = blk + 4;   // 12 bytes: d[4], m[4], m_d[4]
+                for (int j = 0; j < 8; ++j) {
+                    uint8_t a, b;
+                    if (j < 4) {
+                        a = sc[j] & 0x3F;
+                        b = sc[4 + j] & 0x3F;
+                    } else {
+                        a = (sc[8 + j - 4] & 0x0F) | ((sc[j - 4] >> 2) & 0x30);
+                        b = (sc[8 + j - 4] >> 4) | ((sc[4 + j - 4] >> 2) & 0x30);
+                    }
+                    s8[(p * nb + s * per + j) * 16 + r] = a;
+                    m8[(p * nb + s * per + j) * 16 + r] = b;
+                }
+            } else {
+                q6k_values(blk, v[r]);
+                for (int j = 0; j < 16; ++j) s8[(p * nb + s * per + j) * 16 + r] = blk[192 + j];
+            }
+        }
+        const int B = qbits == 4 ? 32 : 16, steps = B / 8;
+        for (int j = 0; j < per; ++j) {
+            uint8_t* o = qo + (p * nb + s * per + j) * bb;
+            for (int st = 0; st < steps; ++st)
+                for (int r = 0; r < 16; ++r)
+                    for (int i = 0; i < 4; ++i) {
+                        const uint8_t* w = v[r] + j * B + 8 * st;
+                        o[(st * 16 + r) * 4 + i] = (uint8_t)((w[i] & 0x0F) | ((w[4 + i] & 0x0F) << 4));
+                    }
+            if (qbits == 6) {
+                uint8_t* pl = o + steps * 64;
+                for (int r = 0; r < 16; ++r)
+                    for (int i = 0; i < 4; ++i) {
+                        uint8_t b = 0;
+                        for (int k = 0; k < 4; ++k) b |= (uint8_t)(((v[r][j * B + 8 * (k / 2) + 4 * (k % 2) + i] >> 4) & 3) << (2 * k));
+                        pl[r * 4 + i] = b;
+                    }
+            }
+        }
+    }
+}

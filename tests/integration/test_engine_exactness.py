@@ -313,3 +313,24 @@ def test_weight_copies_setting_is_checked(monkeypatch):
     monkeypatch.setenv("AGENTSPEC_WEIGHT_COPIES", "3")
     with pytest.raises(agentspec.ConfigError, match="AGENTSPEC_WEIGHT_COPIES='3'"):
         agentspec.Engine.embedded(quiet=True)
+
+
+def test_bfloat16_kv_cache_greedy_identity(rewrite_prompts, chat_prompts):
+    """A bfloat16 KV cache (``kv_dtype="bfloat16"``, the native attention on the layered rows path):
+    speculation equals plain decoding with the real model on real prompts, one request at a time
+    and batched (the segments kernel writes each request's new keys into its own cache)."""
+    from agentspec.backends.embedded.batch import BatchEngine
+
+    eng = agentspec.Engine.embedded(quiet=True, kv_dtype="bfloat16", prefix_cache_bytes=0)
+    plan = eng.kernel_info()["kernel_plan"]
+    if plan["rows_attention"] != "native":
+        pytest.skip(f"the native attention does not run here ({plan['rows_attention']})")
+    assert eng.new_cache(64).k.dtype == torch.bfloat16 and plan["rows_path"] == "layered"
+    prompts = rewrite_prompts[:4] + chat_prompts[:2]
+    plain = [eng.generate(ids, max_tokens=MAX_TOKENS, spec=None) for ids in prompts]
+    spec = [eng.generate(ids, max_tokens=MAX_TOKENS) for ids in prompts]
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert sum(s.stats.accepted_tokens for s in spec[:4]) > 0.3 * sum(s.stats.completion_tokens for s in spec[:4])
+    with BatchEngine(eng, budget_policy="load_aware", background=False) as be:
+        out = be.generate_many(prompts, max_tokens=MAX_TOKENS)
+    assert [g.token_ids for g in out] == [p.token_ids for p in plain]

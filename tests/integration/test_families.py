@@ -476,6 +476,35 @@ def test_quantized_verification_rows_equal_plain_rows_bitwise(family, isa_level,
     _verified_rows_equal_plain_rows(quantized[family][0])
 
 
+@pytest.fixture(scope="module")
+def bf16_kv(folders, quantized):
+    """family -> engine with a bfloat16 KV cache: dense bfloat16 Llama (head_dim 64) and Qwen2
+    (head_dim 128), and the quantized Qwen2 file."""
+    kw = dict(quiet=True, row_cost=0.05, prefix_cache_bytes=0, kv_dtype="bfloat16")
+    out = {f: agentspec.Engine.embedded(model=str(folders[f]), dtype="bfloat16", **kw) for f in ("llama", "qwen2")}
+    out["qwen2-quantized"] = agentspec.Engine.embedded(model=str(quantized["qwen2"][0].model_path), weights="quantized",
+                                                       **kw)
+    return out
+
+
+@pytest.mark.parametrize("isa_level", _isa_levels())
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen2-quantized"])
+def test_bfloat16_kv_verification_rows_equal_plain_rows_bitwise(family, isa_level, bf16_kv, restore_isa):
+    """A bfloat16 KV cache read by the native attention: speculation equals plain decoding and
+    every verified row has plain decoding's bits."""
+    cpu_isa = restore_isa
+    if cpu_isa.ISA_LEVELS.index(isa_level) > cpu_isa.ISA_LEVELS.index(cpu_isa.active()):
+        pytest.skip(f"kernels capped at {cpu_isa.active()}")
+    cpu_isa.set_isa(isa_level)
+    eng = bf16_kv[family]
+    plan = eng.kernel_info()["kernel_plan"]
+    assert eng.kernel_info()["kv_dtype"] == "bfloat16" and plan["rows_attention"] == "native"
+    assert eng.new_cache(64).k.dtype == torch.bfloat16
+    if family == "qwen2-quantized":   # decodes one row a step: no padding row
+        assert eng.model.row_invariant(eng.new_cache(64))
+    _verified_rows_equal_plain_rows(eng)
+
+
 def test_quantized_weights_are_refused_where_they_cannot_run(tmp_path, folders):
     with pytest.raises(ConfigError, match="weights='quantized' cannot run here: the model is not a GGUF file"):
         agentspec.Engine.embedded(model=str(folders["qwen2"]), quiet=True, row_cost=0.05, weights="quantized")

@@ -313,6 +313,8 @@ def test_cli_flags_for_the_backends(tmp_path):
                           (["--speculative", "ngram"], "--speculative needs --backend sglang"),
                           (["--backend", "sglang"], "needs --model"),
                           (["--backend", "sglang", "--model", str(MODEL_DIR), "--threads", "2"], "--threads is an option"),
+                          (["--backend", "sglang", "--model", str(MODEL_DIR), "--kv-dtype", "bfloat16"],
+                           "--kv-dtype is an option"),
                           (["--backend", "sglang", "--model", str(MODEL_DIR), "--speculative", "eagle3"], "--eagle3 DIR"),
                           (["--backend", "sglang", "--sglang-arg", "tp_size=2"], "use --tp"),
                           (["--backend", "sglang", "--sglang-arg", "nonsense"], "KEY=VALUE"),

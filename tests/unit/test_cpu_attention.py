@@ -176,6 +176,51 @@ def test_segment_attention_equals_each_segment_alone():
         assert torch.equal(out[o:o + T], alone)
 
 
+@pytest.mark.usefixtures("shape")
+@pytest.mark.parametrize("T", [1, 2, 3, 17])
+def test_bfloat16_cache_equals_a_float32_cache_of_its_values(T):
+    """A bfloat16 cache is read as the floats it holds: the bits of a float32 cache holding the same
+    values, with and without a tree mask (one or two rows transpose keys per block, more share a
+    transposed copy: the same values either way)."""
+    g = torch.Generator().manual_seed(10 + T)
+    rng = random.Random(T)
+    for start in (0, 15, 64, 700):
+        L = start + T
+        k, v = (x.to(torch.bfloat16) for x in make_cache(g, L + 40))
+        q = torch.randn(H, T, D, generator=g)
+        mask = torch.zeros(T, L, dtype=torch.bool)
+        mask[:, :start] = True
+        mask[:, start:] = tree_mask(random_parents(rng, T))
+        for m in (mask, None):
+            out = cpu_attention.decode_attention(q, k, v, m, L)
+            assert torch.equal(out, cpu_attention.decode_attention(q, k.float(), v.float(), m, L))
+
+
+@pytest.mark.usefixtures("shape")
+def test_bfloat16_segments_round_new_keys_as_torch_and_equal_each_alone():
+    g = torch.Generator().manual_seed(6)
+    sizes = [(40, 1), (257, 3), (0, 2)]
+    R = sum(t for _, t in sizes)
+    q = torch.randn(H, R, D, generator=g)
+    kv = torch.randn(2, HKV, R, D, generator=g) * 3.0
+    segs, off = [], 0
+    for start, T in sizes:
+        k = torch.randn(HKV, 320, D, generator=g).to(torch.bfloat16)
+        v = torch.randn(HKV, 320, D, generator=g).to(torch.bfloat16)
+        mask = torch.ones(T, start + T, dtype=torch.bool).tril(start)
+        segs.append((k, v, start + T, mask, off, T))
+        off += T
+    out = cpu_attention.segment_attention(q, kv, segs)
+    for k, v, L, mask, o, T in segs:
+        assert torch.equal(k[:, L - T:L], kv[0, :, o:o + T].to(torch.bfloat16))
+        assert torch.equal(v[:, L - T:L], kv[1, :, o:o + T].to(torch.bfloat16))
+        assert torch.equal(out[o:o + T], cpu_attention.decode_attention(q[:, o:o + T].contiguous(), k, v, mask, L))
+    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
+        k32 = torch.zeros(HKV, 320, D)
+        cpu_attention.segment_attention(q[:, :1].contiguous(), kv[:, :, :1].contiguous(),
+                                        [segs[0], (k32, k32.clone(), 41, segs[0][3], 0, 1)])
+
+
 def test_engine_uses_the_native_kernel(monkeypatch):
     """Guards the dispatch: once `supports` was handed the whole cache instead of one layer and
     the engine silently fell back to small_attention. A bfloat16 model over a packed cache runs

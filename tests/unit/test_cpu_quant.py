@@ -170,6 +170,34 @@ def test_repacking_in_row_chunks_is_the_same(qtype, monkeypatch):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("N", [1, 16, 40, 77])
+def test_native_repacking_is_the_numpy_reference_byte_for_byte(qtype, N):
+    """The load-time repacking of the K-quants (``_cpu.repack_k``) writes the very arrays the numpy
+    code does, on random blocks (random sub-scales and values; float16 scales with subnormal, zero
+    and negative values among them), partial panels included."""
+    K = 768
+    raw = _raw(qtype, N, K, seed=N).copy()
+    ts = 144 if qtype == "Q4_K" else 210
+    blocks = raw.reshape(N, K // 256, ts)
+    specials = np.array([0.0, -0.0, 1e-7, -3e-6, 65504.0, -2.5], np.float16).view(np.uint8).reshape(-1, 2)
+    for i, off in enumerate((0, 2) if qtype == "Q4_K" else (208,)):
+        blocks[:, 0, off:off + 2] = specials[(np.arange(N) + i) % len(specials)]
+    native = cpu_quant._repack_k(raw, qtype, K, native=True)
+    ref = cpu_quant._repack_k(raw, qtype, K, native=False)
+    for name in ("q", "scale", "mins", "sub", "sub_mins"):
+        a, b = getattr(native, name), getattr(ref, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float32 else a,
+                               b.view(torch.uint8) if b.dtype == torch.float32 else b), name
+    # a row range of a larger tensor (a view with the parent's row stride), as repack's chunks are
+    wide = np.concatenate([raw, raw], axis=0)[N // 2:N // 2 + N]
+    assert torch.equal(cpu_quant._repack_k(wide, qtype, K, native=True).q,
+                       cpu_quant._repack_k(np.ascontiguousarray(wide), qtype, K, native=False).q)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
 def test_fused_norm_input(qtype, restore_isa):
     """The input's RMSNorm fused into the activation quantization: every ISA level the same bits,

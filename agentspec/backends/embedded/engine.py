@@ -61,9 +61,10 @@ class EmbeddedEngine:
       cpu_isa: cap the native kernels' ISA ("avx512bf16", "avx512", "avx2", "neon", "scalar");
         default ``$AGENTSPEC_CPU_ISA`` or the best this CPU runs. Below AVX512-BF16, prefill
         multiplies in float32 (torch's bfloat16 GEMM is slow without bf16 instructions).
-      kv_dtype: KV cache and decode-attention matmul dtype; default float32. bfloat16 makes a
-        33-row verification step ~1.5x cheaper on CPU but is NOT exact: on the rewrite benchmark
-        2 of 6 outputs diverged from plain decoding (bf16 GEMMs re-block by shape); see README.
+      kv_dtype: KV cache dtype; default float32. bfloat16 halves the cache and the bytes a
+        long-context decode step reads; exact where the native attention reads it (the kernel
+        plan's "native" rows attention: CPU, head_dim 64 or 128, layered rows), not on the torch
+        fallback (its bf16 GEMMs re-block by shape: 2 of 6 rewrites diverged there).
       max_context: context window in tokens; default the model's (capped at 8192).
       deterministic: pad every decode forward to fixed shapes (``deterministic_width`` rows,
         a per-request fixed key length) and verify linear drafts only, so that a token's logits

@@ -66,8 +66,10 @@ class KVCache(nn.Module):
     """Keys and values of every layer: ``[n_layers, n_kv_heads, capacity, head_dim]`` each.
 
     The engine keeps it float32 by default: decode-time attention (``small_attention``) then
-    gives a row the same result whatever the cache length or the other rows of its forward. In
-    bfloat16 the ``p @ v`` chunk GEMMs still change with the row count, so it is not exact.
+    gives a row the same result whatever the cache length or the other rows of its forward.
+    bfloat16 (the engine's ``kv_dtype``) halves the bytes a step reads; the native kernels
+    (``cpu_attention.decode_attention``) keep it exact, the torch fallback does not (its ``p @ v``
+    chunk GEMMs change with the row count).
 
     ``length`` counts committed tokens. A forward writes its T new tokens at ``[length, length+T)``
     without committing them; ``commit`` keeps a subset of those slots (the accepted path),
@@ -335,10 +337,9 @@ class Block(nn.Module):
                 qa.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                 attn_mask=mask, is_causal=causal, enable_gqa=True,
             ).squeeze(0)                                      # [H, T, D]
-        elif plan.layered_attention == "native" and cache.k.dtype == torch.float32:
-            # native exact kernel (float32 cache on CPU): returns [T, H, D], rows first
-            qa = q.to(cache.k.dtype)
-            o = cpu_attention.decode_attention(qa, cache.k[layer], cache.v[layer], mask, key_len)
+        elif plan.layered_attention == "native" and cache.k.dtype in cpu_attention.CACHE_DTYPES:
+            # native exact kernel (float32 or bfloat16 cache on CPU, float32 queries): [T, H, D], rows first
+            o = cpu_attention.decode_attention(q.to(torch.float32), cache.k[layer], cache.v[layer], mask, key_len)
             o = o.view(T, self.q_size).to(x.dtype)
         else:
             qa = q.to(cache.k.dtype)
@@ -394,7 +395,7 @@ class Block(nn.Module):
         R = x.shape[0]
         lin = plan.layered_linears
         q, k, v = self._qkv(x, cos, sin, lin)
-        if plan.layered_attention == "native" and segs[0].cache.k.dtype == torch.float32:
+        if plan.layered_attention == "native" and segs[0].cache.k.dtype in cpu_attention.CACHE_DTYPES:
             # one native call for every segment: writes the new keys/values, then attends
             kv = torch.stack([k, v]).to(torch.float32).contiguous()       # [2, Hkv, R, D]
             o = cpu_attention.segment_attention(
@@ -812,7 +813,7 @@ class Transformer(nn.Module):
             return False
         plan = self.plan()
         if self.quantized and not plan.fused:
-            return plan.layered_attention == "native" and cache.k.dtype == torch.float32
+            return plan.layered_attention == "native" and cache.k.dtype in cpu_attention.CACHE_DTYPES
         return plan.fused and getattr(cache, "packed", False)
 
     @torch.inference_mode()

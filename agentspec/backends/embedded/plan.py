@@ -220,8 +220,8 @@ class KernelPlan:
         if fused:
             rows_attention = "amx" if settings.decode_attention == "amx" and amx_top else "rows"
         else:
-            rows_attention = ("native" if native and kv_dtype == torch.float32 and head_dim in FLOAT32_HEAD_DIMS
-                              and 0 < group <= 8 else "torch")
+            rows_attention = ("native" if native and kv_dtype in (torch.float32, torch.bfloat16)
+                              and head_dim in FLOAT32_HEAD_DIMS and 0 < group <= 8 else "torch")
         if quantized:
             rows_linears = "quantized"
         elif not packed:
