@@ -9,6 +9,7 @@ from ``/proc``):
 
   agentspec:plain     ``agentspec serve --model FILE`` with ``"speculation": false``
   agentspec:spec      the same server config, speculation on (suffix index over prompt and output)
+  agentspec:plain-kv-bf16  plain, with ``--kv-dtype bfloat16`` (its outputs against the float32 cache's)
   llama.cpp:plain     ``llama-server -m FILE -t THREADS --jinja``
   llama.cpp:SPEC      ``--spec-type SPEC`` for each of ``--llama-spec`` (e.g. ngram-simple, ngram-mod)
 
@@ -139,11 +140,12 @@ def run_prompts(base: str, model: str, prompts, max_tokens: int, extra: dict) ->
             "per_prompt_s": per, "prompt_tokens": prompt_tokens, "texts": texts}
 
 
-def ours(model: Path, prompts, args, spec: bool, tmp: Path) -> tuple[dict, dict]:
+def ours(model: Path, prompts, args, spec: bool, tmp: Path, extra_args: list[str] = ()) -> tuple[dict, dict]:
     port = free_port()
     cmd = [sys.executable, "-m", "agentspec", "serve", "--port", str(port), "--model", str(model),
-           "--threads", str(args.threads)]
-    p = Process(cmd, port, tmp / f"agentspec-{int(spec)}.log", "/health", args.start_timeout, env=dict(os.environ))
+           "--threads", str(args.threads), *extra_args]
+    p = Process(cmd, port, tmp / f"agentspec-{int(spec)}{'-'.join(['', *extra_args])}.log", "/health",
+                args.start_timeout, env=dict(os.environ))
     try:
         out = run_prompts(p.base, model.name.removesuffix(".gguf"), prompts, args.max_tokens,
                           {"speculation": spec, "spec_stats": True})
@@ -302,7 +304,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--context", type=int, default=8192, help="llama-server's context (-c)")
     ap.add_argument("--methods", default="agentspec:plain,agentspec:spec,llama.cpp:plain",
-                    help="comma-separated: agentspec:plain, agentspec:spec, llama.cpp:plain")
+                    help="comma-separated: agentspec:plain, agentspec:spec, agentspec:plain-kv-bf16 (a bfloat16 KV "
+                         "cache), llama.cpp:plain")
     ap.add_argument("--llama-spec", default="ngram-simple,ngram-mod", help="llama-server --spec-type values ('' for none)")
     ap.add_argument("--llama-draft-max", type=int, default=64)
     ap.add_argument("--llama-server", type=Path, help="default: benchmarks/peers/setup_llamacpp.sh's build")
@@ -344,8 +347,10 @@ def main() -> int:
         tmp = Path(d)
         for m in methods:
             log(m)
-            if m in ("agentspec:plain", "agentspec:spec"):
-                results[m], kernels = ours(args.model, prompts, args, m.endswith("spec"), tmp)
+            if m in ("agentspec:plain", "agentspec:spec", "agentspec:plain-kv-bf16"):
+                results[m], kern = ours(args.model, prompts, args, m.endswith("spec"), tmp,
+                                        extra_args=["--kv-dtype", "bfloat16"] if m.endswith("kv-bf16") else [])
+                kernels = kernels or kern
             elif m == "llama.cpp:plain":
                 results[m] = llama(server, args.model, prompts, args, None, tmp)
             else:

@@ -96,22 +96,32 @@ static inline __attribute__((always_inline)) void transpose_block(const Args& a,
     }
 }
 
-// Keys of kv head hk, slots [j0, j1) (multiple of 16), transposed to kt[hk][d][j]; HD: head_dim.
-template <int HD, typename KV>
-static inline __attribute__((always_inline)) void transpose_keys_t(const Args& a, int hk, int j0, int j1) {
-    float* kt = const_cast<float*>(a.kt) + (int64_t)hk * HD * a.Lr;
-    transpose_block<HD, KV>(a, hk, j0, (j1 - j0) / 16, kt + j0, a.Lr);
+// the dispatched (target_clones) transposes: head_dim 64 / 128, a float32 (f) or bfloat16 (h)
+// cache; called (not inlined) from row_body too, so the shuffles are compiled once per variant
+// rather than once per query-head count (eight times the compile time otherwise)
+AGENTSPEC_CLONES
+void transpose_block_64f(const Args& a, int hk, int jb, int nb, float* dst, int64_t dst_st) {
+    transpose_block<64, float>(a, hk, jb, nb, dst, dst_st);
+}
+AGENTSPEC_CLONES
+void transpose_block_128f(const Args& a, int hk, int jb, int nb, float* dst, int64_t dst_st) {
+    transpose_block<128, float>(a, hk, jb, nb, dst, dst_st);
+}
+AGENTSPEC_CLONES
+void transpose_block_64h(const Args& a, int hk, int jb, int nb, float* dst, int64_t dst_st) {
+    transpose_block<64, uint16_t>(a, hk, jb, nb, dst, dst_st);
+}
+AGENTSPEC_CLONES
+void transpose_block_128h(const Args& a, int hk, int jb, int nb, float* dst, int64_t dst_st) {
+    transpose_block<128, uint16_t>(a, hk, jb, nb, dst, dst_st);
 }
 
-// the dispatched (target_clones) entry points: head_dim 64 / 128, a float32 (f) or bfloat16 (h) cache
-AGENTSPEC_CLONES
-void transpose_keys_64f(const Args& a, int hk, int j0, int j1) { transpose_keys_t<64, float>(a, hk, j0, j1); }
-AGENTSPEC_CLONES
-void transpose_keys_128f(const Args& a, int hk, int j0, int j1) { transpose_keys_t<128, float>(a, hk, j0, j1); }
-AGENTSPEC_CLONES
-void transpose_keys_64h(const Args& a, int hk, int j0, int j1) { transpose_keys_t<64, uint16_t>(a, hk, j0, j1); }
-AGENTSPEC_CLONES
-void transpose_keys_128h(const Args& a, int hk, int j0, int j1) { transpose_keys_t<128, uint16_t>(a, hk, j0, j1); }
+template <int HD, typename KV>
+void transpose_into(const Args& a, int hk, int jb, int nb, float* dst, int64_t dst_st) {
+    constexpr bool f = std::is_same_v<KV, float>;
+    if constexpr (HD == 64) (f ? transpose_block_64f : transpose_block_64h)(a, hk, jb, nb, dst, dst_st);
+    else (f ? transpose_block_128f : transpose_block_128h)(a, hk, jb, nb, dst, dst_st);
+}
 
 // One (row t, kv head hk): the G query heads h = hk*G + g of row t; HD: head_dim (64 or 128);
 // KV: the cache's element type (float, or uint16_t for bfloat16).
@@ -155,7 +165,7 @@ static inline __attribute__((always_inline)) void row_body(const Args& a, int hk
         }
         const int nc = std::min(KB, Lr - jb) / 16;  // Lr is a multiple of 16
         const float* kb = shared ? kt + jb : kblk;
-        if (!shared) transpose_block<HD, KV>(a, hk, jb, nc, kblk, KB);
+        if (!shared) transpose_into<HD, KV>(a, hk, jb, nc, kblk, KB);
         if (nc == 4) {
             v16 acc[G][4];
             for (int g = 0; g < G; ++g)
@@ -234,11 +244,11 @@ void row_task_64h(const Args& a, int hk, int t, Scratch& sc) { row_task_t<64, ui
 AGENTSPEC_CLONES
 void row_task_128h(const Args& a, int hk, int t, Scratch& sc) { row_task_t<128, uint16_t>(a, hk, t, sc); }
 
+// Keys of kv head hk, slots [j0, j1) (multiple of 16), transposed to kt[hk][d][j]
 template <int HD, typename KV>
 void transpose_keys(const Args& a, int hk, int j0, int j1) {
-    constexpr bool f = std::is_same_v<KV, float>;
-    if constexpr (HD == 64) (f ? transpose_keys_64f : transpose_keys_64h)(a, hk, j0, j1);
-    else (f ? transpose_keys_128f : transpose_keys_128h)(a, hk, j0, j1);
+    float* kt = const_cast<float*>(a.kt) + (int64_t)hk * HD * a.Lr;
+    transpose_into<HD, KV>(a, hk, j0, (j1 - j0) / 16, kt + j0, a.Lr);
 }
 
 template <int HD, typename KV>
