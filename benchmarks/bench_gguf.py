@@ -267,9 +267,10 @@ def grid(server: Path | None, args, methods: list[str], tmp: Path) -> dict:
                     warm = None
                     if c > 1:   # prefill all C (timed), then decode all C together from the prompt caches
                         t0 = time.perf_counter()
-                        warm = stream_cell(p.base, name, prompts, 1, {**extra, "cache_prompt": True} if "cache_prompt" in extra else extra)
+                        if "cache_prompt" in extra:   # llama-server: keep the prompts for the second pass
+                            extra = {**extra, "cache_prompt": True}
+                        warm = stream_cell(p.base, name, prompts, 1, extra)
                         warm_s = time.perf_counter() - t0
-                        extra = {**extra, "cache_prompt": True} if "cache_prompt" in extra else extra
                     cell = stream_cell(p.base, name, prompts, args.grid_tokens, extra)
                     if warm is not None:
                         cell["prefill_tokens_per_s"] = round(sum(warm["prompt_tokens"]) / warm_s, 1)
