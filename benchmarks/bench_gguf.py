@@ -36,8 +36,10 @@ request is decoding. Peak RSS per cell. ``llama-server`` comes from ``benchmarks
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -236,16 +238,30 @@ def stream_cell(base: str, model: str, prompts: list[str], max_tokens: int, extr
     return cell
 
 
+def _median_cell(runs: list[dict]) -> dict:
+    """Repeats of one cell -> the median of each number (the first run's lists), ``repeats``: each
+    run's numbers."""
+    if len(runs) == 1:
+        return runs[0]
+    cell = dict(runs[0])
+    for k, v in runs[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and all(isinstance(r.get(k), (int, float)) for r in runs):
+            cell[k] = round(statistics.median(r[k] for r in runs), 3)
+    cell["repeats"] = [{k: v for k, v in r.items() if not isinstance(v, list)} for r in runs]
+    return cell
+
+
 def grid(server: Path | None, args, methods: list[str], tmp: Path) -> dict:
-    """The ``--grid`` cells: {method: {"ctx{N}_c{C}": cell}}."""
-    out: dict = {m: {} for m in methods}
+    """The ``--grid`` cells: {method: {"ctx{N}_c{C}": cell}}; with ``--grid-repeats R`` each cell
+    R times, the methods taking turns (so a machine's drift reaches both sides), medians kept."""
+    runs: dict = {m: {} for m in methods}
     skip = 0
     for ctx in args.contexts:
         for c in args.concurrency:
-            for m in methods:   # the same prompts for each side, fresh servers
+            for rep, m in itertools.product(range(args.grid_repeats), methods):   # the same prompts each, fresh servers
                 prompts = code_prompts(args.data, args.model, ctx, c, skip)
                 key = f"ctx{ctx}_c{c}"
-                log(f"{m} {key}")
+                log(f"{m} {key}" + (f" (repeat {rep + 1}/{args.grid_repeats})" if args.grid_repeats > 1 else ""))
                 port = free_port()
                 if m in ("agentspec:plain", "agentspec:plain-kv-bf16"):
                     cmd = [sys.executable, "-m", "agentspec", "serve", "--port", str(port), "--model", str(args.model),
@@ -279,9 +295,9 @@ def grid(server: Path | None, args, methods: list[str], tmp: Path) -> dict:
                 finally:
                     p.stop()
                 log(f"  {json.dumps({k: v for k, v in cell.items() if not isinstance(v, list)})}")
-                out[m][key] = cell
+                runs[m].setdefault(key, []).append(cell)
             skip += max(args.concurrency)
-    return out
+    return {m: {key: _median_cell(rs) for key, rs in cells.items()} for m, cells in runs.items()}
 
 
 def llama_version(server: Path) -> str | None:
@@ -316,6 +332,8 @@ def main() -> int:
     ap.add_argument("--contexts", default="1024,4096", help="--grid: prompt lengths in tokens")
     ap.add_argument("--concurrency", default="1,8", help="--grid: requests in flight")
     ap.add_argument("--grid-tokens", type=int, default=64, help="--grid: new tokens per request")
+    ap.add_argument("--grid-repeats", type=int, default=1,
+                    help="--grid: runs of each cell (fresh servers, methods in turn); medians reported")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if not args.model.is_file():
@@ -330,6 +348,8 @@ def main() -> int:
             args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
         except ValueError:
             ap.error(f"--contexts / --concurrency take comma-separated integers, got {args.contexts!r} / {args.concurrency!r}")
+        if args.grid_repeats < 1:
+            ap.error(f"--grid-repeats must be at least 1, got {args.grid_repeats}")
     server = args.llama_server
     if any(m.startswith("llama.cpp") for m in methods) or llama_specs:
         if server is None:
@@ -410,7 +430,8 @@ def run_grid(server: Path | None, args, methods: list[str]) -> int:
                                         peers={"llama.cpp": llama_version(server)} if server else None),
               "kernels": kernels,
               "config": {"model": str(args.model), "model_bytes": args.model.stat().st_size, "contexts": args.contexts,
-                         "concurrency": args.concurrency, "new_tokens": args.grid_tokens, "threads": args.threads,
+                         "concurrency": args.concurrency, "new_tokens": args.grid_tokens,
+                         "repeats": args.grid_repeats, "threads": args.threads,
                          "greedy": True, "llama_args": args.llama_arg, "llama_server": str(server) if server else None},
               "summary": summary, "cells": cells}
     emit_report(report, args.out)

@@ -45,7 +45,7 @@ def linear_q_supported() -> bool:
 
 
 def body() -> str:
-    """The quantized linears' body at the ISA level set now ("avx512vnni", "avx2", "scalar")."""
+    """The quantized linears' body at the ISA level set now ("avx512vnni", "avx2", "neon", "scalar")."""
     return _cpu.qlinear_body() if linear_q_supported() else "none"
 
 

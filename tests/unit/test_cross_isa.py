@@ -1,12 +1,15 @@
-"""The Arm (NEON) bf16 linear body, bit for bit against the scalar one, under qemu-user.
+"""The Arm (NEON) bodies of the bf16 linear and of the quantized linears, bit for bit against the
+scalar ones, under qemu-user.
 
-This machine cannot run aarch64 code natively: the test cross-compiles a standalone harness
-(tests/native/linear_isa_check.cpp: the kernel bodies of kernels/csrc, no Python) and runs it with
+This machine cannot run aarch64 code natively: the tests cross-compile standalone harnesses
+(tests/native/*_isa_check.cpp: the kernel bodies of kernels/csrc, no Python) and run them with
 qemu-aarch64. Skipped, with the reason, where the cross compiler or qemu is missing
-(``apt-get install g++-aarch64-linux-gnu qemu-user``)."""
+(``apt-get install g++-aarch64-linux-gnu qemu-user``). The quantized harness also runs natively on
+x86 (its AVX2 and AVX512-VNNI bodies), where a mismatch shows up without an emulator."""
 
 from __future__ import annotations
 
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,17 +19,42 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 CXX = shutil.which("aarch64-linux-gnu-g++")
 QEMU = shutil.which("qemu-aarch64")
+HOST_CXX = shutil.which("g++")
+
+
+def _build(cxx: str, harness: str, exe: Path, *flags: str) -> None:
+    subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Wno-psabi", *flags,
+                    str(ROOT / "tests" / "native" / harness), "-o", str(exe)],
+                   check=True, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.skipif(CXX is None or QEMU is None, reason="needs aarch64-linux-gnu-g++ and qemu-aarch64")
 def test_neon_linear_equals_scalar_bitwise(tmp_path):
     exe = tmp_path / "linear_isa_check"
-    subprocess.run([CXX, "-std=c++17", "-O3", "-ffp-contract=off", "-static", "-Wall", "-Wno-psabi",
-                    str(ROOT / "tests" / "native" / "linear_isa_check.cpp"), "-o", str(exe)],
-                   check=True, capture_output=True, text=True, timeout=300)
+    _build(CXX, "linear_isa_check.cpp", exe, "-static")
     r = subprocess.run([QEMU, str(exe)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.startswith("ok "), r.stdout + r.stderr
     assert int(r.stdout.split()[1]) > 6000
+
+
+@pytest.mark.skipif(CXX is None or QEMU is None, reason="needs aarch64-linux-gnu-g++ and qemu-aarch64")
+def test_neon_quantized_linear_equals_scalar_bitwise(tmp_path):
+    """qneon::panels against qscalar::panels: every repacked layout, plain and norm-fused rows."""
+    exe = tmp_path / "qlinear_isa_check"
+    _build(CXX, "qlinear_isa_check.cpp", exe, "-static")
+    r = subprocess.run([QEMU, str(exe)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("ok "), r.stdout + r.stderr
+    assert int(r.stdout.split()[1]) >= 21504   # 8 layouts x 2 widths x 2 inputs x 24 rows
+
+
+@pytest.mark.skipif(HOST_CXX is None or platform.machine() != "x86_64", reason="needs g++ on x86_64")
+def test_x86_quantized_linear_bodies_equal_scalar_bitwise_standalone(tmp_path):
+    """The same harness natively: the AVX2 (and, where the CPU has it, AVX512-VNNI) bodies."""
+    exe = tmp_path / "qlinear_isa_check"
+    _build(HOST_CXX, "qlinear_isa_check.cpp", exe)
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("ok "), r.stdout + r.stderr
+    assert int(r.stdout.split()[1]) >= 21504   # 8 layouts x 2 widths x 2 inputs x 24 rows
 
 
 @pytest.mark.skipif(CXX is None, reason="needs aarch64-linux-gnu-g++")

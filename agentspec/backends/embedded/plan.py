@@ -193,7 +193,7 @@ class KernelPlan:
     prefill_attention: str
     prefill_linears: str
     weight_copies: int = 2
-    # the quantized linears' body at this level ("avx512vnni", "avx2", "scalar"; "" for other linears)
+    # the quantized linears' body at this level ("avx512vnni", "avx2", "neon", "scalar"; "" for other linears)
     quant_body: str = ""
     # why a part runs a slower kernel than this machine's best for it: ("part: reason", ...)
     why: tuple[str, ...] = ()

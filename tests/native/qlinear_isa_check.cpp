@@ -1,0 +1,117 @@
+// Standalone check of the quantized linears' SIMD bodies (kernels/csrc/qlinear_body.inc) against
+// the plain reference (qscalar), bit for bit, for architectures this machine cannot run natively
+// (aarch64 under qemu-user: the NEON body) and natively (x86: AVX2, and AVX512-VNNI where the CPU
+// has it). Compiled by tests/unit/test_cross_isa.py, no Python or nanobind involved. Random
+// weights in every repacked layout (U4 with and without a min, I8 with blocks of 16 and 32, with
+// and without a min, U4K, U6K), random rows quantized as linear_q quantizes them (plain and with
+// the fused RMSNorm), 1 to 9 rows, a partial last panel. Prints "ok <n checked>" or the first
+// mismatch; exit status 0 only when every body matches.
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "../../kernels/csrc/bf16.h"
+#include "../../kernels/csrc/qlinear_body.inc"
+
+int agentspec_isa() { return 0; }
+
+namespace {
+
+struct Case {
+    int fmt, B;
+    bool min;
+};
+
+struct Weights {
+    std::vector<uint8_t> q, s8, m8;
+    std::vector<float> sc, mn;
+    QW w;
+};
+
+Weights make_weights(const Case& c, int64_t N, int64_t K, std::mt19937& rng) {
+    std::uniform_int_distribution<int> byte(0, 255), six(0, 63);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    Weights W;
+    const int64_t NP = (N + 15) / 16, nb = K / c.B, ns = K / 256;
+    const int64_t qbytes = c.fmt == FMT_I8 ? 16 * c.B : c.fmt == FMT_U6K ? 16 * c.B * 3 / 4 : 16 * c.B / 2;
+    W.q.resize(NP * nb * qbytes);
+    for (auto& v : W.q) v = (uint8_t)byte(rng);
+    const bool k = c.fmt == FMT_U4K || c.fmt == FMT_U6K;
+    W.sc.resize(NP * (k ? ns : nb) * 16);
+    for (auto& v : W.sc) v = 0.01f * nd(rng);
+    if (c.min) {
+        W.mn.resize(NP * (k ? ns : nb) * 16);
+        for (auto& v : W.mn) v = -0.01f * std::fabs(nd(rng));
+    }
+    if (k) {
+        W.s8.resize(NP * nb * 16);
+        for (auto& v : W.s8) v = (uint8_t)(c.fmt == FMT_U4K ? six(rng) : byte(rng));
+        if (c.fmt == FMT_U4K) {
+            W.m8.resize(NP * nb * 16);
+            for (auto& v : W.m8) v = (uint8_t)six(rng);
+        }
+    }
+    W.w = QW{W.q.data(), W.sc.data(), c.min ? W.mn.data() : nullptr, k ? W.s8.data() : nullptr,
+             c.fmt == FMT_U4K ? W.m8.data() : nullptr, c.fmt, c.B, N, K, nb, qbytes, ns};
+    return W;
+}
+
+}  // namespace
+
+int main() {
+    std::vector<std::pair<const char*, panels_fn>> bodies;
+#if defined(AGENTSPEC_NEON)
+    bodies.push_back({"neon", qneon::panels});
+#elif defined(AGENTSPEC_X86)
+    bodies.push_back({"avx2", qavx2::panels});
+    if (has_vnni()) bodies.push_back({"avx512vnni", qvnni::panels});
+#endif
+    if (bodies.empty()) {
+        std::puts("no SIMD body on this architecture");
+        return 2;
+    }
+    const Case cases[] = {{FMT_U4, 32, false}, {FMT_U4, 32, true},  {FMT_I8, 16, false}, {FMT_I8, 16, true},
+                          {FMT_I8, 32, false}, {FMT_I8, 32, true},  {FMT_U4K, 32, true}, {FMT_U6K, 16, false}};
+    std::mt19937 rng(11);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    long checked = 0;
+    const int64_t K = 512;
+    for (const Case& c : cases) {
+        for (int64_t N : {16, 40}) {
+            Weights W = make_weights(c, N, K, rng);
+            for (int act : {ACT_NONE, ACT_RMSNORM}) {
+                for (int64_t M : {1, 2, 3, 4, 5, 9}) {
+                    std::vector<uint16_t> x(M * K), nw(K);
+                    for (auto& v : x) v = float_to_bf16(3.0f * nd(rng));
+                    for (auto& v : nw) v = float_to_bf16(0.5f + std::fabs(nd(rng)));
+                    if (M > 1)   // an all-zero block: its activation scale is 0
+                        for (int i = 0; i < 32; ++i) x[K + i] = 0;
+                    std::vector<int8_t> xq(M * K);
+                    std::vector<float> dx(M * (K / 32)), xsf(M * (K / c.B)), f(K);
+                    std::vector<int32_t> xs(M * (K / c.B));
+                    for (int64_t m = 0; m < M; ++m)
+                        quantize_row(x.data() + m * K, K, c.B, xq.data() + m * K, dx.data() + m * (K / 32),
+                                     xs.data() + m * (K / c.B), xsf.data() + m * (K / c.B), act, nw.data(), 1e-6f,
+                                     f.data());
+                    const QX xx{xq.data(), dx.data(), xs.data(), xsf.data(), K, K / 32, K / c.B};
+                    const int64_t NP = (N + 15) / 16;
+                    std::vector<uint16_t> ref(M * N), got(M * N);
+                    qscalar::panels(W.w, xx, M, ref.data(), N, 0, NP);
+                    for (auto& [name, body] : bodies) {
+                        std::fill(got.begin(), got.end(), 0xFFFF);
+                        body(W.w, xx, M, got.data(), N, 0, NP);
+                        for (int64_t i = 0; i < M * N; ++i, ++checked)
+                            if (ref[i] != got[i]) {
+                                std::printf("mismatch %s fmt=%d B=%d min=%d act=%d M=%ld N=%ld i=%ld: %04x vs %04x\n",
+                                            name, c.fmt, c.B, (int)c.min, act, (long)M, (long)N, (long)i, ref[i], got[i]);
+                                return 1;
+                            }
+                    }
+                }
+            }
+        }
+    }
+    std::printf("ok %ld\n", checked);
+    return 0;
+}
