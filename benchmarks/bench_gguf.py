@@ -2,8 +2,8 @@
 """A GGUF file users run, served by agentspec and by llama.cpp's own ``llama-server``, in one run.
 
 The same file (``--model``; ``scripts/fetch_model.py`` fetches the real Qwen2.5-Coder files), the
-same held-out recorded file rewrites sent as chat messages through the official ``openai``
-client, greedy, ``--max-tokens`` new tokens, one request at a time, the same thread count. Every
+same held-out recorded file rewrites (``--workload turns``: recorded agent turns, their histories
+as the messages) sent as chat messages through the official ``openai`` client, greedy, ``--max-tokens`` new tokens, one request at a time, the same thread count. Every
 method runs on a fresh server (cold start timed from the process start to ``/health``; peak RSS
 from ``/proc``):
 
@@ -75,6 +75,24 @@ def held_out_rewrites(data: Path, n: int, max_chars: int) -> list[tuple[str, lis
         out.append((rec["id"], prompt_messages(rec["prompt"])))
         if len(out) == n:
             break
+    return out
+
+
+def agent_turns(data: Path, n: int, max_chars: int) -> list[tuple[str, list[dict]]]:
+    """The first ``n`` recorded agent turns (whole trajectories in order, so a later turn's history
+    holds the earlier ones) of at most ``max_chars`` of prompt, as chat messages. Read from the
+    data folder at run time (never copied into the repository: see its README)."""
+    from agentspec.traces import load_records, prompt_messages
+
+    path = data / "agent_turns.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"--workload turns needs {path} (the recorded agent turns)")
+    out = []
+    for rec in load_records(path):
+        if len(rec["prompt"]) <= max_chars:
+            out.append((rec["id"], prompt_messages(rec["prompt"])))
+            if len(out) == n:
+                break
     return out
 
 
@@ -315,6 +333,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="the .gguf file")
     ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
+    ap.add_argument("--workload", choices=("rewrites", "turns"), default="rewrites",
+                    help="recorded file rewrites (held out from the tests' sample) or agent turns")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-chars", type=int, default=4000, help="skip recorded prompts longer than this")
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -360,7 +380,8 @@ def main() -> int:
             server = Path(r.stdout.strip().splitlines()[-1])
     if args.grid:
         return run_grid(server, args, methods)
-    prompts = held_out_rewrites(args.data, args.prompts, args.max_chars)
+    pick = agent_turns if args.workload == "turns" else held_out_rewrites
+    prompts = pick(args.data, args.prompts, args.max_chars)
     log(f"{len(prompts)} prompts: {[p for p, _ in prompts]}")
     results: dict = {}
     kernels: dict | None = None
@@ -394,7 +415,8 @@ def main() -> int:
         log(f"{m}: {s}")
     report = {"benchmark": "bench_gguf",
               "machine": machine_record(kernels=kernels, peers={"llama.cpp": llama_version(server)} if server else None),
-              "config": {"model": str(args.model), "model_bytes": args.model.stat().st_size, "prompts": [p for p, _ in prompts],
+              "config": {"model": str(args.model), "model_bytes": args.model.stat().st_size, "workload": args.workload,
+                         "prompts": [p for p, _ in prompts],
                          "max_tokens": args.max_tokens, "threads": args.threads, "greedy": True, "llama_context": args.context,
                          "llama_draft_max": args.llama_draft_max, "llama_args": args.llama_arg,
                          "llama_server": str(server) if server else None},
