@@ -22,39 +22,36 @@ QEMU = shutil.which("qemu-aarch64")
 HOST_CXX = shutil.which("g++")
 
 
-def _build(cxx: str, harness: str, exe: Path, *flags: str) -> None:
-    subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Wno-psabi", *flags,
+def _build_and_run(cxx: str, harness: str, tmp_path: Path, *, static: bool, runner: list[str]) -> int:
+    """Compile tests/native/``harness``, run it (under ``runner``: qemu, or nothing), and return how
+    many outputs it checked; fails on a mismatch or a harness that did not say "ok"."""
+    exe = tmp_path / Path(harness).stem
+    subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-Wall", "-Wno-psabi", *(["-static"] if static else []),
                     str(ROOT / "tests" / "native" / harness), "-o", str(exe)],
                    check=True, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("ok "), r.stdout + r.stderr
+    return int(r.stdout.split()[1])
+
+
+QUANT_OUTPUTS = 21504   # qlinear_isa_check per body: 8 layouts x 2 inputs x 24 rows x (16 + 40) outputs
 
 
 @pytest.mark.skipif(CXX is None or QEMU is None, reason="needs aarch64-linux-gnu-g++ and qemu-aarch64")
 def test_neon_linear_equals_scalar_bitwise(tmp_path):
-    exe = tmp_path / "linear_isa_check"
-    _build(CXX, "linear_isa_check.cpp", exe, "-static")
-    r = subprocess.run([QEMU, str(exe)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.startswith("ok "), r.stdout + r.stderr
-    assert int(r.stdout.split()[1]) > 6000
+    assert _build_and_run(CXX, "linear_isa_check.cpp", tmp_path, static=True, runner=[QEMU]) > 6000
 
 
 @pytest.mark.skipif(CXX is None or QEMU is None, reason="needs aarch64-linux-gnu-g++ and qemu-aarch64")
 def test_neon_quantized_linear_equals_scalar_bitwise(tmp_path):
     """qneon::panels against qscalar::panels: every repacked layout, plain and norm-fused rows."""
-    exe = tmp_path / "qlinear_isa_check"
-    _build(CXX, "qlinear_isa_check.cpp", exe, "-static")
-    r = subprocess.run([QEMU, str(exe)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.startswith("ok "), r.stdout + r.stderr
-    assert int(r.stdout.split()[1]) >= 21504   # 8 layouts x 2 widths x 2 inputs x 24 rows
+    assert _build_and_run(CXX, "qlinear_isa_check.cpp", tmp_path, static=True, runner=[QEMU]) >= QUANT_OUTPUTS
 
 
 @pytest.mark.skipif(HOST_CXX is None or platform.machine() != "x86_64", reason="needs g++ on x86_64")
 def test_x86_quantized_linear_bodies_equal_scalar_bitwise_standalone(tmp_path):
     """The same harness natively: the AVX2 (and, where the CPU has it, AVX512-VNNI) bodies."""
-    exe = tmp_path / "qlinear_isa_check"
-    _build(HOST_CXX, "qlinear_isa_check.cpp", exe)
-    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.startswith("ok "), r.stdout + r.stderr
-    assert int(r.stdout.split()[1]) >= 21504   # 8 layouts x 2 widths x 2 inputs x 24 rows
+    assert _build_and_run(HOST_CXX, "qlinear_isa_check.cpp", tmp_path, static=False, runner=[]) >= QUANT_OUTPUTS
 
 
 @pytest.mark.skipif(CXX is None, reason="needs aarch64-linux-gnu-g++")
