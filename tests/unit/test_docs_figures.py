@@ -136,6 +136,8 @@ FIGURES = [
            "gguf_turns_qwen2.5-coder-1.5b_avx2_2026-12-05.json", ("summary", "llama.cpp:plain", "tokens_per_s")),
     Figure("docs/benchmarks.md", "llama-server plain 14.63", "14.63",
            "gguf_turns_qwen2.5-coder-1.5b_2026-12-05.json", ("summary", "llama.cpp:plain", "tokens_per_s")),
+    Figure("docs/benchmarks.md", "ours takes 2.00 s per merge against llama-server's 8.14 plain", "2.00",
+           "apply_qwen2.5-coder-0.5b_2026-12-05.json", ("summary", "agentspec", "aider", "s_per_merge")),
     Figure("docs/benchmarks.md", "| agentspec, speculation | 1 / 0 / 0 | **5.34** |", "5.34",
            "apply_qwen2.5-coder-1.5b_2026-12-05.json", ("summary", "agentspec", "aider", "s_per_merge")),
     Figure("docs/benchmarks.md", "| llama-server `ngram-simple` | 0 (aider) | 8.90 |", "8.90",
