@@ -41,7 +41,6 @@ import difflib
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +49,7 @@ from pathlib import Path
 if not __package__:  # run as a file, not with -m: the repository root, for `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_gguf import Process, llama_version, peak_rss  # noqa: E402
+from benchmarks.bench_gguf import Process, agentspec_cmd, llama_cmd, llama_server, llama_version, peak_rss  # noqa: E402
 from benchmarks.harness import DATA, DATA_HELP, FIXTURE, emit_report, free_port, logger, machine_record, server_kernels  # noqa: E402
 
 log = logger("bench_apply")
@@ -194,13 +193,7 @@ def main() -> int:
     cs = cases(args.data, args.files, args.max_chars)
     if not cs:
         raise SystemExit(f"no recorded rewrites under {args.max_chars} characters in {args.data}")
-    server = args.llama_server
-    if "llama.cpp" in methods and server is None:
-        r = subprocess.run(["bash", str(Path(__file__).resolve().parent / "peers" / "setup_llamacpp.sh")],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"llama.cpp setup failed: {r.stderr[-2000:]}")
-        server = Path(r.stdout.strip().splitlines()[-1])
+    server = llama_server(args.llama_server) if "llama.cpp" in methods else args.llama_server
     results: dict = {}
     kernels = None
     with tempfile.TemporaryDirectory() as d:
@@ -209,16 +202,13 @@ def main() -> int:
             for m in methods:
                 port = free_port()
                 if m == "agentspec":
-                    cmd = [sys.executable, "-m", "agentspec", "serve", "--port", str(port), "--model",
-                           str(args.model), "--threads", str(args.threads)]
+                    cmd = agentspec_cmd(args.model, port, args.threads)
                     p = serve(cmd, port, tmp / f"agentspec-{variant}.log", args, env=dict(os.environ))
                     name = args.model.name.removesuffix(".gguf")
                     def extra(c):
                         return {"prediction": {"type": "content", "content": c["old"]}, "spec_stats": True}
                 else:
-                    cmd = [str(server), "-m", str(args.model), "--port", str(port), "--host", "127.0.0.1", "-t",
-                           str(args.threads), "-tb", str(args.threads), "-c", str(args.context), "--jinja", "-np",
-                           "1", "--no-warmup"]
+                    cmd = llama_cmd(server, args.model, port, args.threads, args.context)
                     p = serve(cmd, port, tmp / f"llama-{variant}.log", args)
                     name = args.model.name
                     def extra(c):
@@ -235,9 +225,8 @@ def main() -> int:
                 log(f"  {m} {variant}: exact {out['exact']}/{out['cases']}, {out['s_per_merge']} s per merge")
         for spec in [s for s in args.llama_spec.split(",") if s] if "llama.cpp" in methods else []:
             port = free_port()
-            cmd = [str(server), "-m", str(args.model), "--port", str(port), "--host", "127.0.0.1", "-t",
-                   str(args.threads), "-tb", str(args.threads), "-c", str(args.context), "--jinja", "-np", "1",
-                   "--no-warmup", "--spec-type", spec, "--spec-draft-n-max", str(args.llama_draft_max)]
+            cmd = llama_cmd(server, args.model, port, args.threads, args.context, spec_type=spec,
+                            draft_max=args.llama_draft_max)
             p = serve(cmd, port, tmp / f"llama-{spec}.log", args)
             log(f"llama.cpp:{spec} {variants[0]}: {len(cs)} merges")
             try:

@@ -160,10 +160,38 @@ def run_prompts(base: str, model: str, prompts, max_tokens: int, extra: dict) ->
             "per_prompt_s": per, "prompt_tokens": prompt_tokens, "texts": texts}
 
 
+def agentspec_cmd(model: Path, port: int, threads: int, *extra: str) -> list[str]:
+    """``agentspec serve`` of ``model`` on loopback ``port``."""
+    return [sys.executable, "-m", "agentspec", "serve", "--port", str(port), "--model", str(model),
+            "--threads", str(threads), *extra]
+
+
+def llama_cmd(server: Path, model: Path, port: int, threads: int, context: int, *, parallel: int = 1,
+              spec_type: str | None = None, draft_max: int = 64, extra: list[str] = ()) -> list[str]:
+    """``llama-server`` of ``model`` on loopback ``port`` with the same thread count for decode and
+    prompt batches, the GGUF's chat template, ``parallel`` slots sharing ``context``, no warm-up;
+    ``spec_type``: one of its draftless speculative modes."""
+    cmd = [str(server), "-m", str(model), "--port", str(port), "--host", "127.0.0.1", "-t", str(threads),
+           "-tb", str(threads), "-c", str(context), "--jinja", "-np", str(parallel), "--no-warmup", *extra]
+    if spec_type:
+        cmd += ["--spec-type", spec_type, "--spec-draft-n-max", str(draft_max)]
+    return cmd
+
+
+def llama_server(path: Path | None) -> Path:
+    """``path``, or the build ``benchmarks/peers/setup_llamacpp.sh`` makes (cached) and prints."""
+    if path is not None:
+        return path
+    r = subprocess.run(["bash", str(Path(__file__).resolve().parent / "peers" / "setup_llamacpp.sh")],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"llama.cpp setup failed: {r.stderr[-2000:]}")
+    return Path(r.stdout.strip().splitlines()[-1])
+
+
 def ours(model: Path, prompts, args, spec: bool, tmp: Path, extra_args: list[str] = ()) -> tuple[dict, dict]:
     port = free_port()
-    cmd = [sys.executable, "-m", "agentspec", "serve", "--port", str(port), "--model", str(model),
-           "--threads", str(args.threads), *extra_args]
+    cmd = agentspec_cmd(model, port, args.threads, *extra_args)
     p = Process(cmd, port, tmp / f"agentspec-{int(spec)}{'-'.join(['', *extra_args])}.log", "/health",
                 args.start_timeout, env=dict(os.environ))
     try:
@@ -177,11 +205,8 @@ def ours(model: Path, prompts, args, spec: bool, tmp: Path, extra_args: list[str
 
 def llama(server: Path, model: Path, prompts, args, spec_type: str | None, tmp: Path) -> dict:
     port = free_port()
-    cmd = [str(server), "-m", str(model), "--port", str(port), "--host", "127.0.0.1", "-t", str(args.threads),
-           "-tb", str(args.threads), "-c", str(args.context), "--jinja", "-np", "1", "--no-warmup"]
-    cmd += args.llama_arg
-    if spec_type:
-        cmd += ["--spec-type", spec_type, "--spec-draft-n-max", str(args.llama_draft_max)]
+    cmd = llama_cmd(server, model, port, args.threads, args.context, spec_type=spec_type,
+                    draft_max=args.llama_draft_max, extra=args.llama_arg)
     p = Process(cmd, port, tmp / f"llama-{spec_type or 'plain'}.log", "/health", args.start_timeout)
     try:
         out = run_prompts(p.base, model.name, prompts, args.max_tokens, {"cache_prompt": False})
@@ -282,17 +307,14 @@ def grid(server: Path | None, args, methods: list[str], tmp: Path) -> dict:
                 log(f"{m} {key}" + (f" (repeat {rep + 1}/{args.grid_repeats})" if args.grid_repeats > 1 else ""))
                 port = free_port()
                 if m in ("agentspec:plain", "agentspec:plain-kv-bf16"):
-                    cmd = [sys.executable, "-m", "agentspec", "serve", "--port", str(port), "--model", str(args.model),
-                           "--threads", str(args.threads)]
-                    if m.endswith("kv-bf16"):
-                        cmd += ["--kv-dtype", "bfloat16"]
+                    cmd = agentspec_cmd(args.model, port, args.threads,
+                                        *(["--kv-dtype", "bfloat16"] if m.endswith("kv-bf16") else []))
                     p = Process(cmd, port, tmp / f"grid-{m.replace(':', '-')}-{key}.log", "/health", args.start_timeout,
                                 env=dict(os.environ))
                     name, extra = args.model.name.removesuffix(".gguf"), {"speculation": False}
                 elif m == "llama.cpp:plain":
-                    cmd = [str(server), "-m", str(args.model), "--port", str(port), "--host", "127.0.0.1",
-                           "-t", str(args.threads), "-tb", str(args.threads), "-c", str(c * (ctx + args.grid_tokens + 256)),
-                           "--jinja", "-np", str(c), "--no-warmup", *args.llama_arg]
+                    cmd = llama_cmd(server, args.model, port, args.threads, c * (ctx + args.grid_tokens + 256),
+                                    parallel=c, extra=args.llama_arg)
                     p = Process(cmd, port, tmp / f"grid-llama-{key}.log", "/health", args.start_timeout)
                     name, extra = args.model.name, {"cache_prompt": False}
                 else:
@@ -372,12 +394,7 @@ def main() -> int:
             ap.error(f"--grid-repeats must be at least 1, got {args.grid_repeats}")
     server = args.llama_server
     if any(m.startswith("llama.cpp") for m in methods) or llama_specs:
-        if server is None:
-            setup = Path(__file__).resolve().parent / "peers" / "setup_llamacpp.sh"
-            r = subprocess.run(["bash", str(setup)], capture_output=True, text=True)
-            if r.returncode != 0:
-                raise SystemExit(f"llama.cpp setup failed: {r.stderr[-2000:]}")
-            server = Path(r.stdout.strip().splitlines()[-1])
+        server = llama_server(server)
     if args.grid:
         return run_grid(server, args, methods)
     pick = agent_turns if args.workload == "turns" else held_out_rewrites

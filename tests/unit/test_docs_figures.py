@@ -145,7 +145,7 @@ FIGURES = [
     Figure("docs/benchmarks.md", "decodes 99.13 tokens/s", "99.13",
            "gguf_grid_qwen2.5-coder-1.5b_c16_2026-12-05.json",
            ("cells", "agentspec:plain", "ctx1024_c16", "decode_tokens_per_s")),
-    Figure("docs/benchmarks.md", "the 1.5B decoded at\n20.88 tok/s plain", "20.88",
+    Figure("docs/benchmarks.md", "the 1.5B decoded at 20.88 tok/s plain", "20.88",
            "gguf_qwen2.5-coder-1.5b_avx2_2026-12-05.json", ("summary", "agentspec:plain", "tokens_per_s")),
     Figure("README.md", "**1.95x faster than vLLM-CPU", "1.95",
            "agent_loop_amx_decode.json", ("summary", "conversation_speedup_vs_vllm_suffix")),

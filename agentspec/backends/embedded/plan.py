@@ -208,7 +208,7 @@ class KernelPlan:
         packs where ``linears_native`` says); ``amx_weights``: every projection's shape takes
         the AMX kernels; ``head_k``: the output head's input width; ``gemm_f32``: prompt
         projections multiply in float32 (``Transformer.set_gemm_float32``)."""
-        from ...kernels.cpu_attention import FLOAT32_HEAD_DIMS
+        from ...kernels.cpu_attention import CACHE_DTYPES, FLOAT32_HEAD_DIMS
 
         cpu = torch.device(device).type == "cpu"
         bf16 = dtype == torch.bfloat16
@@ -220,7 +220,7 @@ class KernelPlan:
         if fused:
             rows_attention = "amx" if settings.decode_attention == "amx" and amx_top else "rows"
         else:
-            rows_attention = ("native" if native and kv_dtype in (torch.float32, torch.bfloat16)
+            rows_attention = ("native" if native and kv_dtype in CACHE_DTYPES
                               and head_dim in FLOAT32_HEAD_DIMS and 0 < group <= 8 else "torch")
         if quantized:
             rows_linears = "quantized"
