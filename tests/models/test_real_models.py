@@ -6,7 +6,8 @@ quantized, as ``agentspec serve --model FILE`` runs it (its projections in their
 ``agentspec.kernels.cpu_quant``). Checks: it loads and answers; greedy speculation equals plain decoding
 on recorded rewrite prompts; every verified row's logits equal plain decoding's bit for bit at
 each ISA level this CPU runs; the chat template from the GGUF renders as transformers renders
-it; ``/v1/apply`` through a real server merges an edit into a real file.
+it; ``/v1/apply`` through a real server merges an edit into a real file; README.md's tour runs as
+written on it (the model ``make run`` serves).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import agentspec
 from agentspec import SpecConfig
 from helpers.serve import CODE, Server
+from helpers.tour import check_curl_lines, check_last_block, check_python_block
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = os.environ.get("AGENTSPEC_TEST_MODEL", "qwen2.5-coder-0.5b")
@@ -170,3 +172,15 @@ def test_apply_merges_an_edit_through_a_real_server(model_path, tmp_path):
     assert "def fibonacci(n: int) -> int:" in merged
     assert "def factorial(n" in merged and "result *= i" in merged   # the rest of the file kept
     assert body["spec"]["accepted_tokens"] > 0
+
+
+def test_the_readme_tour_runs_on_the_model_make_run_serves(model_path, tmp_path):
+    """README.md's tour, as written, against ``make run``'s server: this repository as the
+    workspace, the real model (``make run`` serves the 0.5B; helpers/tour.py runs the blocks)."""
+    s = Server(tmp_path, config=None, repo=ROOT, args=["--model", str(model_path)], timeout=600)
+    try:
+        check_curl_lines(s)
+        check_python_block(s)
+        check_last_block(s)
+    finally:
+        s.stop()
