@@ -435,11 +435,14 @@ class QuantLinear:
         return torch.from_numpy(out)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, *, threads: int = 0,
-                 norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                 norm: tuple[torch.Tensor, float] | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """``x @ W.T``. ``norm=(weight, eps)``: of ``rms_norm(x) * weight`` instead, the norm fused
         into the activation quantization (rounded to bfloat16 per value: qlinear.cpp's
         ACT_RMSNORM; not torch's bits, and no torch call). Each row's result depends on that row
-        alone."""
+        alone. ``dtype`` (or ``out``'s): bfloat16, or float32 for the accumulators unrounded (an
+        output head: logits without bfloat16's ties; rounded to bfloat16 they are the bfloat16
+        output's bits)."""
         if x.dim() != 2 or x.shape[1] != self.K or x.dtype != torch.bfloat16 or x.device.type != "cpu":
             raise ValueError(f"x must be bfloat16 [M, {self.K}], got {tuple(x.shape)} {x.dtype}")
         if x.stride(1) != 1:
@@ -453,7 +456,11 @@ class QuantLinear:
             act, nw = 1, w.data_ptr()
         M = x.shape[0]
         if out is None:
-            out = torch.empty(M, self.N, dtype=torch.bfloat16)
+            out = torch.empty(M, self.N, dtype=dtype)
+        if out.dtype not in (torch.bfloat16, torch.float32) or out.shape != (M, self.N) or out.stride(1) != 1:
+            raise ValueError(f"out must be bfloat16 or float32 [{M}, {self.N}] with unit column stride, got "
+                             f"{tuple(out.shape)} {out.dtype}")
+        f32 = out.dtype == torch.float32
         if M == 0:
             return out
         off = 0
@@ -463,11 +470,15 @@ class QuantLinear:
                 _cpu.linear_q(x.data_ptr(), x.stride(0), M, p.q.data_ptr(), p.scale.data_ptr(),
                               0 if p.mins is None else p.mins.data_ptr(), 0 if p.sub is None else p.sub.data_ptr(),
                               0 if p.sub_mins is None else p.sub_mins.data_ptr(), p.fmt, p.B, p.N, p.K,
-                              out.data_ptr() + 2 * off, out.stride(0), threads, act, nw, float(eps))
+                              out.data_ptr() + out.element_size() * off, out.stride(0), threads, act, nw, float(eps),
+                              f32)
             else:
                 if dense_x is None:
                     dense_x = _act_reference(x, act, norm)
-                p.lin(dense_x, out[:, off:off + p.N])
+                if f32:   # the bfloat16 linear's output, widened (exact)
+                    out[:, off:off + p.N] = p.lin(dense_x, torch.empty(M, p.N, dtype=torch.bfloat16))
+                else:
+                    p.lin(dense_x, out[:, off:off + p.N])
             off += p.N
         return out
 

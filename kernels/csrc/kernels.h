@@ -37,7 +37,7 @@ void linear_bf16(uintptr_t x, int64_t x_st, int64_t M, uintptr_t wp, int64_t N, 
 // the ISA level set now runs ("avx512vnni", "avx2", "neon", "scalar")
 void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, uintptr_t mn, uintptr_t s8,
               uintptr_t m8, int fmt, int B, int64_t N, int64_t K, uintptr_t out, int64_t o_st, int threads, int act,
-              uintptr_t norm_w, double eps);
+              uintptr_t norm_w, double eps, bool out_f32);
 const char* qlinear_body();
 void repack_k(uintptr_t raw, int64_t raw_st, int64_t N, int64_t K, int qbits, uintptr_t q, uintptr_t scale,
               uintptr_t mins, uintptr_t sub, uintptr_t sub_mins, int threads);

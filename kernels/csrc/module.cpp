@@ -9,11 +9,12 @@ namespace nb = nanobind;
 
 NB_MODULE(_cpu, m) {
     m.doc() = "agentspec CPU kernels: exact decode / tree-verification attention, row-invariant bf16 linears";
-    m.def("abi_version", []() { return 12; });
+    m.def("abi_version", []() { return 13; });
     m.def("linear_q", &linear_q, nb::arg("x"), nb::arg("x_stride"), nb::arg("M"), nb::arg("q"), nb::arg("scales"),
           nb::arg("mins"), nb::arg("sub_scales"), nb::arg("sub_mins"), nb::arg("fmt"), nb::arg("block"), nb::arg("N"), nb::arg("K"), nb::arg("out"),
           nb::arg("out_stride"), nb::arg("threads") = 0, nb::arg("act") = 0, nb::arg("norm_weight") = 0,
-          nb::arg("eps") = 0.0, "Raw-pointer entry point; call agentspec.kernels.cpu_quant.QuantLinear instead.");
+          nb::arg("eps") = 0.0, nb::arg("out_f32") = false,
+          "Raw-pointer entry point; call agentspec.kernels.cpu_quant.QuantLinear instead.");
     m.def("qlinear_body", &qlinear_body, "the quantized linears' body at the ISA level set now");
     m.def("repack_k", &repack_k, nb::arg("raw"), nb::arg("raw_stride"), nb::arg("N"), nb::arg("K"), nb::arg("qbits"),
           nb::arg("q"), nb::arg("scale"), nb::arg("mins"), nb::arg("sub"), nb::arg("sub_mins"), nb::arg("threads") = 0,

@@ -64,10 +64,11 @@ const char* qlinear_body() {
 }
 
 // x: bfloat16 [M, K] (row stride x_st); the repacked weight (q, sc, mn: see the header; mn 0 for
-// none); out: bfloat16 [M, N] (row stride o_st). Runs the body of the ISA level set by set_isa.
+// none); out: bfloat16 [M, N] (row stride o_st), or float32 with out_f32 (the accumulators unrounded:
+// an output head's logits). Runs the body of the ISA level set by set_isa.
 void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, uintptr_t mn, uintptr_t s8,
               uintptr_t m8, int fmt, int B, int64_t N, int64_t K, uintptr_t out, int64_t o_st, int threads, int act,
-              uintptr_t norm_w, double eps) {
+              uintptr_t norm_w, double eps, bool out_f32) {
     const bool k = fmt == FMT_U4K || fmt == FMT_U6K;
     if (act < ACT_NONE || act > ACT_RMSNORM || (act == ACT_RMSNORM && !norm_w))
         throw std::invalid_argument("linear_q: bad activation mode");
@@ -78,7 +79,7 @@ void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, u
     const int64_t qbytes = fmt == FMT_I8 ? (int64_t)16 * B : fmt == FMT_U6K ? (int64_t)16 * B * 3 / 4 : (int64_t)16 * B / 2;
     QW w{reinterpret_cast<const uint8_t*>(q), reinterpret_cast<const float*>(sc),
          mn ? reinterpret_cast<const float*>(mn) : nullptr, reinterpret_cast<const uint8_t*>(s8),
-         reinterpret_cast<const uint8_t*>(m8), fmt, B, N, K, K / B, qbytes, K / 256};
+         reinterpret_cast<const uint8_t*>(m8), fmt, B, N, K, K / B, qbytes, K / 256, out_f32};
     const panels_fn panels = panels_for(agentspec_isa());
     const int64_t NP = (N + 15) / 16;
     if (threads <= 0) threads = omp_get_max_threads();

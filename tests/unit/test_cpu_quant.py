@@ -73,9 +73,9 @@ def test_every_isa_level_gives_the_references_bits_row_by_row(qtype, restore_isa
         assert torch.equal(lin(big), torch.cat([ref] * 11)), isa
 
 
-def _reference(raw: np.ndarray, qtype: str, x: torch.Tensor) -> torch.Tensor:
+def _reference(raw: np.ndarray, qtype: str, x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The documented arithmetic (qlinear.cpp's header) in numpy float32, one operation at a time,
-    from the unpacked blocks (``cpu_quant.unpack``: q, scale, min)."""
+    from the unpacked blocks (``cpu_quant.unpack``: q, scale, min); rounded to ``dtype``."""
     f32 = np.float32
     xf = x.float().numpy()
     M, K = xf.shape
@@ -94,7 +94,7 @@ def _reference(raw: np.ndarray, qtype: str, x: torch.Tensor) -> torch.Tensor:
             xs = xq[:, j * B:(j + 1) * B].sum(axis=1)
             xsf = (d[:, (j * B) // 32] * xs.astype(f32)).astype(f32)
             acc = (acc + (mins[None, :, j] * xsf[:, None]).astype(f32)).astype(f32)
-    return torch.from_numpy(acc).to(torch.bfloat16)
+    return torch.from_numpy(acc).to(dtype)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_1", "Q8_0"])   # U4 + min, I8 B16, I8 + min, I8 B32
@@ -105,6 +105,28 @@ def test_the_arithmetic_is_the_documented_one(qtype):
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     x[1, :32] = 0   # an all-zero block: its scale is 0
     assert torch.equal(lin(x), _reference(raw, qtype, x))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+def test_float32_outputs_are_the_unrounded_accumulators_at_every_isa_level(qtype, restore_isa):
+    """An output head's logits come out as float32 (``dtype=torch.float32``): the documented
+    arithmetic's float32 accumulators themselves, at every ISA level and row by row, and rounded
+    to bfloat16 the bfloat16 output's bits."""
+    N, K, M = 40, 512, 9   # 9 rows: an 8-row tile and a 1-row one
+    raw = _raw(qtype, N, K, seed=5)
+    lin = cpu_quant.QuantLinear.from_raw([(qtype, raw, K)])
+    x = (torch.randn(M, K, generator=torch.Generator().manual_seed(6)) * 2).to(torch.bfloat16)
+    ref = _reference(raw, qtype, x, torch.float32)
+    assert not torch.equal(ref, ref.to(torch.bfloat16).float())   # float32 carries more than bfloat16
+    for isa in ["scalar", *restore_isa.supported()]:
+        restore_isa.set_isa(isa)
+        got = lin(x, dtype=torch.float32)
+        assert got.dtype == torch.float32 and torch.equal(got, ref), (isa, cpu_quant.body())
+        assert torch.equal(torch.cat([lin(x[i:i + 1], dtype=torch.float32) for i in range(M)]), ref), isa
+        assert torch.equal(got.to(torch.bfloat16), lin(x)), isa
+    out = torch.empty(M, N, dtype=torch.float16)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        lin(x, out)
 
 
 @pytest.mark.parametrize("qtype", TYPES)

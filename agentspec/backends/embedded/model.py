@@ -669,8 +669,9 @@ class Transformer(nn.Module):
         step)."""
         plan = self.plan() if plan is None else plan
         cast = (lambda t: t.float()) if to_float else (lambda t: t)
-        if self.quantized:   # the final norm fused into the head's input
-            return cast(self.head_packed(x, norm=(self.norm.weight, self.norm.eps)))
+        if self.quantized:   # the final norm fused into the head's input; float32 logits (llama.cpp's too):
+            # rounded to bfloat16, near-equal logits tie and the lowest id would win a greedy step
+            return self.head_packed(x, norm=(self.norm.weight, self.norm.eps), dtype=torch.float32)
         if fused and plan.head == "amx":
             return cast(self.head_packed.prefill(cpu_attention.rms_norm(x, self.norm.weight, self.norm.eps)))
         if self.head_packed is not None and (fused or x.shape[0] <= SMALL_T):
