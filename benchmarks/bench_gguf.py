@@ -3,7 +3,9 @@
 
 The same file (``--model``; ``scripts/fetch_model.py`` fetches the real Qwen2.5-Coder files), the
 same held-out recorded file rewrites (``--workload turns``: recorded agent turns, their histories
-as the messages) sent as chat messages through the official ``openai`` client, greedy, ``--max-tokens`` new tokens, one request at a time, the same thread count. Every
+as the messages) sent as streamed chat messages through the official ``openai`` client, greedy,
+``--max-tokens`` new tokens, one request at a time (``--concurrency C``: C in flight, a closed
+loop; ``llama-server --parallel C``, each slot with ``--context``), the same thread count. Every
 method runs on a fresh server (cold start timed from the process start to ``/health``; peak RSS
 from ``/proc``):
 
@@ -13,9 +15,12 @@ from ``/proc``):
   llama.cpp:plain     ``llama-server -m FILE -t THREADS --jinja``
   llama.cpp:SPEC      ``--spec-type SPEC`` for each of ``--llama-spec`` (e.g. ngram-simple, ngram-mod)
 
-Reported per method: tokens/s (total completion tokens over the summed request times), per-prompt
-times, cold start, peak RSS, prompt tokens as each server counted them, and outputs identical to
-agentspec's plain decoding.
+Reported per method: tokens/s (every completion token over the run's wall time, prefill
+included), per-prompt times and times to first token, agentspec's mean acceptance length (MAT) per
+request, cold start, peak RSS, prompt tokens as each server counted them, and outputs identical to
+agentspec's plain decoding (llama.cpp's speculative modes also against its own plain decoding).
+Where llama.cpp's plain output differs from ours, the first differing token and our model's logit
+margin between the two tokens there (the model loaded in this process once the servers stop).
 
 ``--grid`` measures plain decoding at long contexts instead: for each ``--contexts`` length and
 ``--concurrency`` level, a fresh server of each side (``agentspec serve`` with speculation off,
@@ -141,23 +146,52 @@ class Process:
         self._log.close()
 
 
-def run_prompts(base: str, model: str, prompts, max_tokens: int, extra: dict) -> dict:
+def run_prompts(base: str, model: str, prompts, max_tokens: int, extra: dict, concurrency: int = 1) -> dict:
+    """Every prompt as a streamed chat completion, at most ``concurrency`` in flight (closed loop:
+    a request goes as soon as one finishes). tokens/s: every completion token over the wall time of
+    the whole run (prefill included); per request its time, time to first token and, from
+    agentspec, the speculation stats of its last chunk."""
     import openai
+    from concurrent.futures import ThreadPoolExecutor
 
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=3600, max_retries=0)
-    per, texts, prompt_tokens, tokens = [], [], [], 0
-    for pid, messages in prompts:
+
+    def one(item):
+        pid, messages = item
         t0 = time.perf_counter()
-        r = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-                                           extra_body=extra)
+        ttft, parts, usage, spec = None, [], None, None
+        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}, extra_body=extra)
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                parts.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                usage = chunk.usage
+            spec = (chunk.model_extra or {}).get("spec") or spec
         dt = time.perf_counter() - t0
-        per.append(round(dt, 3))
-        texts.append(r.choices[0].message.content or "")
-        prompt_tokens.append(r.usage.prompt_tokens)
-        tokens += r.usage.completion_tokens
-        log(f"  {pid}: {r.usage.completion_tokens} tokens in {dt:.2f} s")
-    return {"tokens": tokens, "wall_s": round(sum(per), 3), "tokens_per_s": round(tokens / sum(per), 2),
-            "per_prompt_s": per, "prompt_tokens": prompt_tokens, "texts": texts}
+        log(f"  {pid}: {usage.completion_tokens if usage else '?'} tokens in {dt:.2f} s")
+        return {"s": round(dt, 3), "ttft_s": round(ttft, 3) if ttft is not None else None, "text": "".join(parts),
+                "prompt_tokens": usage.prompt_tokens if usage else None,
+                "completion_tokens": usage.completion_tokens if usage else None,
+                "mat": spec.get("mean_acceptance_length") if spec else None}
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        reqs = list(pool.map(one, prompts))
+    wall = time.perf_counter() - t0
+    tokens = sum(r["completion_tokens"] or 0 for r in reqs)
+    out = {"concurrency": concurrency, "tokens": tokens, "wall_s": round(wall, 3),
+           "tokens_per_s": round(tokens / wall, 2), "per_prompt_s": [r["s"] for r in reqs],
+           "ttft_s": [r["ttft_s"] for r in reqs], "median_ttft_s": statistics.median(
+               r["ttft_s"] for r in reqs if r["ttft_s"] is not None) if any(r["ttft_s"] for r in reqs) else None,
+           "prompt_tokens": [r["prompt_tokens"] for r in reqs],
+           "completion_tokens": [r["completion_tokens"] for r in reqs], "texts": [r["text"] for r in reqs]}
+    mats = [r["mat"] for r in reqs if r["mat"] is not None]
+    if mats:
+        out["mat"] = mats
+    return out
 
 
 def agentspec_cmd(model: Path, port: int, threads: int, *extra: str) -> list[str]:
@@ -196,7 +230,7 @@ def ours(model: Path, prompts, args, spec: bool, tmp: Path, extra_args: list[str
                 args.start_timeout, env=dict(os.environ))
     try:
         out = run_prompts(p.base, model.name.removesuffix(".gguf"), prompts, args.max_tokens,
-                          {"speculation": spec, "spec_stats": True})
+                          {"speculation": spec, "spec_stats": True}, args.concurrency)
         out.update(start_s=round(p.start_s, 2), peak_rss_bytes=peak_rss(p.proc.pid))
     finally:
         p.stop()
@@ -205,14 +239,46 @@ def ours(model: Path, prompts, args, spec: bool, tmp: Path, extra_args: list[str
 
 def llama(server: Path, model: Path, prompts, args, spec_type: str | None, tmp: Path) -> dict:
     port = free_port()
-    cmd = llama_cmd(server, model, port, args.threads, args.context, spec_type=spec_type,
-                    draft_max=args.llama_draft_max, extra=args.llama_arg)
+    # --parallel C slots, each with the --context a single request gets
+    cmd = llama_cmd(server, model, port, args.threads, args.context * args.concurrency, parallel=args.concurrency,
+                    spec_type=spec_type, draft_max=args.llama_draft_max, extra=args.llama_arg)
     p = Process(cmd, port, tmp / f"llama-{spec_type or 'plain'}.log", "/health", args.start_timeout)
     try:
-        out = run_prompts(p.base, model.name, prompts, args.max_tokens, {"cache_prompt": False})
+        out = run_prompts(p.base, model.name, prompts, args.max_tokens, {"cache_prompt": False}, args.concurrency)
         out.update(start_s=round(p.start_s, 2), peak_rss_bytes=peak_rss(p.proc.pid))
     finally:
         p.stop()
+    return out
+
+
+def divergence(model: Path, prompts, ours: list[str], theirs: list[str], threads: int) -> list[dict]:
+    """Where another server's output first leaves ours, for each prompt where they differ: the
+    token index (both texts tokenized with the model's tokenizer), both tokens, and our model's logit
+    margin there (our token's logit minus the other's, from a prefill of the prompt and the common
+    prefix in process): a margin near zero is a near tie that rounding differences can flip."""
+    import torch
+
+    from agentspec.backends.embedded.engine import EmbeddedEngine
+
+    pairs = [(p, a, b) for p, a, b in zip(prompts, ours, theirs) if a != b]
+    if not pairs:
+        return []
+    eng = EmbeddedEngine(model=str(model), threads=threads, quiet=True)
+    out = []
+    for (pid, messages), a, b in pairs:
+        ta, tb = eng.tokenizer.encode(a), eng.tokenizer.encode(b)
+        i = next((k for k, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        if i is None:   # one text is a prefix of the other (a stop or the length limit)
+            out.append({"prompt": pid, "token_index": min(len(ta), len(tb)), "prefix_of_other": True})
+            continue
+        ids = eng.encode(messages) + ta[:i]
+        with torch.inference_mode():
+            logits = eng.model(torch.tensor(ids), torch.arange(len(ids)), eng.new_cache(len(ids) + 1), prefill=True,
+                               logits_rows=slice(len(ids) - 1, len(ids)))[0].float()
+        out.append({"prompt": pid, "token_index": i, "ours": eng.decode([ta[i]]), "theirs": eng.decode([tb[i]]),
+                    "margin": round(float(logits[ta[i]] - logits[tb[i]]), 4),
+                    "ours_is_top1": int(logits.argmax()) == ta[i]})
+    del eng
     return out
 
 
@@ -372,10 +438,14 @@ def main() -> int:
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--grid", action="store_true", help="plain decoding at long contexts and concurrency (see above)")
     ap.add_argument("--contexts", default="1024,4096", help="--grid: prompt lengths in tokens")
-    ap.add_argument("--concurrency", default="1,8", help="--grid: requests in flight")
+    ap.add_argument("--concurrency", help="requests in flight (closed loop; llama-server gets --parallel C); "
+                                           "--grid: comma-separated levels (default 1,8)")
     ap.add_argument("--grid-tokens", type=int, default=64, help="--grid: new tokens per request")
     ap.add_argument("--grid-repeats", type=int, default=1,
                     help="--grid: runs of each cell (fresh servers, methods in turn); medians reported")
+    ap.add_argument("--no-divergence", dest="divergence", action="store_false",
+                    help="skip locating where llama.cpp's plain output first differs from ours (loads the model "
+                         "in this process after the servers stop)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if not args.model.is_file():
@@ -387,11 +457,18 @@ def main() -> int:
         llama_specs = []
         try:
             args.contexts = [int(x) for x in args.contexts.split(",") if x]
-            args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
+            args.concurrency = [int(x) for x in (args.concurrency or "1,8").split(",") if x]
         except ValueError:
             ap.error(f"--contexts / --concurrency take comma-separated integers, got {args.contexts!r} / {args.concurrency!r}")
         if args.grid_repeats < 1:
             ap.error(f"--grid-repeats must be at least 1, got {args.grid_repeats}")
+    else:
+        try:
+            args.concurrency = int(args.concurrency or 1)
+        except ValueError:
+            ap.error(f"--concurrency takes one integer without --grid, got {args.concurrency!r}")
+        if args.concurrency < 1:
+            ap.error(f"--concurrency must be at least 1, got {args.concurrency}")
     server = args.llama_server
     if any(m.startswith("llama.cpp") for m in methods) or llama_specs:
         server = llama_server(server)
@@ -420,20 +497,35 @@ def main() -> int:
     base = results.get("agentspec:plain")
     summary = {}
     for m, r in results.items():
-        summary[m] = {"tokens_per_s": r["tokens_per_s"], "start_s": r["start_s"],
+        summary[m] = {"tokens_per_s": r["tokens_per_s"], "median_ttft_s": r["median_ttft_s"], "start_s": r["start_s"],
                       "peak_rss_gib": round(r["peak_rss_bytes"] / 2**30, 2) if r.get("peak_rss_bytes") else None}
+        if r.get("mat"):
+            summary[m]["median_mat"] = round(statistics.median(r["mat"]), 2)
         if base is not None and m != "agentspec:plain":
             summary[m]["vs_agentspec_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
             summary[m]["identical_to_agentspec_plain"] = (
                 f"{sum(a == b for a, b in zip(r['texts'], base['texts']))}/{len(base['texts'])}")
+    theirs = {m: r for m, r in results.items() if m.startswith("llama.cpp")}
     if "llama.cpp:plain" in results and base is not None:
         summary["agentspec_plain_vs_llama_plain"] = round(base["tokens_per_s"] / results["llama.cpp:plain"]["tokens_per_s"], 3)
+        for m in theirs:
+            if m != "llama.cpp:plain":
+                summary[m]["identical_to_llama_plain"] = (
+                    f"{sum(a == b for a, b in zip(results[m]['texts'], results['llama.cpp:plain']['texts']))}"
+                    f"/{len(results[m]['texts'])}")
+        if args.divergence:   # the servers have stopped: the model loads in this process
+            summary["llama_plain_divergence"] = divergence(args.model, prompts, base["texts"],
+                                                          results["llama.cpp:plain"]["texts"], args.threads)
+    if theirs and "agentspec:spec" in results:
+        best = max(theirs, key=lambda m: theirs[m]["tokens_per_s"])
+        summary["agentspec_spec_vs_llama_best"] = {
+            "llama_best": best, "ratio": round(results["agentspec:spec"]["tokens_per_s"] / theirs[best]["tokens_per_s"], 3)}
     for m, s in summary.items():
         log(f"{m}: {s}")
     report = {"benchmark": "bench_gguf",
               "machine": machine_record(kernels=kernels, peers={"llama.cpp": llama_version(server)} if server else None),
               "config": {"model": str(args.model), "model_bytes": args.model.stat().st_size, "workload": args.workload,
-                         "prompts": [p for p, _ in prompts],
+                         "concurrency": args.concurrency, "prompts": [p for p, _ in prompts],
                          "max_tokens": args.max_tokens, "threads": args.threads, "greedy": True, "llama_context": args.context,
                          "llama_draft_max": args.llama_draft_max, "llama_args": args.llama_arg,
                          "llama_server": str(server) if server else None},
