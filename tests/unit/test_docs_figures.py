@@ -163,6 +163,8 @@ FIGURES = [
            "gguf_turns_qwen2.5-coder-1.5b_c8_2026-12-05.json", ("summary", "agentspec_spec_vs_llama_best", "ratio")),
     Figure("docs/benchmarks.md", "| 16 agent turns, c = 8 | **23.24** | **23.48** (1.5) | 14.33 |", "14.33",
            "gguf_turns_qwen2.5-coder-1.5b_c8_2026-12-05.json", ("summary", "llama.cpp:plain", "tokens_per_s")),
+    Figure("docs/benchmarks.md", "| 0.5B file: 16 rewrites, c = 8 | **138.1** | **176.24** (4.7) |", "176.24",
+           "gguf_load_qwen2.5-coder-0.5b_c8_2026-12-05.json", ("summary", "agentspec:spec", "tokens_per_s")),
     Figure("docs/benchmarks.md", "| 16 rewrites, c = 16 | **58.96** | **67.55** (2.5) |", "67.55",
            "gguf_load_qwen2.5-coder-1.5b_c16_2026-12-05.json", ("summary", "agentspec:spec", "tokens_per_s")),
     Figure("docs/benchmarks.md", "| agentspec, prefix cache + speculation | **0.56 s** | **25.8 s** |", "25.8",
