@@ -50,7 +50,8 @@ if not __package__:  # run as a file, not with -m: the repository root, for `ben
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_gguf import Process, agentspec_cmd, llama_cmd, llama_server, llama_version, peak_rss  # noqa: E402
-from benchmarks.harness import DATA, DATA_HELP, FIXTURE, emit_report, free_port, logger, machine_record, server_kernels  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    DATA, DATA_HELP, emit_report, fixture_ids, free_port, logger, machine_record, server_kernels)
 
 log = logger("bench_apply")
 
@@ -92,7 +93,7 @@ def cases(data: Path, n: int, max_chars: int) -> list[dict]:
     ``max_chars`` of old file that change something."""
     from agentspec.traces import load_records
 
-    held = {json.loads(line)["id"] for line in FIXTURE.read_text().splitlines() if line.strip()}
+    held = fixture_ids()
     out = []
     for rec in load_records(data / "file_rewrites.jsonl"):
         m, ch = _CURRENT.search(rec["prompt"]), _CHANGE.search(rec["prompt"])

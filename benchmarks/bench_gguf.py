@@ -57,8 +57,8 @@ if not __package__:  # run as a file, not with -m: the repository root, for `ben
 from benchmarks.harness import (  # noqa: E402
     DATA,
     DATA_HELP,
-    FIXTURE,
     emit_report,
+    fixture_ids,
     free_port,
     logger,
     machine_record,
@@ -72,7 +72,7 @@ def held_out_rewrites(data: Path, n: int, max_chars: int) -> list[tuple[str, lis
     """The first ``n`` recorded file rewrites not in the tests' fixture, as chat messages."""
     from agentspec.traces import load_records, prompt_messages
 
-    held = {json.loads(line)["id"] for line in FIXTURE.read_text().splitlines() if line.strip()}
+    held = fixture_ids()
     out = []
     for rec in load_records(data / "file_rewrites.jsonl"):
         if rec["id"] in held or len(rec["prompt"]) > max_chars:
@@ -182,10 +182,10 @@ def run_prompts(base: str, model: str, prompts, max_tokens: int, extra: dict, co
         reqs = list(pool.map(one, prompts))
     wall = time.perf_counter() - t0
     tokens = sum(r["completion_tokens"] or 0 for r in reqs)
+    ttfts = [r["ttft_s"] for r in reqs if r["ttft_s"] is not None]
     out = {"concurrency": concurrency, "tokens": tokens, "wall_s": round(wall, 3),
            "tokens_per_s": round(tokens / wall, 2), "per_prompt_s": [r["s"] for r in reqs],
-           "ttft_s": [r["ttft_s"] for r in reqs], "median_ttft_s": statistics.median(
-               r["ttft_s"] for r in reqs if r["ttft_s"] is not None) if any(r["ttft_s"] for r in reqs) else None,
+           "ttft_s": [r["ttft_s"] for r in reqs], "median_ttft_s": statistics.median(ttfts) if ttfts else None,
            "prompt_tokens": [r["prompt_tokens"] for r in reqs],
            "completion_tokens": [r["completion_tokens"] for r in reqs], "texts": [r["text"] for r in reqs]}
     mats = [r["mat"] for r in reqs if r["mat"] is not None]
@@ -494,6 +494,9 @@ def main() -> int:
         for s in llama_specs:
             log(f"llama.cpp:{s}")
             results[f"llama.cpp:{s}"] = llama(server, args.model, prompts, args, s, tmp)
+    def same(texts: list[str], ref: list[str]) -> str:   # "k/n": outputs equal to the reference's
+        return f"{sum(a == b for a, b in zip(texts, ref))}/{len(ref)}"
+
     base = results.get("agentspec:plain")
     summary = {}
     for m, r in results.items():
@@ -503,16 +506,13 @@ def main() -> int:
             summary[m]["median_mat"] = round(statistics.median(r["mat"]), 2)
         if base is not None and m != "agentspec:plain":
             summary[m]["vs_agentspec_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
-            summary[m]["identical_to_agentspec_plain"] = (
-                f"{sum(a == b for a, b in zip(r['texts'], base['texts']))}/{len(base['texts'])}")
+            summary[m]["identical_to_agentspec_plain"] = same(r["texts"], base["texts"])
     theirs = {m: r for m, r in results.items() if m.startswith("llama.cpp")}
     if "llama.cpp:plain" in results and base is not None:
         summary["agentspec_plain_vs_llama_plain"] = round(base["tokens_per_s"] / results["llama.cpp:plain"]["tokens_per_s"], 3)
         for m in theirs:
             if m != "llama.cpp:plain":
-                summary[m]["identical_to_llama_plain"] = (
-                    f"{sum(a == b for a, b in zip(results[m]['texts'], results['llama.cpp:plain']['texts']))}"
-                    f"/{len(results[m]['texts'])}")
+                summary[m]["identical_to_llama_plain"] = same(results[m]["texts"], results["llama.cpp:plain"]["texts"])
         if args.divergence:   # the servers have stopped: the model loads in this process
             summary["llama_plain_divergence"] = divergence(args.model, prompts, base["texts"],
                                                           results["llama.cpp:plain"]["texts"], args.threads)

@@ -298,11 +298,16 @@ def is_sample(data: Path) -> bool:
     return Path(data).resolve() == SAMPLE.resolve()
 
 
+def fixture_ids() -> set[str]:
+    """The ids of the recorded rewrites the tests use (``FIXTURE``): held in, never a benchmark prompt."""
+    return {json.loads(line)["id"] for line in FIXTURE.read_text().splitlines() if line.strip()}
+
+
 def select_prompts(engine, data: Path, n: int, max_prompt: int, start: int) -> list[tuple[str, list[int]]]:
     """File-rewrite prompts not used by the tests, in file order from record ``start``."""
     from agentspec.traces import load_records, prompt_messages
 
-    held = {json.loads(line)["id"] for line in FIXTURE.read_text().splitlines() if line.strip()}
+    held = fixture_ids()
     out = []
     for k, rec in enumerate(load_records(data / "file_rewrites.jsonl")):
         if k < start or rec["id"] in held:
