@@ -18,9 +18,10 @@
 // a nibble step holds 8 weights per row (byte i: weight i in its low nibble, weight i + 4 in its
 // high). The scales and mins are arrays of their own, 16 lanes per (panel, block or super-block).
 //
-// Activations. Each row of x is quantized on its own (quantize_row, one scalar implementation
-// every ISA level shares): per 32 columns, d = amax / 127 and q = round-to-nearest-even(x / d) in
-// [-127, 127] (llama.cpp's Q8_0 activation). So a row's result depends on that row alone.
+// Activations. Each row of x is quantized on its own (quantize_row: the plain reference, and AVX2
+// and AVX-512 versions with the same bits, tested against it): per 32 columns, d = amax / 127 and
+// q = round-to-nearest-even(x / d) in [-127, 127] (llama.cpp's Q8_0 activation). So a row's
+// result depends on that row alone.
 //
 // Arithmetic of output (m, n), identical at every ISA level: for each weight block j in order,
 //   isum = sum_i q_w[i] * q_x[i]       (exact, int32: the order does not matter)
@@ -81,6 +82,7 @@ void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, u
          mn ? reinterpret_cast<const float*>(mn) : nullptr, reinterpret_cast<const uint8_t*>(s8),
          reinterpret_cast<const uint8_t*>(m8), fmt, B, N, K, K / B, qbytes, K / 256, out_f32};
     const panels_fn panels = panels_for(agentspec_isa());
+    const quantize_fn quantize = quantize_for(agentspec_isa());
     const int64_t NP = (N + 15) / 16;
     if (threads <= 0) threads = omp_get_max_threads();
     nb::gil_scoped_release nogil;
@@ -103,12 +105,12 @@ void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, u
     const float e = (float)eps;
     if (qt == 1) {
         for (int64_t m = 0; m < M; ++m)
-            quantize_row(xh + m * x_st, K, B, xqp + m * K, dxp + m * (K / 32), xsp + m * (K / B), xsfp + m * (K / B),
+            quantize(xh + m * x_st, K, B, xqp + m * K, dxp + m * (K / 32), xsp + m * (K / B), xsfp + m * (K / B),
                          act, nw, e, fb);
     } else {
 #pragma omp parallel for num_threads(qt) schedule(static)
         for (int64_t m = 0; m < M; ++m)
-            quantize_row(xh + m * x_st, K, B, xqp + m * K, dxp + m * (K / 32), xsp + m * (K / B), xsfp + m * (K / B),
+            quantize(xh + m * x_st, K, B, xqp + m * K, dxp + m * (K / 32), xsp + m * (K / B), xsfp + m * (K / B),
                          act, nw, e, fb + (int64_t)omp_get_thread_num() * K);
     }
     const QX xx{xqp, dxp, xsp, xsfp, K, K / 32, K / B};

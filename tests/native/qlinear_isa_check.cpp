@@ -4,10 +4,13 @@
 // has it). Compiled by tests/unit/test_cross_isa.py, no Python or nanobind involved. Random
 // weights in every repacked layout (U4 with and without a min, I8 with blocks of 16 and 32, with
 // and without a min, U4K, U6K), random rows quantized as linear_q quantizes them (plain and with
-// the fused RMSNorm), 1 to 9 rows, a partial last panel. Prints "ok <n checked>" or the first
-// mismatch; exit status 0 only when every body matches.
+// the fused RMSNorm), 1 to 9 rows, a partial last panel; and each level's activation quantizer
+// against the reference quantize_row on rows with NaN, infinities, signed zeros, subnormals, the
+// largest finite values and all-zero blocks. Prints "ok <n checked>" or the first mismatch; exit
+// status 0 only when every body matches.
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -57,15 +60,57 @@ Weights make_weights(const Case& c, int64_t N, int64_t K, std::mt19937& rng) {
     return W;
 }
 
+struct Body {
+    const char* name;
+    panels_fn panels;
+    quantize_fn quantize;
+};
+
+// the quantizer of ``body`` against the reference on rows with special values: every output's
+// bits; returns how many values were compared, or -1 after printing the first mismatch
+long check_quantizer(const Body& body, std::mt19937& rng) {
+    const uint16_t specials[] = {0x7FC0, 0x7F81, 0xFFC0, 0x7F80, 0xFF80, 0x8000, 0x0000, 0x0001, 0x8001,
+                                 0x007F, 0x0080, 0x7F7F, 0xFF7F, 0x3F80, 0xBF80};
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::uniform_int_distribution<int> pick(0, (int)(sizeof specials / sizeof specials[0]) - 1), coin(0, 7);
+    const int64_t K = 1024;
+    long n = 0;
+    for (int trial = 0; trial < 40; ++trial) {
+        std::vector<uint16_t> x(K), nw(K);
+        const float scale = trial % 4 == 0 ? 1e30f : trial % 4 == 1 ? 1e-30f : 3.0f;
+        for (auto& v : x) v = coin(rng) == 0 ? specials[pick(rng)] : float_to_bf16(scale * nd(rng));
+        for (auto& v : nw) v = trial % 5 == 0 && coin(rng) == 0 ? specials[pick(rng)] : float_to_bf16(0.5f + std::fabs(nd(rng)));
+        for (int i = 0; i < 32; ++i) x[32 * (trial % (K / 32)) + i] = trial % 3 == 0 ? 0x7FC0 : 0;  // a block all NaN or all 0
+        for (int B : {16, 32})
+            for (int act : {ACT_NONE, ACT_RMSNORM}) {
+                std::vector<int8_t> q0(K), q1(K);
+                std::vector<float> d0(K / 32), d1(K / 32), sf0(K / B), sf1(K / B), f(K);
+                std::vector<int32_t> s0(K / B), s1(K / B);
+                quantize_row(x.data(), K, B, q0.data(), d0.data(), s0.data(), sf0.data(), act, nw.data(), 1e-6f, f.data());
+                body.quantize(x.data(), K, B, q1.data(), d1.data(), s1.data(), sf1.data(), act, nw.data(), 1e-6f, f.data());
+                const bool same = std::memcmp(q0.data(), q1.data(), K) == 0 &&
+                                  std::memcmp(d0.data(), d1.data(), sizeof(float) * d0.size()) == 0 &&
+                                  std::memcmp(s0.data(), s1.data(), sizeof(int32_t) * s0.size()) == 0 &&
+                                  std::memcmp(sf0.data(), sf1.data(), sizeof(float) * sf0.size()) == 0;
+                if (!same) {
+                    std::printf("quantizer mismatch %s trial=%d B=%d act=%d\n", body.name, trial, B, act);
+                    return -1;
+                }
+                n += K;
+            }
+    }
+    return n;
+}
+
 }  // namespace
 
 int main() {
-    std::vector<std::pair<const char*, panels_fn>> bodies;
+    std::vector<Body> bodies;
 #if defined(AGENTSPEC_NEON)
-    bodies.push_back({"neon", qneon::panels});
+    bodies.push_back({"neon", qneon::panels, quantize_for(1)});
 #elif defined(AGENTSPEC_X86)
-    bodies.push_back({"avx2", qavx2::panels});
-    if (has_vnni()) bodies.push_back({"avx512vnni", qvnni::panels});
+    bodies.push_back({"avx2", qavx2::panels, qavx2::quantize_row});
+    if (has_vnni()) bodies.push_back({"avx512vnni", qvnni::panels, qvnni::quantize_row});
 #endif
     if (bodies.empty()) {
         std::puts("no SIMD body on this architecture");
@@ -76,6 +121,11 @@ int main() {
     std::mt19937 rng(11);
     std::normal_distribution<float> nd(0.0f, 1.0f);
     long checked = 0;
+    for (const Body& b : bodies) {
+        const long n = check_quantizer(b, rng);
+        if (n < 0) return 1;
+        checked += n;
+    }
     const int64_t K = 512;
     for (const Case& c : cases) {
         for (int64_t N : {16, 40}) {
@@ -98,9 +148,10 @@ int main() {
                     const int64_t NP = (N + 15) / 16;
                     std::vector<uint16_t> ref(M * N), got(M * N);
                     qscalar::panels(W.w, xx, M, ref.data(), N, 0, NP);
-                    for (auto& [name, body] : bodies) {
+                    for (const Body& b : bodies) {
+                        const char* name = b.name;
                         std::fill(got.begin(), got.end(), 0xFFFF);
-                        body(W.w, xx, M, got.data(), N, 0, NP);
+                        b.panels(W.w, xx, M, got.data(), N, 0, NP);
                         for (int64_t i = 0; i < M * N; ++i, ++checked)
                             if (ref[i] != got[i]) {
                                 std::printf("mismatch %s fmt=%d B=%d min=%d act=%d M=%ld N=%ld i=%ld: %04x vs %04x\n",
