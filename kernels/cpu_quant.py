@@ -15,8 +15,9 @@ reference dequantizer forms, so ``scale * q + min`` is that dequantizer's value 
 (``QuantLinear.dequantize``; tested per type). F32, F16 and BF16 projections become bfloat16
 ``PackedLinear`` parts. Other types (the IQ* family, TQ*) are refused by name.
 
-``QuantLinear(x)`` quantizes each row of ``x`` on its own (int8 per 32 columns), so a row's result
-depends on that row alone, at every ISA level the same bits (see qlinear.cpp for the arithmetic).
+``QuantLinear(x)`` quantizes each row of ``x`` on its own (int8 per 32 columns, per 256 for Q4_K and
+Q6_K), so a row's result depends on that row alone, at every ISA level the same bits (see
+qlinear.cpp for the arithmetic).
 """
 
 from __future__ import annotations

@@ -19,15 +19,22 @@
 // high). The scales and mins are arrays of their own, 16 lanes per (panel, block or super-block).
 //
 // Activations. Each row of x is quantized on its own (quantize_row: the plain reference, and AVX2
-// and AVX-512 versions with the same bits, tested against it): per 32 columns, d = amax / 127 and
-// q = round-to-nearest-even(x / d) in [-127, 127] (llama.cpp's Q8_0 activation). So a row's
-// result depends on that row alone.
+// and AVX-512 versions with the same bits, tested against it): per G columns, d = amax / 127 and
+// q = round-to-nearest-even(x / d) in [-127, 127]; G = 32 (llama.cpp's Q8_0 activation), or 256 for
+// U4K / U6K (its Q8_K: one scale per super-block, so the blocks' integer sums combine in integers).
+// So a row's result depends on that row alone.
 //
-// Arithmetic of output (m, n), identical at every ISA level: for each weight block j in order,
+// Arithmetic of output (m, n), identical at every ISA level. U4 / I8, for each weight block j in
+// order:
 //   isum = sum_i q_w[i] * q_x[i]       (exact, int32: the order does not matter)
 //   t    = (float)isum * d_x(j)
 //   acc  = acc + scale_j * t           (a float32 multiply, then an add: no FMA anywhere)
 //   acc  = acc + min_j * xsf_j         (types with a min; xsf_j = d_x(j) * (float)sum_i q_x[i])
+// U4K / U6K: for each super-block s in order (its blocks j, 6-bit or int8 sub-scales sc_j, m_j),
+//   v    = sum_j sc_j * isum_j         (exact, int32: at most 8 * 63 * 32 * 15 * 127, or
+//                                      16 * 128 * 16 * 32 * 127)
+//   acc  = acc + d_s * ((float)v * d_x(s))
+//   acc  = acc + (-dmin_s) * ((float)(sum_j m_j * sum_i q_x[i]) * d_x(s))     (U4K)
 // then rounded once to bfloat16. The integer sums are exact in every body (AVX512-VNNI's VPDPBUSD
 // on q + 128 minus 128 * sum q_x; AVX2's VPMADDUBSW on |q| and sign-adjusted x, whose int16 pair
 // sums cannot saturate: |q| <= 128, |q_x| <= 127; NEON's SMULL / SMLAL int16 products widened by
@@ -90,8 +97,9 @@ void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, u
     static thread_local std::vector<float> dx, xsf;
     static thread_local std::vector<int32_t> xs;
     static thread_local std::vector<float> fbuf;
+    const int G = group_size(fmt);   // columns per activation scale
     xq.resize((size_t)(M * K));
-    dx.resize((size_t)(M * (K / 32)));
+    dx.resize((size_t)(M * (K / G)));
     xs.resize((size_t)(M * (K / B)));
     xsf.resize((size_t)(M * (K / B)));
     const uint16_t* xh = reinterpret_cast<const uint16_t*>(x);
@@ -105,15 +113,15 @@ void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, u
     const float e = (float)eps;
     if (qt == 1) {
         for (int64_t m = 0; m < M; ++m)
-            quantize(xh + m * x_st, K, B, xqp + m * K, dxp + m * (K / 32), xsp + m * (K / B), xsfp + m * (K / B),
+            quantize(xh + m * x_st, K, B, G, xqp + m * K, dxp + m * (K / G), xsp + m * (K / B), xsfp + m * (K / B),
                          act, nw, e, fb);
     } else {
 #pragma omp parallel for num_threads(qt) schedule(static)
         for (int64_t m = 0; m < M; ++m)
-            quantize(xh + m * x_st, K, B, xqp + m * K, dxp + m * (K / 32), xsp + m * (K / B), xsfp + m * (K / B),
+            quantize(xh + m * x_st, K, B, G, xqp + m * K, dxp + m * (K / G), xsp + m * (K / B), xsfp + m * (K / B),
                          act, nw, e, fb + (int64_t)omp_get_thread_num() * K);
     }
-    const QX xx{xqp, dxp, xsp, xsfp, K, K / 32, K / B};
+    const QX xx{xqp, dxp, xsp, xsfp, K, K / G, K / B};
     uint16_t* o = reinterpret_cast<uint16_t*>(out);
     const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, NP));
 #pragma omp parallel num_threads(nt)

@@ -81,19 +81,20 @@ long check_quantizer(const Body& body, std::mt19937& rng) {
         for (auto& v : x) v = coin(rng) == 0 ? specials[pick(rng)] : float_to_bf16(scale * nd(rng));
         for (auto& v : nw) v = trial % 5 == 0 && coin(rng) == 0 ? specials[pick(rng)] : float_to_bf16(0.5f + std::fabs(nd(rng)));
         for (int i = 0; i < 32; ++i) x[32 * (trial % (K / 32)) + i] = trial % 3 == 0 ? 0x7FC0 : 0;  // a block all NaN or all 0
+        for (int G : {32, 256})
         for (int B : {16, 32})
             for (int act : {ACT_NONE, ACT_RMSNORM}) {
                 std::vector<int8_t> q0(K), q1(K);
-                std::vector<float> d0(K / 32), d1(K / 32), sf0(K / B), sf1(K / B), f(K);
+                std::vector<float> d0(K / G), d1(K / G), sf0(K / B), sf1(K / B), f(K);
                 std::vector<int32_t> s0(K / B), s1(K / B);
-                quantize_row(x.data(), K, B, q0.data(), d0.data(), s0.data(), sf0.data(), act, nw.data(), 1e-6f, f.data());
-                body.quantize(x.data(), K, B, q1.data(), d1.data(), s1.data(), sf1.data(), act, nw.data(), 1e-6f, f.data());
+                quantize_row(x.data(), K, B, G, q0.data(), d0.data(), s0.data(), sf0.data(), act, nw.data(), 1e-6f, f.data());
+                body.quantize(x.data(), K, B, G, q1.data(), d1.data(), s1.data(), sf1.data(), act, nw.data(), 1e-6f, f.data());
                 const bool same = std::memcmp(q0.data(), q1.data(), K) == 0 &&
                                   std::memcmp(d0.data(), d1.data(), sizeof(float) * d0.size()) == 0 &&
                                   std::memcmp(s0.data(), s1.data(), sizeof(int32_t) * s0.size()) == 0 &&
                                   std::memcmp(sf0.data(), sf1.data(), sizeof(float) * sf0.size()) == 0;
                 if (!same) {
-                    std::printf("quantizer mismatch %s trial=%d B=%d act=%d\n", body.name, trial, B, act);
+                    std::printf("quantizer mismatch %s trial=%d G=%d B=%d act=%d\n", body.name, trial, G, B, act);
                     return -1;
                 }
                 n += K;
@@ -137,14 +138,15 @@ int main() {
                     for (auto& v : nw) v = float_to_bf16(0.5f + std::fabs(nd(rng)));
                     if (M > 1)   // an all-zero block: its activation scale is 0
                         for (int i = 0; i < 32; ++i) x[K + i] = 0;
+                    const int G = group_size(c.fmt);
                     std::vector<int8_t> xq(M * K);
-                    std::vector<float> dx(M * (K / 32)), xsf(M * (K / c.B)), f(K);
+                    std::vector<float> dx(M * (K / G)), xsf(M * (K / c.B)), f(K);
                     std::vector<int32_t> xs(M * (K / c.B));
                     for (int64_t m = 0; m < M; ++m)
-                        quantize_row(x.data() + m * K, K, c.B, xq.data() + m * K, dx.data() + m * (K / 32),
+                        quantize_row(x.data() + m * K, K, c.B, G, xq.data() + m * K, dx.data() + m * (K / G),
                                      xs.data() + m * (K / c.B), xsf.data() + m * (K / c.B), act, nw.data(), 1e-6f,
                                      f.data());
-                    const QX xx{xq.data(), dx.data(), xs.data(), xsf.data(), K, K / 32, K / c.B};
+                    const QX xx{xq.data(), dx.data(), xs.data(), xsf.data(), K, K / G, K / c.B};
                     const int64_t NP = (N + 15) / 16;
                     std::vector<uint16_t> ref(M * N), got(M * N);
                     qscalar::panels(W.w, xx, M, ref.data(), N, 0, NP);
