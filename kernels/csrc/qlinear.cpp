@@ -95,33 +95,36 @@ void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, u
     nb::gil_scoped_release nogil;
     static thread_local std::vector<int8_t> xq;
     static thread_local std::vector<float> dx, xsf;
-    static thread_local std::vector<int32_t> xs;
+    static thread_local std::vector<int32_t> xs, xs2;
     static thread_local std::vector<float> fbuf;
     const int G = group_size(fmt);   // columns per activation scale
     xq.resize((size_t)(M * K));
     dx.resize((size_t)(M * (K / G)));
     xs.resize((size_t)(M * (K / B)));
     xsf.resize((size_t)(M * (K / B)));
+    xs2.resize((size_t)(M * (K / B / 2)));
     const uint16_t* xh = reinterpret_cast<const uint16_t*>(x);
     int8_t* xqp = xq.data();
     float *dxp = dx.data(), *xsfp = xsf.data();
-    int32_t* xsp = xs.data();
+    int32_t *xsp = xs.data(), *xs2p = xs2.data();
     const int qt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, M));
     fbuf.resize((size_t)(qt * K));
     float* fb = fbuf.data();
     const uint16_t* nw = reinterpret_cast<const uint16_t*>(norm_w);
     const float e = (float)eps;
+    // one row: quantized, then its blocks' sums paired (QX::xs2)
+    auto row = [&](int64_t m, float* f) {
+        quantize(xh + m * x_st, K, B, G, xqp + m * K, dxp + m * (K / G), xsp + m * (K / B), xsfp + m * (K / B), act, nw,
+                 e, f);
+        pair_sums(xsp + m * (K / B), K / B, xs2p + m * (K / B / 2));
+    };
     if (qt == 1) {
-        for (int64_t m = 0; m < M; ++m)
-            quantize(xh + m * x_st, K, B, G, xqp + m * K, dxp + m * (K / G), xsp + m * (K / B), xsfp + m * (K / B),
-                         act, nw, e, fb);
+        for (int64_t m = 0; m < M; ++m) row(m, fb);
     } else {
 #pragma omp parallel for num_threads(qt) schedule(static)
-        for (int64_t m = 0; m < M; ++m)
-            quantize(xh + m * x_st, K, B, G, xqp + m * K, dxp + m * (K / G), xsp + m * (K / B), xsfp + m * (K / B),
-                         act, nw, e, fb + (int64_t)omp_get_thread_num() * K);
+        for (int64_t m = 0; m < M; ++m) row(m, fb + (int64_t)omp_get_thread_num() * K);
     }
-    const QX xx{xqp, dxp, xsp, xsfp, K, K / G, K / B};
+    const QX xx{xqp, dxp, xsp, xsfp, K, K / G, K / B, xs2p};
     uint16_t* o = reinterpret_cast<uint16_t*>(out);
     const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(threads, NP));
 #pragma omp parallel num_threads(nt)

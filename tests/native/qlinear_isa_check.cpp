@@ -146,7 +146,10 @@ int main() {
                         quantize_row(x.data() + m * K, K, c.B, G, xq.data() + m * K, dx.data() + m * (K / G),
                                      xs.data() + m * (K / c.B), xsf.data() + m * (K / c.B), act, nw.data(), 1e-6f,
                                      f.data());
-                    const QX xx{xq.data(), dx.data(), xs.data(), xsf.data(), K, K / G, K / c.B};
+                    std::vector<int32_t> xs2(M * (K / c.B / 2));
+                    for (int64_t m = 0; m < M; ++m)
+                        pair_sums(xs.data() + m * (K / c.B), K / c.B, xs2.data() + m * (K / c.B / 2));
+                    const QX xx{xq.data(), dx.data(), xs.data(), xsf.data(), K, K / G, K / c.B, xs2.data()};
                     const int64_t NP = (N + 15) / 16;
                     std::vector<uint16_t> ref(M * N), got(M * N);
                     qscalar::panels(W.w, xx, M, ref.data(), N, 0, NP);
