@@ -60,16 +60,7 @@ namespace nb = nanobind;
 
 #include "qlinear_body.inc"
 
-const char* qlinear_body() {
-#if defined(AGENTSPEC_X86)
-    const int isa = agentspec_isa();
-    if (isa >= 3 && has_vnni()) return "avx512vnni";
-    if (isa >= 2) return "avx2";
-#elif defined(AGENTSPEC_NEON)
-    if (agentspec_isa() >= 1) return "neon";
-#endif
-    return "scalar";
-}
+const char* qlinear_body() { return body_for(agentspec_isa()).name; }
 
 // x: bfloat16 [M, K] (row stride x_st); the repacked weight (q, sc, mn: see the header; mn 0 for
 // none); out: bfloat16 [M, N] (row stride o_st), or float32 with out_f32 (the accumulators unrounded:
@@ -88,8 +79,9 @@ void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, u
     QW w{reinterpret_cast<const uint8_t*>(q), reinterpret_cast<const float*>(sc),
          mn ? reinterpret_cast<const float*>(mn) : nullptr, reinterpret_cast<const uint8_t*>(s8),
          reinterpret_cast<const uint8_t*>(m8), fmt, B, N, K, K / B, qbytes, K / 256, out_f32};
-    const panels_fn panels = panels_for(agentspec_isa());
-    const quantize_fn quantize = quantize_for(agentspec_isa());
+    const QBody body = body_for(agentspec_isa());
+    const panels_fn panels = body.panels;
+    const quantize_fn quantize = body.quantize;
     const int64_t NP = (N + 15) / 16;
     if (threads <= 0) threads = omp_get_max_threads();
     nb::gil_scoped_release nogil;

@@ -108,7 +108,7 @@ long check_quantizer(const Body& body, std::mt19937& rng) {
 int main() {
     std::vector<Body> bodies;
 #if defined(AGENTSPEC_NEON)
-    bodies.push_back({"neon", qneon::panels, quantize_for(1)});
+    bodies.push_back({"neon", qneon::panels, body_for(1).quantize});
 #elif defined(AGENTSPEC_X86)
     bodies.push_back({"avx2", qavx2::panels, qavx2::quantize_row});
     if (has_vnni()) bodies.push_back({"avx512vnni", qvnni::panels, qvnni::quantize_row});
