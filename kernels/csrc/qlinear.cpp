@@ -104,11 +104,11 @@ void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, u
     float* fb = fbuf.data();
     const uint16_t* nw = reinterpret_cast<const uint16_t*>(norm_w);
     const float e = (float)eps;
-    // one row: quantized, then its blocks' sums paired (QX::xs2)
+    // one row: quantized, then (Q4_K, the only layout that reads them) its blocks' sums paired (QX::xs2)
     auto row = [&](int64_t m, float* f) {
         quantize(xh + m * x_st, K, B, G, xqp + m * K, dxp + m * (K / G), xsp + m * (K / B), xsfp + m * (K / B), act, nw,
                  e, f);
-        pair_sums(xsp + m * (K / B), K / B, xs2p + m * (K / B / 2));
+        if (fmt == FMT_U4K) pair_sums(xsp + m * (K / B), K / B, xs2p + m * (K / B / 2));
     };
     if (qt == 1) {
         for (int64_t m = 0; m < M; ++m) row(m, fb);

@@ -60,15 +60,9 @@ Weights make_weights(const Case& c, int64_t N, int64_t K, std::mt19937& rng) {
     return W;
 }
 
-struct Body {
-    const char* name;
-    panels_fn panels;
-    quantize_fn quantize;
-};
-
 // the quantizer of ``body`` against the reference on rows with special values: every output's
 // bits; returns how many values were compared, or -1 after printing the first mismatch
-long check_quantizer(const Body& body, std::mt19937& rng) {
+long check_quantizer(const QBody& body, std::mt19937& rng) {
     const uint16_t specials[] = {0x7FC0, 0x7F81, 0xFFC0, 0x7F80, 0xFF80, 0x8000, 0x0000, 0x0001, 0x8001,
                                  0x007F, 0x0080, 0x7F7F, 0xFF7F, 0x3F80, 0xBF80};
     std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -106,12 +100,12 @@ long check_quantizer(const Body& body, std::mt19937& rng) {
 }  // namespace
 
 int main() {
-    std::vector<Body> bodies;
+    std::vector<QBody> bodies;
 #if defined(AGENTSPEC_NEON)
-    bodies.push_back({"neon", qneon::panels, body_for(1).quantize});
+    bodies.push_back(body_for(1));
 #elif defined(AGENTSPEC_X86)
-    bodies.push_back({"avx2", qavx2::panels, qavx2::quantize_row});
-    if (has_vnni()) bodies.push_back({"avx512vnni", qvnni::panels, qvnni::quantize_row});
+    bodies.push_back(body_for(2));
+    if (has_vnni()) bodies.push_back(body_for(3));
 #endif
     if (bodies.empty()) {
         std::puts("no SIMD body on this architecture");
@@ -122,7 +116,7 @@ int main() {
     std::mt19937 rng(11);
     std::normal_distribution<float> nd(0.0f, 1.0f);
     long checked = 0;
-    for (const Body& b : bodies) {
+    for (const QBody& b : bodies) {
         const long n = check_quantizer(b, rng);
         if (n < 0) return 1;
         checked += n;
@@ -153,7 +147,7 @@ int main() {
                     const int64_t NP = (N + 15) / 16;
                     std::vector<uint16_t> ref(M * N), got(M * N);
                     qscalar::panels(W.w, xx, M, ref.data(), N, 0, NP);
-                    for (const Body& b : bodies) {
+                    for (const QBody& b : bodies) {
                         const char* name = b.name;
                         std::fill(got.begin(), got.end(), 0xFFFF);
                         b.panels(W.w, xx, M, got.data(), N, 0, NP);
