@@ -12,6 +12,9 @@ from ``/proc``):
   agentspec:plain     ``agentspec serve --model FILE`` with ``"speculation": false``
   agentspec:spec      the same server config, speculation on (suffix index over prompt and output)
   agentspec:plain-kv-bf16  plain, with ``--kv-dtype bfloat16`` (its outputs against the float32 cache's)
+  agentspec:workspace agentspec:spec with ``--repo DIR`` (``--workspace DIR``): the folder indexed as
+                      the workspace, one subfolder per repository the prompts were recorded in
+                      (``python -m benchmarks.workspaces DIR --repos ...``); start-up includes indexing
   llama.cpp:plain     ``llama-server -m FILE -t THREADS --jinja``
   llama.cpp:SPEC      ``--spec-type SPEC`` for each of ``--llama-spec`` (e.g. ngram-simple, ngram-mod)
 
@@ -47,6 +50,7 @@ import os
 import statistics
 import subprocess
 import sys
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -223,15 +227,42 @@ def llama_server(path: Path | None) -> Path:
     return Path(r.stdout.strip().splitlines()[-1])
 
 
-def ours(model: Path, prompts, args, spec: bool, tmp: Path, extra_args: list[str] = ()) -> tuple[dict, dict]:
+def workspace_repos(root: Path, prompts) -> dict:
+    """What each repository folder of ``root`` the prompts need is (refused when one is missing)."""
+    from benchmarks.workspaces import SOURCES, repository_of
+
+    names = sorted({repository_of(pid) for pid, _ in prompts})
+    missing = [r for r in names if not (root / r).is_dir()]
+    if missing:
+        raise SystemExit(f"--workspace {str(root)!r} has no folder for {', '.join(missing)} "
+                         f"(python -m benchmarks.workspaces {root} --repos {','.join(missing)})")
+    return {r: dict(zip(("project", "version", "sdist", "sha256"), SOURCES[r])) if r in SOURCES else None
+            for r in names}
+
+
+def index_summary(log_path: Path) -> dict | None:
+    """The workspace index's size from an ``agentspec serve`` log ("N files, C chunks, T tokens in S s")."""
+    m = re.search(r"\[agentspec\]\s+(\d+) files, (\d+) chunks, (\d+) tokens in ([\d.]+)s",
+                  Path(log_path).read_text(errors="replace"))
+    return {"files": int(m[1]), "chunks": int(m[2]), "tokens": int(m[3]), "seconds": float(m[4])} if m else None
+
+
+def ours(model: Path, prompts, args, spec: bool, tmp: Path, extra_args: list[str] = (),
+         workspace: Path | None = None) -> tuple[dict, dict]:
     port = free_port()
+    name = f"agentspec-{int(spec)}{'-ws' if workspace is not None else ''}{'-'.join(['', *extra_args])}.log"
+    if workspace is not None:
+        info = workspace_repos(workspace, prompts)
+        extra_args = [*extra_args, "--repo", str(workspace)]
     cmd = agentspec_cmd(model, port, args.threads, *extra_args)
-    p = Process(cmd, port, tmp / f"agentspec-{int(spec)}{'-'.join(['', *extra_args])}.log", "/health",
-                args.start_timeout, env=dict(os.environ))
+    p = Process(cmd, port, tmp / name, "/health", args.start_timeout, env=dict(os.environ))
     try:
         out = run_prompts(p.base, model.name.removesuffix(".gguf"), prompts, args.max_tokens,
                           {"speculation": spec, "spec_stats": True}, args.concurrency)
         out.update(start_s=round(p.start_s, 2), peak_rss_bytes=peak_rss(p.proc.pid))
+        if workspace is not None:
+            out["workspace"] = {"folder": str(workspace.resolve()), "repositories": info,
+                                "index": index_summary(p.log_path)}
     finally:
         p.stop()
     return out, server_kernels(p.log_path)
@@ -430,7 +461,10 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=8192, help="llama-server's context (-c)")
     ap.add_argument("--methods", default="agentspec:plain,agentspec:spec,llama.cpp:plain",
                     help="comma-separated: agentspec:plain, agentspec:spec, agentspec:plain-kv-bf16 (a bfloat16 KV "
-                         "cache), llama.cpp:plain")
+                         "cache), agentspec:workspace (needs --workspace), llama.cpp:plain")
+    ap.add_argument("--workspace", type=Path,
+                    help="agentspec:workspace: the folder to index, one subfolder per repository "
+                         "(python -m benchmarks.workspaces DIR --repos ...)")
     ap.add_argument("--llama-spec", default="ngram-simple,ngram-mod", help="llama-server --spec-type values ('' for none)")
     ap.add_argument("--llama-draft-max", type=int, default=64)
     ap.add_argument("--llama-server", type=Path, help="default: benchmarks/peers/setup_llamacpp.sh's build")
@@ -451,6 +485,9 @@ def main() -> int:
     if not args.model.is_file():
         ap.error(f"--model is not a file: {str(args.model)!r} (python scripts/fetch_model.py --list)")
     methods = [m for m in args.methods.split(",") if m]
+    if "agentspec:workspace" in methods and (args.workspace is None or not args.workspace.is_dir()):
+        ap.error(f"agentspec:workspace needs --workspace DIR, a folder of repositories, got {args.workspace!r} "
+                 "(python -m benchmarks.workspaces DIR)")
     llama_specs = [s for s in args.llama_spec.split(",") if s]
     if args.grid:
         methods = [m for m in methods if m.endswith(":plain") or m == "agentspec:plain-kv-bf16"]
@@ -487,6 +524,9 @@ def main() -> int:
                 results[m], kern = ours(args.model, prompts, args, m.endswith("spec"), tmp,
                                         extra_args=["--kv-dtype", "bfloat16"] if m.endswith("kv-bf16") else [])
                 kernels = kernels or kern
+            elif m == "agentspec:workspace":
+                results[m], kern = ours(args.model, prompts, args, True, tmp, workspace=args.workspace)
+                kernels = kernels or kern
             elif m == "llama.cpp:plain":
                 results[m] = llama(server, args.model, prompts, args, None, tmp)
             else:
@@ -516,10 +556,16 @@ def main() -> int:
         if args.divergence:   # the servers have stopped: the model loads in this process
             summary["llama_plain_divergence"] = divergence(args.model, prompts, base["texts"],
                                                           results["llama.cpp:plain"]["texts"], args.threads)
-    if theirs and "agentspec:spec" in results:
-        best = max(theirs, key=lambda m: theirs[m]["tokens_per_s"])
-        summary["agentspec_spec_vs_llama_best"] = {
-            "llama_best": best, "ratio": round(results["agentspec:spec"]["tokens_per_s"] / theirs[best]["tokens_per_s"], 3)}
+    for ours_m in ("agentspec:spec", "agentspec:workspace"):
+        if theirs and ours_m in results:
+            best = max(theirs, key=lambda m: theirs[m]["tokens_per_s"])
+            summary[f"{ours_m.replace(':', '_')}_vs_llama_best"] = {
+                "llama_best": best, "ratio": round(results[ours_m]["tokens_per_s"] / theirs[best]["tokens_per_s"], 3)}
+    if "agentspec:spec" in results and "agentspec:workspace" in results:
+        summary["agentspec:workspace"]["vs_agentspec_spec"] = round(
+            results["agentspec:workspace"]["tokens_per_s"] / results["agentspec:spec"]["tokens_per_s"], 3)
+        summary["agentspec:workspace"]["identical_to_agentspec_spec"] = same(results["agentspec:workspace"]["texts"],
+                                                                             results["agentspec:spec"]["texts"])
     for m, s in summary.items():
         log(f"{m}: {s}")
     report = {"benchmark": "bench_gguf",
