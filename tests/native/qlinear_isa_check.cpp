@@ -126,7 +126,7 @@ int main() {
         for (int64_t N : {16, 40}) {
             Weights W = make_weights(c, N, K, rng);
             for (int act : {ACT_NONE, ACT_RMSNORM}) {
-                for (int64_t M : {1, 2, 3, 4, 5, 9}) {
+                for (int64_t M : {1, 2, 3, 4, 5, 9, 12, 15}) {
                     std::vector<uint16_t> x(M * K), nw(K);
                     for (auto& v : x) v = float_to_bf16(3.0f * nd(rng));
                     for (auto& v : nw) v = float_to_bf16(0.5f + std::fabs(nd(rng)));
