@@ -12,9 +12,12 @@ from ``/proc``):
   agentspec:plain     ``agentspec serve --model FILE`` with ``"speculation": false``
   agentspec:spec      the same server config, speculation on (suffix index over prompt and output)
   agentspec:plain-kv-bf16  plain, with ``--kv-dtype bfloat16`` (its outputs against the float32 cache's)
-  agentspec:workspace agentspec:spec with ``--repo DIR`` (``--workspace DIR``): the folder indexed as
-                      the workspace, one subfolder per repository the prompts were recorded in
-                      (``python -m benchmarks.workspaces DIR --repos ...``); start-up includes indexing
+  agentspec:workspace agentspec:spec with a workspace indexed (``--repo``): a copy of ``--workspace
+                      DIR``, one subfolder per repository the prompts were recorded in (``python -m
+                      benchmarks.workspaces DIR --repos ...``: releases from before the recorded
+                      work), and for rewrites each rewritten file written into it as its prompt
+                      holds it (the file the editor has open; a path rewritten twice in the run
+                      keeps its first prompt's copy); start-up includes the indexing
   llama.cpp:plain     ``llama-server -m FILE -t THREADS --jinja``
   llama.cpp:SPEC      ``--spec-type SPEC`` for each of ``--llama-spec`` (e.g. ngram-simple, ngram-mod)
 
@@ -227,8 +230,16 @@ def llama_server(path: Path | None) -> Path:
     return Path(r.stdout.strip().splitlines()[-1])
 
 
-def workspace_repos(root: Path, prompts) -> dict:
-    """What each repository folder of ``root`` the prompts need is (refused when one is missing)."""
+# a recorded rewrite prompt's file: its path, and its text exactly (the fence closes right after it)
+REWRITE_FILE = re.compile(r"Current contents of `([^`\n]+)`:\n```[^\n]*\n(.*?)```\n\nReply with", re.S)
+
+
+def workspace_copy(root: Path, prompts, dest: Path) -> dict:
+    """``root`` copied to ``dest`` with each rewrite prompt's file written in as the prompt holds it
+    (``REWRITE_FILE``; the first prompt's copy where a path comes twice); what the workspace is.
+    Refused when a repository the prompts need has no folder in ``root``."""
+    import shutil
+
     from benchmarks.workspaces import SOURCES, repository_of
 
     names = sorted({repository_of(pid) for pid, _ in prompts})
@@ -236,8 +247,22 @@ def workspace_repos(root: Path, prompts) -> dict:
     if missing:
         raise SystemExit(f"--workspace {str(root)!r} has no folder for {', '.join(missing)} "
                          f"(python -m benchmarks.workspaces {root} --repos {','.join(missing)})")
-    return {r: dict(zip(("project", "version", "sdist", "sha256"), SOURCES[r])) if r in SOURCES else None
-            for r in names}
+    shutil.copytree(root, dest, symlinks=True)
+    written, kept = [], []
+    for pid, messages in prompts:
+        m = REWRITE_FILE.search(messages[-1]["content"]) if messages else None
+        if m is None:
+            continue
+        path = dest / repository_of(pid) / m[1]
+        if f"{repository_of(pid)}/{m[1]}" in written:
+            kept.append(pid)
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(m[2])
+        written.append(f"{repository_of(pid)}/{m[1]}")
+    return {"repositories": {r: dict(zip(("project", "version", "sdist", "sha256"), SOURCES[r]))
+                             if r in SOURCES else None for r in names},
+            "files_written": written, "prompts_with_an_earlier_copy": kept}
 
 
 def index_summary(log_path: Path) -> dict | None:
@@ -252,8 +277,8 @@ def ours(model: Path, prompts, args, spec: bool, tmp: Path, extra_args: list[str
     port = free_port()
     name = f"agentspec-{int(spec)}{'-ws' if workspace is not None else ''}{'-'.join(['', *extra_args])}.log"
     if workspace is not None:
-        info = workspace_repos(workspace, prompts)
-        extra_args = [*extra_args, "--repo", str(workspace)]
+        info = workspace_copy(workspace, prompts, tmp / "workspace")
+        extra_args = [*extra_args, "--repo", str(tmp / "workspace")]
     cmd = agentspec_cmd(model, port, args.threads, *extra_args)
     p = Process(cmd, port, tmp / name, "/health", args.start_timeout, env=dict(os.environ))
     try:
@@ -261,8 +286,7 @@ def ours(model: Path, prompts, args, spec: bool, tmp: Path, extra_args: list[str
                           {"speculation": spec, "spec_stats": True}, args.concurrency)
         out.update(start_s=round(p.start_s, 2), peak_rss_bytes=peak_rss(p.proc.pid))
         if workspace is not None:
-            out["workspace"] = {"folder": str(workspace.resolve()), "repositories": info,
-                                "index": index_summary(p.log_path)}
+            out["workspace"] = {"folder": str(workspace.resolve()), **info, "index": index_summary(p.log_path)}
     finally:
         p.stop()
     return out, server_kernels(p.log_path)

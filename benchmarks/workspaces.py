@@ -2,12 +2,12 @@
 """The repositories the recorded traffic came from, as workspaces to index.
 
 The recorded rewrites are commits of Aider-AI/aider; the recorded agent turns solve SWE-bench tasks
-in django, sympy, matplotlib and the rest. Their exact commits cannot be fetched here (PyPI only),
-so each repository's workspace is the released source of its PyPI package at one pinned version
-from the middle of the recorded tasks' span: the same files the agent read and the editor had
-open, give or take the changes between that release and the task's commit. Each source
-distribution is downloaded from PyPI's simple index, checked against the sha256 pinned here (a
-changed file is refused), and unpacked to ``DIR/<repository>`` (its top folder stripped).
+in django, sympy, matplotlib, flask and others. Their exact commits cannot be fetched here (PyPI
+only), so each repository's workspace is the released source of its PyPI package at one pinned
+version from before the recorded work (``SOURCES``): the files the agent or the editor had, give
+or take the changes between that release and the task's commit, and never the answer. Each
+source distribution is downloaded from PyPI's simple index, checked against the sha256 pinned
+here (a changed file is refused), and unpacked to ``DIR/<repository>`` (its top folder stripped).
 
     python -m benchmarks.workspaces DIR [--repos django,sympy]   # prints DIR
 
@@ -34,34 +34,22 @@ log = logger("workspaces")
 
 INDEX = "https://pypi.org/simple"
 
-# repository (as the record ids name it) -> (PyPI project, version, sdist file name, sha256)
+# repository (as the record ids name it) -> (PyPI project, version, sdist file name, sha256): for the
+# agent turns, a release published before every recorded task of that repository, so that no task's
+# fix is in its workspace (SWE-bench tasks are fixed in later releases); for the rewrites, a release
+# from before the recorded commits, into which bench_gguf writes each rewritten file as it was
+# before its commit (the prompt's copy): the file the editor has open, and no later version of it.
 SOURCES: dict[str, tuple[str, str, str, str]] = {
-    "aider": ("aider-chat", "0.86.1", "aider_chat-0.86.1.tar.gz",
-              "48e489d20a4dfdd90ac4acc781f0170f688aaa5c5f2017d035e2d947fb801bbb"),
-    "django": ("django", "4.0", "Django-4.0.tar.gz",
-               "d5a8a14da819a8b9237ee4d8c78dfe056ff6e8a7511987be627192225113ee75"),
-    "sympy": ("sympy", "1.9", "sympy-1.9.tar.gz",
-              "c7a880e229df96759f955d4f3970d4cabce79f60f5b18830c08b90ce77cd5fdc"),
-    "matplotlib": ("matplotlib", "3.6.0", "matplotlib-3.6.0.tar.gz",
-                   "c5108ebe67da60a9204497d8d403316228deb52b550388190c53a57394d41531"),
-    "flask": ("flask", "2.3.0", "Flask-2.3.0.tar.gz",
-              "4088b4986f13cae23e02081e67df7e4e434ec6f85a5238bce5e6db6d1de61e06"),
-    "pylint": ("pylint", "2.15.0", "pylint-2.15.0.tar.gz",
-               "4f3f7e869646b0bd63b3dfb79f3c0f28fc3d2d923ea220d52620fd625aed92b0"),
-    "pytest": ("pytest", "7.2.0", "pytest-7.2.0.tar.gz",
-               "c4014eb40e10f11f355ad4e3c2fb2c6c6d1919c73f3b5a433de4708202cade59"),
-    "sphinx": ("sphinx", "5.3.0", "Sphinx-5.3.0.tar.gz",
-               "51026de0a9ff9fc13c05d74913ad66047e104f56a129ff73e174eb5c3ee794b5"),
-    "xarray": ("xarray", "2022.11.0", "xarray-2022.11.0.tar.gz",
-               "3008a302877f87a0f9043b1f01a4ad4e85b668bbdd38d488764098624632f527"),
-    "astropy": ("astropy", "5.1", "astropy-5.1.tar.gz",
-                "1db1b2c7eddfc773ca66fa33bd07b25d5b9c3b5eee2b934e0ca277fa5b1b7b7e"),
-    "requests": ("requests", "2.28.1", "requests-2.28.1.tar.gz",
-                 "7c5599b102feddaa661c826c56ab4fee28bfd17f5abca1ebbe3e7f19d7c97983"),
-    "scikit-learn": ("scikit-learn", "1.1.3", "scikit-learn-1.1.3.tar.gz",
-                     "bef51978a51ec19977700fe7b86aecea49c825884f3811756b74a3b152bb4e35"),
-    "seaborn": ("seaborn", "0.12.1", "seaborn-0.12.1.tar.gz",
-                "bb1eb1d51d3097368c187c3ef089c0288ec1fe8aa1c69fb324c68aa1d02df4c1"),
+    "aider": ("aider-chat", "0.50.0", "aider_chat-0.50.0.tar.gz",
+              "1e67dce40536c40ff14cc318d44e94eca8254d865f8b29d212c4fad5440945fd"),
+    "django": ("django", "2.2", "Django-2.2.tar.gz",
+               "7c3543e4fb070d14e10926189a7fcf42ba919263b7473dceaefce34d54e8a119"),
+    "sympy": ("sympy", "1.1.1", "sympy-1.1.1.tar.gz",
+              "ac5b57691bc43919dcc21167660a57cc51797c28a4301a6144eff07b751216a4"),
+    "matplotlib": ("matplotlib", "3.5.0", "matplotlib-3.5.0.tar.gz",
+                   "38892a254420d95594285077276162a5e9e9c30b6da08bdc2a4d53331ad9a6fa"),
+    "flask": ("flask", "2.2.0", "Flask-2.2.0.tar.gz",
+              "98b33b13ad76ee9c7a80d2f56a6c578780e55bf8281790c62d50d4b7fadec2b8"),
 }
 
 
