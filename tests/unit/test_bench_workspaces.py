@@ -98,3 +98,36 @@ def test_fetch_refuses_a_changed_file(tmp_path, index):
 def test_fetch_names_unknown_repositories(tmp_path):
     with pytest.raises(SystemExit, match="no pinned source for nope"):
         fetch(tmp_path, ["nope"])
+
+
+def _rewrite(path: str, text: str) -> list[dict]:
+    return [{"role": "user", "content": f"Apply this change to `{path}`:\n\nfix\n\nCurrent contents of `{path}`:\n"
+                                        f"```python\n{text}```\n\nReply with the complete updated file and nothing else."}]
+
+
+def test_workspace_copy_writes_each_rewritten_file_as_its_prompt_holds_it(tmp_path):
+    from benchmarks.bench_gguf import workspace_copy
+
+    root = tmp_path / "ws"
+    (root / "aider" / "aider").mkdir(parents=True)
+    (root / "aider" / "aider" / "a.py").write_text("a later version\n")
+    (root / "aider" / "README").write_text("kept\n")
+    prompts = [("aider/c1/aider/a.py", _rewrite("aider/a.py", "x = 1\n")),
+               ("aider/c2/docker/Dockerfile", _rewrite("docker/Dockerfile", "FROM python  # no newline")),
+               ("aider/c3/aider/a.py", _rewrite("aider/a.py", "x = 2\n"))]
+    info = workspace_copy(root, prompts, tmp_path / "copy")
+    assert (tmp_path / "copy" / "aider" / "aider" / "a.py").read_text() == "x = 1\n"   # the first prompt's copy
+    assert (tmp_path / "copy" / "aider" / "docker" / "Dockerfile").read_text() == "FROM python  # no newline"
+    assert (tmp_path / "copy" / "aider" / "README").read_text() == "kept\n"
+    assert (root / "aider" / "aider" / "a.py").read_text() == "a later version\n"   # the source is untouched
+    assert info["files_written"] == ["aider/aider/a.py", "aider/docker/Dockerfile"]
+    assert info["prompts_with_an_earlier_copy"] == ["aider/c3/aider/a.py"]
+    assert info["repositories"]["aider"]["project"] == "aider-chat"
+
+
+def test_workspace_copy_names_a_missing_repository(tmp_path):
+    from benchmarks.bench_gguf import workspace_copy
+
+    (tmp_path / "ws").mkdir()
+    with pytest.raises(SystemExit, match="no folder for django .*--repos django"):
+        workspace_copy(tmp_path / "ws", [("gemini/r/django__django-1#t002", [])], tmp_path / "copy")
