@@ -52,8 +52,8 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -240,7 +240,7 @@ def workspace_copy(root: Path, prompts, dest: Path) -> dict:
     Refused when a repository the prompts need has no folder in ``root``."""
     import shutil
 
-    from benchmarks.workspaces import SOURCES, repository_of
+    from benchmarks.workspaces import repository_of, source_info
 
     names = sorted({repository_of(pid) for pid, _ in prompts})
     missing = [r for r in names if not (root / r).is_dir()]
@@ -253,15 +253,15 @@ def workspace_copy(root: Path, prompts, dest: Path) -> dict:
         m = REWRITE_FILE.search(messages[-1]["content"]) if messages else None
         if m is None:
             continue
-        path = dest / repository_of(pid) / m[1]
-        if f"{repository_of(pid)}/{m[1]}" in written:
+        rel = f"{repository_of(pid)}/{m[1]}"
+        if rel in written:
             kept.append(pid)
             continue
+        path = dest / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(m[2])
-        written.append(f"{repository_of(pid)}/{m[1]}")
-    return {"repositories": {r: dict(zip(("project", "version", "sdist", "sha256"), SOURCES[r]))
-                             if r in SOURCES else None for r in names},
+        written.append(rel)
+    return {"repositories": {r: source_info(r) for r in names},
             "files_written": written, "prompts_with_an_earlier_copy": kept}
 
 

@@ -11,7 +11,7 @@ here (a changed file is refused), and unpacked to ``DIR/<repository>`` (its top 
 
     python -m benchmarks.workspaces DIR [--repos django,sympy]   # prints DIR
 
-``bench_gguf --workspace DIR`` serves each repository's folder as its own tenant's workspace.
+``bench_gguf --workspace DIR --methods ...,agentspec:workspace`` serves a copy of DIR as the workspace.
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ SOURCES: dict[str, tuple[str, str, str, str]] = {
 }
 
 
+def source_info(repo: str) -> dict | None:
+    """What ``repo``'s pinned source is (project, version, sdist, sha256), or None if it has none."""
+    return dict(zip(("project", "version", "sdist", "sha256"), SOURCES[repo])) if repo in SOURCES else None
+
+
 def repository_of(record_id: str) -> str:
     """The repository a recorded prompt came from: ``aider/<commit>/<path>`` -> ``aider``;
     ``<model>/<run>/<owner>__<repo>-<number>#t<turn>`` (a SWE-bench task) -> ``<repo>``."""
@@ -90,8 +95,8 @@ def fetch(root: Path, repos: list[str], *, index: str = INDEX, sources: dict = S
     root.mkdir(parents=True, exist_ok=True)
     out = {}
     for repo in repos:
-        project, version, filename, sha = sources[repo]
-        out[repo] = {"project": project, "version": version, "sdist": filename, "sha256": sha}
+        project, _, filename, sha = sources[repo]
+        out[repo] = dict(zip(("project", "version", "sdist", "sha256"), sources[repo]))
         dest, mark = root / repo, root / f".{repo}.sha256"   # the mark: written once the folder is whole
         if dest.is_dir() and mark.is_file() and mark.read_text().strip() == sha:
             continue
