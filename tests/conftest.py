@@ -46,6 +46,14 @@ CHAT_PROMPTS = [
 ]
 
 
+@pytest.fixture(params=["inotify", "watchdog"] if sys.platform.startswith("linux") else ["watchdog"])
+def watcher(request, monkeypatch):
+    """Each file watcher this platform has (``AGENTSPEC_WATCHER``): on Linux the single-threaded
+    inotify reader (the default) and watchdog's observer (the default elsewhere)."""
+    monkeypatch.setenv("AGENTSPEC_WATCHER", request.param)
+    return request.param
+
+
 THREAD_JOIN_GRACE_S = 5.0
 
 

@@ -3,8 +3,8 @@
 ``Workspace(root)`` walks the tree (respecting ``.gitignore`` files and an ignore list; binary,
 oversized, non-regular, unreadable and vanished files are skipped with a reason), cuts files at
 definition boundaries (tree-sitter), tokenizes the chunks with the engine's tokenizer and adds
-them as documents of its tenant to a ``suffix_index.SuffixIndex``. With ``watch=True`` a watchdog
-observer feeds file events to a queue; one updater thread drains it, coalesces bursts and
+them as documents of its tenant to a ``suffix_index.SuffixIndex``. With ``watch=True`` a file watcher
+(one inotify reader thread on Linux, watchdog's observer elsewhere) feeds file events to a queue; one updater thread drains it, coalesces bursts and
 re-indexes only the chunks that changed. Nothing on a request's path touches the file system:
 requests only read the index.
 
@@ -21,7 +21,7 @@ One module per job:
   scan.py       walking the tree and reading files as text, skips with reasons
   chunking.py   cutting text into chunks at definition boundaries (tree-sitter)
   overlays.py   editors' unsaved buffers indexed in place of the disk
-  watcher.py    watchdog events -> queue -> the updater thread
+  watcher.py    file events (inotify, watchdog) -> queue -> the updater thread
   snapshot.py   the persisted index and manifest, written crash-safe
 """
 

@@ -3,7 +3,7 @@
 It owns the file table (path -> size, mtime, hash, chunk document ids) and keeps the index in
 line with it: files are read (``scan``), cut into chunks (``chunking``), tokenized in batches
 and added; a changed file swaps only the chunks that changed. The other jobs live beside it:
-``ignore`` (which files count), ``overlays`` (an editor's unsaved buffers), ``watcher`` (watchdog
+``ignore`` (which files count), ``overlays`` (an editor's unsaved buffers), ``watcher`` (file
 events -> queue -> the updater thread), ``snapshot`` (the persisted index and manifest).
 """
 
@@ -26,7 +26,7 @@ from .ignore import DEFAULT_IGNORE, IgnoreRules, OwnedPath, rel_under, relative
 from .overlays import EditorOverlays
 from .scan import read_text, walk, walk_under
 from .snapshot import load_snapshot, write_snapshot
-from .watcher import Watcher, run_updater
+from .watcher import Watcher, make_watcher, run_updater
 
 __all__ = ["Workspace"]
 
@@ -41,7 +41,7 @@ class Workspace(EditorOverlays):
 
     Options:
       tenant: whose requests may draft from these files (default "default").
-      watch: follow edits with a watchdog observer (default True).
+      watch: follow edits with a file watcher (default True; ``watcher.make_watcher``).
       tokenizer: the engine's tokenizer (``engine.tokenizer``); default the bundled model's.
       index: a ``SuffixIndex`` to add to (default: a new one; ``ws.index``).
       ignore: patterns (gitignore syntax) ignored besides ``.gitignore`` files.
@@ -114,7 +114,7 @@ class Workspace(EditorOverlays):
         t0 = time.perf_counter()
         self._started = False
         if watch:   # watching before the scan: a file written while the scan reads it is queued and read again
-            self._watcher = Watcher(self.root, self._ignore, self._queue)
+            self._watcher = make_watcher(self.root, self._ignore, self._queue)
             self._watcher.start()
         try:
             if self.snapshot is not None:

@@ -212,7 +212,7 @@ def test_server_keeps_serving_when_its_workspace_is_deleted_and_replaced(served)
     assert "Traceback" not in (s.cwd / "faults.stderr").read_text()
 
 
-def test_workspace_root_deleted_then_recreated_or_replaced_is_indexed_again(tmp_path, tokenizer):
+def test_workspace_root_deleted_then_recreated_or_replaced_is_indexed_again(tmp_path, tokenizer, watcher):
     root = tmp_path / "repo"
     root.mkdir()
     (root / "a.py").write_text("def a():\n    return 'old-walrus-marker'\n")

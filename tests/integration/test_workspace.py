@@ -1,4 +1,4 @@
-"""Workspace: real folders, real watchdog events, real tokenizer and suffix index."""
+"""Workspace: real folders, real file events (inotify and watchdog), real tokenizer and suffix index."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -198,7 +199,7 @@ def test_unreadable_file_is_skipped(tmp_path, tokenizer):
         assert ws.skipped_paths["locked.py"].startswith("unreadable")
 
 
-def test_live_edits_creates_deletes_renames_and_bursts(tmp_path, tokenizer):
+def test_live_edits_creates_deletes_renames_and_bursts(tmp_path, tokenizer, watcher):
     make_repo(tmp_path)
     with Workspace(tmp_path, tokenizer=tokenizer, max_file_bytes=4096) as ws:
         idx = ws.index
@@ -246,7 +247,7 @@ def test_live_edits_creates_deletes_renames_and_bursts(tmp_path, tokenizer):
         assert until(lambda: "README.md" not in ws.files()), ws.files()
 
 
-def test_new_folders_are_watched_and_ignored_trees_are_not(tmp_path, tokenizer):
+def test_new_folders_are_watched_and_ignored_trees_are_not(tmp_path, tokenizer, watcher):
     make_repo(tmp_path)
     (tmp_path / ".venv" / "lib").mkdir(parents=True)
     with Workspace(tmp_path, tokenizer=tokenizer) as ws:
@@ -273,6 +274,97 @@ def test_new_folders_are_watched_and_ignored_trees_are_not(tmp_path, tokenizer):
         shutil.rmtree(tmp_path / "pkg")
         assert until(lambda: "pkg/sub" not in watches and "pkg/sub/a.py" not in ws.files()), (ws.files(), watches)
         assert not continues(ws.index, tokenizer, "def second_version_qq():\n    return", " 'two-two'")
+
+
+def test_folders_moved_within_into_and_out_of_the_tree(tmp_path, tokenizer, watcher):
+    root = tmp_path / "repo"
+    root.mkdir()
+    make_repo(root)
+    (root / "pkg" / "sub").mkdir(parents=True)
+    (root / "pkg" / "sub" / "m.py").write_text("def moved_fn_kk():\n    return 'kestrel-one'\n")
+    outside = tmp_path / "outside"
+    (outside / "inner").mkdir(parents=True)
+    (outside / "inner" / "o.py").write_text("def outside_fn_kk():\n    return 'osprey-one'\n")
+    with Workspace(root, tokenizer=tokenizer) as ws:
+        watches, idx = ws._watcher.watches, ws.index
+        # renamed within the tree, then edited at once: the edit is read at the new path
+        (root / "pkg").rename(root / "lib")
+        (root / "lib" / "sub" / "m.py").write_text("def moved_fn_kk():\n    return 'kestrel-two'\n")
+        assert until(lambda: "lib/sub/m.py" in ws.files() and "pkg/sub/m.py" not in ws.files()
+                     and continues(idx, tokenizer, "def moved_fn_kk():\n    return", " 'kestrel-two'")), ws.files()
+        assert until(lambda: "lib/sub" in watches and "pkg/sub" not in watches), watches
+        (root / "lib" / "sub" / "m.py").write_text("def moved_fn_kk():\n    return 'kestrel-three'\n")
+        assert until(lambda: continues(idx, tokenizer, "def moved_fn_kk():\n    return", " 'kestrel-three'"))
+        # moved in from outside: indexed and watched
+        (outside / "inner").rename(root / "inner")
+        assert until(lambda: "inner/o.py" in ws.files() and "inner" in watches), (ws.files(), watches)
+        (root / "inner" / "o.py").write_text("def outside_fn_kk():\n    return 'osprey-two'\n")
+        assert until(lambda: continues(idx, tokenizer, "def outside_fn_kk():\n    return", " 'osprey-two'"))
+        # moved into an ignored folder (secret/ is gitignored): gone from the index and unwatched
+        (root / "lib").rename(root / "secret" / "lib")
+        assert until(lambda: not any(f.startswith("lib/") for f in ws.files())), ws.files()
+        assert until(lambda: not any(k.startswith(("lib", "secret")) for k in watches)), watches
+        assert not continues(idx, tokenizer, "def moved_fn_kk():\n    return", " 'kestrel-three'")
+        # moved out of the tree: gone from the index and unwatched
+        (root / "inner").rename(outside / "back")
+        assert until(lambda: "inner/o.py" not in ws.files() and "inner" not in watches), (ws.files(), watches)
+        (outside / "back" / "o.py").write_text("def outside_fn_kk():\n    return 'osprey-three'\n")
+        (root / "after.txt").write_text("written after the moves\n")
+        assert until(lambda: "after.txt" in ws.files()), ws.files()
+        assert not any("o.py" in f or f.startswith("back") for f in ws.files())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify is Linux's")
+def test_one_watcher_thread_however_many_folders(tmp_path, tokenizer, monkeypatch):
+    """The inotify watcher reads every folder's watch on one descriptor with one thread: a
+    repository of 300 folders costs two threads (reader and updater), not one per folder (what
+    watchdog's observer runs: an emitter thread per watch)."""
+    monkeypatch.delenv("AGENTSPEC_WATCHER", raising=False)   # the default
+    for i in range(300):
+        d = tmp_path / f"pkg{i // 20}" / f"mod{i}"
+        d.mkdir(parents=True)
+        (d / "m.py").write_text(f"VALUE_{i} = {i}\n")
+    before = threading.active_count()
+    with Workspace(tmp_path, tokenizer=tokenizer) as ws:
+        assert type(ws._watcher).__name__ == "InotifyWatcher"
+        assert len(ws._watcher.watches) == 316   # the root, 15 pkg folders, 300 modules
+        assert threading.active_count() - before == 2, [t.name for t in threading.enumerate()]
+        (tmp_path / "pkg14" / "mod299" / "m.py").write_text("VALUE_299 = 'edited-ibis'\n")
+        assert until(lambda: continues(ws.index, tokenizer, "VALUE_299 =", " 'edited-ibis'"))
+    assert threading.active_count() == before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify is Linux's")
+def test_lost_events_rescan_and_rewatch_the_tree(tmp_path, tokenizer, monkeypatch):
+    """A full kernel queue (IN_Q_OVERFLOW: events were dropped) makes the watcher watch and scan
+    the whole tree again. Here events are lost for real: the root's watch is removed behind the
+    watcher's back, a file is written where no watch sees it, then the queue's overflow event
+    (what the kernel would have sent) reaches the reader's translation."""
+    from inotify_simple import Event, flags
+
+    monkeypatch.delenv("AGENTSPEC_WATCHER", raising=False)
+    make_repo(tmp_path)
+    with Workspace(tmp_path, tokenizer=tokenizer) as ws:
+        w = ws._watcher
+        w._ino.rm_watch(w.watches[""])
+        assert until(lambda: "" not in w.watches)   # IN_IGNORED reached the reader
+        (tmp_path / "unseen.py").write_text("def unseen_fn_pp():\n    return 'lost-event-petrel'\n")
+        assert ws.wait_idle() and "unseen.py" not in ws.files()
+        w._event(Event(-1, flags.Q_OVERFLOW, 0, ""), None)
+        assert until(lambda: "unseen.py" in ws.files() and "" in w.watches), (ws.files(), w.watches)
+        assert continues(ws.index, tokenizer, "def unseen_fn_pp():\n    return", " 'lost-event-petrel'")
+        (tmp_path / "unseen.py").write_text("def unseen_fn_pp():\n    return 'watched-again-tern'\n")
+        assert until(lambda: continues(ws.index, tokenizer, "def unseen_fn_pp():\n    return", " 'watched-again-tern'"))
+
+
+@pytest.mark.parametrize("value", ["inotfy", "poll"])
+def test_an_unknown_watcher_is_refused_by_name(tmp_path, tokenizer, monkeypatch, value):
+    """A ConfigError: ``agentspec serve --repo`` prints it and exits 2, no traceback."""
+    from agentspec.errors import ConfigError
+
+    monkeypatch.setenv("AGENTSPEC_WATCHER", value)
+    with pytest.raises(ConfigError, match=f"AGENTSPEC_WATCHER='{value}'.*inotify, watchdog"):
+        Workspace(tmp_path, tokenizer=tokenizer)
 
 
 def test_response_reproducing_a_file_not_in_the_prompt_is_drafted_from_the_workspace(tmp_path, tokenizer):
