@@ -26,8 +26,19 @@ over the same rounds (``Settings.decode_attention``): milliseconds per token, me
    where it runs; ``sdpa``, torch's flash attention and GEMMs), alternating ``--rounds`` times:
    per-chunk and total seconds, medians.
 
+``quant-linears``: a GGUF model's quantized linears (every layer's fused q/k/v, output, fused
+gate/up and down projections, the weights as the engine packs them; not the vocabulary head, which
+a prefill runs for its last row only) at each ISA level this CPU has (``--isas``), for ``--rows``
+rows of bfloat16 activations at ``--threads`` threads: the best of ``--repeat`` passes over all
+layers, milliseconds per projection and in all, and the int8 products per second. Beside them, the
+rate a tight loop of each body's own instruction sequence reaches on this CPU with the same threads
+(``benchmarks/native/int8_peak.cpp``, compiled with ``$CXX`` or ``c++``: the AVX2 body's two
+``VPMADDUBSW`` summed in int16, eight per ``VPMADDWD``; the VNNI body's broadcast ``VPDPBUSD``),
+weights in registers: ``of_peak`` is how close the body comes to its instructions' ceiling.
+
     python -m benchmarks.bench_kernels decode-attention --plain-prompt 3000 --out FILE
     python -m benchmarks.bench_kernels prefill --out FILE
+    python -m benchmarks.bench_kernels quant-linears --model FILE.gguf --out FILE
 
 Prints JSON; every report carries the machine record (``harness.machine_record``).
 """
@@ -35,6 +46,7 @@ Prints JSON; every report carries the machine record (``harness.machine_record``
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -252,6 +264,102 @@ def prefill(args) -> dict:
             "model_prefill": {"prompt_tokens": args.prompt, "rounds": args.rounds, **model}}
 
 
+# --- quant-linears ---------------------------------------------------------------------------------
+
+PEAK_SOURCE = Path(__file__).resolve().parent / "native" / "int8_peak.cpp"
+PEAK_LOOP = {"avx2": "avx2", "avx512vnni": "vnni"}   # a body -> the loop of its instruction sequence
+
+
+def int8_peak(loop: str, threads: int, seconds: float = 2.0) -> dict:
+    """Build ``native/int8_peak.cpp`` (once per run, in a temporary folder) and run its ``loop``."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise SystemExit("quant-linears needs a C++ compiler for its peak loop: set $CXX or install g++")
+    exe = Path(tempfile.mkdtemp(prefix="int8_peak-")) / "int8_peak"
+    subprocess.run([cxx, "-O2", "-std=c++17", "-pthread", str(PEAK_SOURCE), "-o", str(exe)], check=True)
+    try:
+        out = subprocess.run([str(exe), loop, str(threads), str(seconds)], check=True, capture_output=True, text=True)
+        return json.loads(out.stdout)
+    finally:
+        shutil.rmtree(exe.parent, ignore_errors=True)
+
+
+def quant_linears(args) -> dict:
+    try:
+        rows = [int(x) for x in args.rows.split(",")]
+    except ValueError:
+        raise SystemExit(f"--rows takes comma-separated integers, not {args.rows!r}") from None
+    if any(r < 1 for r in rows) or args.repeat < 1 or args.threads < 1:
+        raise SystemExit("--rows: integers >= 1; --repeat, --threads >= 1")
+    if not args.model.is_file():
+        raise SystemExit(f"--model {args.model}: no such GGUF file")
+
+    import numpy as np
+    import torch
+
+    from agentspec.backends.embedded.gguf_file import GGUFFile
+    from agentspec.kernels import cpu_isa
+    from agentspec.kernels.cpu_quant import QuantLinear, body
+
+    have = cpu_isa.supported()
+    isas = [x for x in args.isas.split(",") if x] if args.isas else [x for x in ("avx2", "avx512") if x in have]
+    bad = [x for x in isas if x not in have]
+    if bad:
+        raise SystemExit(f"--isas {','.join(bad)}: not an ISA level this CPU runs (it runs {', '.join(have)})")
+    f = GGUFFile(str(args.model))
+    T = {t.name: t for t in f.tensors}
+    layers = sorted({int(n.split(".")[1]) for n in T if n.startswith("blk.")})
+    kinds = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
+             "down": ("ffn_down",)}
+    lin: dict[tuple[str, int], QuantLinear] = {}
+    macs_per_row = 0
+    for layer in layers:
+        for kind, names in kinds.items():
+            ts = [T[f"blk.{layer}.{n}.weight"] for n in names]
+            lin[kind, layer] = QuantLinear.from_raw([(t.tensor_type.name, np.asarray(t.data), int(t.shape[0])) for t in ts])
+            macs_per_row += sum(int(t.shape[0]) * int(t.shape[1]) for t in ts)
+    types = {kind: lin[kind, layers[0]].types() for kind in kinds}
+    log(f"{args.model.name}: {len(layers)} layers, {macs_per_row / 1e9:.3f} G products a row; isas {isas}")
+    results = []
+    peaks: dict[str, dict] = {}
+    for isa in isas:
+        cpu_isa.set_isa(isa)
+        b = body()
+        if b in PEAK_LOOP and b not in peaks:
+            peaks[b] = int8_peak(PEAK_LOOP[b], args.threads)
+            log(f"  peak loop {PEAK_LOOP[b]}: {peaks[b]['gmacs_per_s']} G products/s at {args.threads} threads")
+        for m in rows:
+            xs = {kl: torch.randn(m, q.K).to(torch.bfloat16) for kl, q in lin.items()}
+            best, per = float("inf"), {k: float("inf") for k in kinds}
+            for _ in range(args.repeat + 1):   # the first pass warms the caches and the thread pool
+                t0 = time.perf_counter()
+                spent = dict.fromkeys(kinds, 0.0)
+                for (kind, layer), q in lin.items():
+                    t1 = time.perf_counter()
+                    q(xs[kind, layer], threads=args.threads)
+                    spent[kind] += time.perf_counter() - t1
+                total = time.perf_counter() - t0
+                if total < best:
+                    best, per = total, spent
+            rate = m * macs_per_row / best / 1e9
+            cell = {"isa": isa, "body": b, "rows": m, "ms": round(best * 1e3, 2),
+                    "ms_per_projection": {k: round(v * 1e3, 2) for k, v in per.items()},
+                    "gmacs_per_s": round(rate, 2),
+                    "of_peak": round(rate / peaks[b]["gmacs_per_s"], 3) if b in peaks else None}
+            log(f"  {isa} ({b}) {m} rows: {cell['ms']} ms, {cell['gmacs_per_s']} G products/s"
+                + (f", {cell['of_peak']:.0%} of the peak loop" if cell["of_peak"] else ""))
+            results.append(cell)
+    cpu_isa.set_isa(None)
+    return {"benchmark": "bench_kernels quant-linears", "model": args.model.name, "layers": len(layers),
+            "products_per_row": macs_per_row, "types": types, "threads": args.threads, "repeat": args.repeat,
+            "peak_loops": peaks, "results": results, "machine": machine_record()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="kernel", required=True)
@@ -268,10 +376,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--prompt", type=int, default=4096, help="prompt tokens (part 3)")
     p.add_argument("--rounds", type=int, default=3)
-    for s in (d, p):
+    q = sub.add_parser("quant-linears", help="a GGUF model's quantized linears at each ISA level, against "
+                       "their instructions' peak")
+    q.add_argument("--model", type=Path, required=True, help="a GGUF file (Q4_K_M, Q4_0, Q8_0, ...)")
+    q.add_argument("--rows", default="1,16,512", help="activation rows per call (comma-separated)")
+    q.add_argument("--isas", default="", help="ISA levels (default: avx2 and avx512 where the CPU has them)")
+    q.add_argument("--threads", type=int, default=2)
+    q.add_argument("--repeat", type=int, default=5)
+    for s in (d, p, q):
         s.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    report = decode_attention(args) if args.kernel == "decode-attention" else prefill(args)
+    report = {"decode-attention": decode_attention, "prefill": prefill, "quant-linears": quant_linears}[args.kernel](args)
     emit_report(report, args.out, indent=1)
     return 0
 
