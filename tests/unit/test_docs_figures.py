@@ -100,6 +100,14 @@ class Figure:
 
 
 FIGURES = [
+    Figure("docs/benchmarks.md", "| 512 | 2795.22 ms, 240 G/s | 63% |", "2795.22",
+           "quant_linears_qwen2.5-coder-1.5b_2026-12-05.json", None),
+    Figure("docs/benchmarks.md", "| 512 | 2795.22 ms, 240 G/s | 63% | 1074.96 ms, 624 G/s | 82% |", "1074.96",
+           "quant_linears_qwen2.5-coder-1.5b_2026-12-05.json", None),
+    Figure("docs/benchmarks.md", "| rows | AVX2 body | of its loop (382 G/s) |", "382",
+           "quant_linears_qwen2.5-coder-1.5b_2026-12-05.json", ("peak_loops", "avx2", "gmacs_per_s")),
+    Figure("docs/benchmarks.md", "| AVX512-VNNI body | of its loop (757 G/s) |", "757",
+           "quant_linears_qwen2.5-coder-1.5b_2026-12-05.json", ("peak_loops", "avx512vnni", "gmacs_per_s")),
     Figure("docs/benchmarks.md", "| 4k context, c = 1: ms per token | 29.85 | **27.15** | 37.14 |", "29.85",
            "gguf_grid_qwen2.5-coder-1.5b_2026-12-05d.json", ("cells", "agentspec:plain", "ctx4096_c1", "decode_ms_per_token")),
     Figure("docs/benchmarks.md", "| 4k context, c = 1: ms per token | 29.85 | **27.15** | 37.14 |", "37.14",
