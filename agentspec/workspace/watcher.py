@@ -29,7 +29,7 @@ from typing import Any
 
 from .ignore import IgnoreRules, relative
 
-Event = tuple[str, str, str, bool]   # (kind: created|deleted|modified|closed|moved, src path, dest path or "", is_directory)
+Event = tuple[str, str, str, bool]   # (kind: created|deleted|modified|closed|moved|overflow, src path, dest path or "", is_directory)
 
 WATCHERS = ("inotify", "watchdog")
 
@@ -77,22 +77,31 @@ class Watcher:
             self.watch_tree(self.root)
 
     def watch_tree(self, folder: Path) -> None:
-        for dirpath, dirnames, _ in os.walk(folder):
-            base = Path(dirpath)
-            dirnames[:] = [d for d in dirnames if not self.rules.ignored(relative(self.root, base / d), True)]
+        """Watch ``folder`` and the folders under it that the rules keep. Each folder is watched
+        before it is listed, so a subfolder made meanwhile is either listed or reported."""
+        stack = [folder]
+        while stack:
+            base = stack.pop()
             rel = relative(self.root, base)
-            if rel in self.watches or rel.startswith("../") or rel.startswith("/"):
+            if rel.startswith(("../", "/")):
                 continue
+            if rel not in self.watches:
+                try:
+                    with self._lock:
+                        self.watches[rel] = self._add(base, rel)
+                except OSError as e:  # gone meanwhile, or out of watches: its files are still scanned
+                    if e.errno == errno.ENOSPC and not self._warned_full:
+                        self._warned_full = True
+                        print(f"[agentspec] workspace {self.root}: out of inotify watches at {rel or '.'} "
+                              f"(fs.inotify.max_user_watches = {_max_user_watches()}); its files are indexed "
+                              "but edits in folders past the limit are not followed; raise it: "
+                              "sudo sysctl fs.inotify.max_user_watches=524288", file=sys.stderr, flush=True)
             try:
-                with self._lock:
-                    self.watches[rel] = self._add(base, rel)
-            except OSError as e:  # gone meanwhile, or out of watches: its files are still scanned
-                if e.errno == errno.ENOSPC and not self._warned_full:
-                    self._warned_full = True
-                    print(f"[agentspec] workspace {self.root}: out of inotify watches at {rel or '.'} "
-                          f"(fs.inotify.max_user_watches = {_max_user_watches()}); its files are indexed "
-                          "but edits in folders past the limit are not followed; raise it: "
-                          "sudo sysctl fs.inotify.max_user_watches=524288", file=sys.stderr, flush=True)
+                with os.scandir(base) as it:
+                    subs = [Path(e.path) for e in it if e.is_dir(follow_symlinks=False)]
+            except OSError:   # gone, or unreadable
+                continue
+            stack.extend(d for d in subs if not self.rules.ignored(relative(self.root, d), True))
 
     def unwatch_tree(self, rel: str) -> None:
         """Drop the watches on ``rel`` and the folders under it ("" = the whole tree)."""
@@ -107,34 +116,39 @@ class Watcher:
 
     def follow(self, batch: list[Event]) -> set[str]:
         """Keep the watches in line with a batch of events (new folders watched, deleted ones
-        not, a replaced root watched again) and return the paths to re-index: files, and
-        folders as ``path + os.sep`` (everything under them)."""
+        not, a replaced root watched again, lost events made good) and return the paths to
+        re-index: files, and folders as ``path + os.sep`` (everything under them). A batch's
+        folders are unwatched before any is watched (a folder moved away and another moved into
+        its place keep the new one's watches)."""
         paths: set[str] = set()
         root = str(self.root)
+        unwatch: list[str] = []
+        watch: list[Path] = []
         for kind, src, dest, is_dir in batch:
-            if is_dir and root in (src, dest):
-                # the root itself deleted, (re)created or moved, or events lost (a full kernel
-                # queue): watch and scan what is there now
-                try:
-                    self.rewatch_root()
-                except Exception as e:  # noqa: BLE001 - watching is best effort; scanning still works
-                    print(f"[agentspec] workspace watch update failed: {e!r}", file=sys.stderr, flush=True)
-                paths.add(root + os.sep)
-                continue
             try:
+                if kind == "overflow":   # events were lost: every folder watched (kept ones kept), all rescanned
+                    self.rules.clear()
+                    watch.append(self.root)
+                    paths.add(root + os.sep)
+                    continue
+                if is_dir and root in (src, dest):
+                    # the root itself deleted, (re)created or moved: watch and scan what is there now
+                    self.rewatch_root()
+                    paths.add(root + os.sep)
+                    continue
                 if not is_dir and Path(src).name == ".gitignore":
-                    self.watch_tree(Path(src).parent)   # folders it no longer ignores need watches
+                    watch.append(Path(src).parent)   # folders it no longer ignores need watches
                 if is_dir:
                     if kind in ("deleted", "moved"):
-                        self.unwatch_tree(relative(self.root, Path(src)))
+                        unwatch.append(relative(self.root, Path(src)))
                     for p in (src if kind == "created" else "", dest):
                         rel = relative(self.root, Path(p)) if p else ""
                         if not rel or rel.startswith(("../", "/")):
                             continue
                         if not self.rules.ignored(rel, True) and Path(p).is_dir():
-                            self.watch_tree(Path(p))
+                            watch.append(Path(p))
                         else:   # moved into an ignored folder: its watches (moved with it) go
-                            self.unwatch_tree(rel)
+                            unwatch.append(rel)
             except Exception as e:  # noqa: BLE001 - watching is best effort; scanning still works
                 print(f"[agentspec] workspace watch update failed: {e!r}", file=sys.stderr, flush=True)
             for p in (src, dest):
@@ -142,6 +156,13 @@ class Watcher:
                     paths.add(p)
                     if is_dir or kind == "moved":
                         paths.add(p + os.sep)   # a folder: everything under it
+        try:
+            for rel in unwatch:
+                self.unwatch_tree(rel)
+            for folder in watch:
+                self.watch_tree(folder)
+        except Exception as e:  # noqa: BLE001 - watching is best effort; scanning still works
+            print(f"[agentspec] workspace watch update failed: {e!r}", file=sys.stderr, flush=True)
         return paths
 
 
@@ -160,12 +181,19 @@ def make_watcher(root: Path, rules: IgnoreRules, events: queue.Queue) -> Watcher
     choice = os.environ.get("AGENTSPEC_WATCHER", "").strip().lower()
     if choice not in ("",) + WATCHERS:
         raise ConfigError(f"AGENTSPEC_WATCHER={choice!r}: not a file watcher; use one of {', '.join(WATCHERS)} "
-                         "(or leave it unset for this platform's default)")
+                          "(or leave it unset for this platform's default)")
     if choice == "watchdog" or (not choice and not sys.platform.startswith("linux")):
         return WatchdogWatcher(root, rules, events)
     if not sys.platform.startswith("linux"):
         raise ConfigError(f"AGENTSPEC_WATCHER=inotify: inotify is Linux's; this is {sys.platform}: "
-                         "use watchdog (or leave it unset)")
+                          "use watchdog (or leave it unset)")
+    try:
+        import inotify_simple  # noqa: F401
+    except ImportError:
+        if choice:
+            raise ConfigError("AGENTSPEC_WATCHER=inotify needs the inotify-simple package: "
+                              "pip install inotify-simple (or use watchdog)") from None
+        return WatchdogWatcher(root, rules, events)
     return InotifyWatcher(root, rules, events)
 
 
@@ -233,7 +261,8 @@ class InotifyWatcher(Watcher):
     folder's watches take its new path at once, so events from inside it name the right files
     before the updater gets to the move; a half without its other half (moved out of or into
     the tree) is ``deleted`` or ``created``. A full kernel queue (events lost) is reported as
-    the root recreated: everything is watched and scanned again.
+    ``overflow``: the tree is watched again where it is not (the watches it has are kept) and
+    scanned again.
     """
 
     # a move's second half follows its first within the same rename(2); this long is allowed
@@ -247,6 +276,7 @@ class InotifyWatcher(Watcher):
         self._parent_wd: int | None = None
         self._thread: threading.Thread | None = None
         self._wake_r = self._wake_w = -1
+        self._closed = False
 
     def start(self) -> None:
         from inotify_simple import INotify, flags
@@ -254,9 +284,9 @@ class InotifyWatcher(Watcher):
         f = flags
         self._mask = (f.CREATE | f.DELETE | f.MODIFY | f.CLOSE_WRITE | f.ATTRIB | f.MOVED_FROM | f.MOVED_TO
                       | f.ONLYDIR | f.DONT_FOLLOW | f.EXCL_UNLINK)
-        self._ino = INotify()
-        self._wake_r, self._wake_w = os.pipe()
         try:
+            self._ino = INotify()
+            self._wake_r, self._wake_w = os.pipe()
             self.watch_tree(self.root)
             if self.root.parent != self.root:
                 # the root deleted, recreated or replaced (rm -rf and a fresh clone, a deploy's
@@ -274,7 +304,7 @@ class InotifyWatcher(Watcher):
             raise
 
     def stop(self, timeout: float = 5.0) -> None:
-        if self._thread is not None:
+        if self._thread is not None and self._wake_w >= 0:
             os.write(self._wake_w, b"x")
             self._thread.join(timeout=timeout)
             if self._thread.is_alive():
@@ -282,14 +312,18 @@ class InotifyWatcher(Watcher):
         self._close()
 
     def _close(self) -> None:
-        if self._ino is not None:
-            self._ino.close()   # every watch goes with the descriptor
-        for fd in (self._wake_r, self._wake_w):
-            if fd >= 0:
-                os.close(fd)
-        self._wake_r = self._wake_w = -1
+        with self._lock:   # no add or remove of a watch on a descriptor being closed (or reused)
+            self._closed = True
+            if self._ino is not None:
+                self._ino.close()   # every watch goes with the descriptor
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
 
     def _add(self, folder: Path, rel: str) -> int:
+        if self._closed:   # (called under the lock)
+            raise OSError(errno.EBADF, "the watcher is stopped")
         wd = self._ino.add_watch(str(folder), self._mask)
         old = self._paths.get(wd)
         if old is not None and old != rel and self.watches.get(old) == wd:
@@ -300,7 +334,8 @@ class InotifyWatcher(Watcher):
     def _remove(self, wd: int) -> None:
         with self._lock:
             self._paths.pop(wd, None)
-        self._ino.rm_watch(wd)
+            if not self._closed:
+                self._ino.rm_watch(wd)
 
     # ---- the reader thread ----------------------------------------------------------------------
 
@@ -322,8 +357,7 @@ class InotifyWatcher(Watcher):
                     pending = self._event(ev, pending)
         except Exception as e:  # noqa: BLE001 - never die silently: say so, edits go unseen from here
             print(f"[agentspec] workspace watcher stopped: {e!r}", file=sys.stderr, flush=True)
-        if pending is not None:
-            self.events.put(("deleted", pending[1], "", pending[3]))
+        # (a move's first half still pending at stop is dropped: its files stay as last indexed)
 
     def _event(self, ev: Any, pending: tuple[int, str, str, bool] | None) -> tuple[int, str, str, bool] | None:
         from inotify_simple import flags as f
@@ -334,7 +368,7 @@ class InotifyWatcher(Watcher):
             put(("deleted", pending[1], "", pending[3]))   # moved out of the tree
             pending = None
         if mask & f.Q_OVERFLOW:   # events were lost: watch and scan everything again
-            put(("created", str(self.root), "", True))
+            put(("overflow", str(self.root), "", True))
             return None
         if mask & f.IGNORED:   # the kernel dropped the watch (its folder deleted, or rm_watch)
             with self._lock:

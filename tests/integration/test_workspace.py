@@ -357,6 +357,73 @@ def test_lost_events_rescan_and_rewatch_the_tree(tmp_path, tokenizer, monkeypatc
         assert until(lambda: continues(ws.index, tokenizer, "def unseen_fn_pp():\n    return", " 'watched-again-tern'"))
 
 
+def _events_until(q, cond, timeout: float = 30.0) -> list:
+    """Events off ``q`` until one satisfies ``cond`` (a hang guard, never a time bound)."""
+    got: list = []
+    assert until(lambda: _drain(q, got) or any(cond(e) for e in got), timeout), got
+    return got
+
+
+def _drain(q, got: list) -> bool:
+    import queue as queue_mod
+
+    while True:
+        try:
+            got.append(q.get_nowait())
+        except queue_mod.Empty:
+            return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify is Linux's")
+def test_inotify_reader_moves_a_folders_watches_with_it_at_once(tmp_path):
+    """The reader alone (no updater to re-walk the tree): a folder renamed, then a file written in
+    it before anything else happens, is reported at its new path, and the watches moved with it."""
+    import queue as queue_mod
+
+    from agentspec.workspace.ignore import IgnoreRules
+    from agentspec.workspace.watcher import InotifyWatcher
+
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    q: queue_mod.Queue = queue_mod.Queue()
+    w = InotifyWatcher(tmp_path, IgnoreRules(tmp_path, []), q)
+    w.start()
+    try:
+        assert {"", "pkg", "pkg/sub"} <= set(w.watches)
+        (tmp_path / "pkg").rename(tmp_path / "lib")
+        (tmp_path / "lib" / "sub" / "m.py").write_text("x = 1\n")
+        new = str(tmp_path / "lib" / "sub" / "m.py")
+        got = _events_until(q, lambda e: e[1] == new and e[0] == "closed")
+        assert ("moved", str(tmp_path / "pkg"), str(tmp_path / "lib"), True) in got
+        assert not any("pkg/sub/m.py" in e[1] for e in got), got
+        assert {"lib", "lib/sub"} <= set(w.watches) and not {"pkg", "pkg/sub"} & set(w.watches)
+    finally:
+        w.stop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify is Linux's")
+def test_inotify_watcher_stops_cleanly(tmp_path):
+    """Its descriptors are closed at stop; after it, adding a watch is an OSError (what the updater
+    catches, finishing a batch while the workspace closes) and removing one does nothing, so a
+    closed descriptor (or another one given its number) is never used; a second stop is harmless."""
+    import queue as queue_mod
+
+    from agentspec.workspace.ignore import IgnoreRules
+    from agentspec.workspace.watcher import InotifyWatcher
+
+    (tmp_path / "a").mkdir()
+    fds = set(os.listdir("/proc/self/fd"))
+    w = InotifyWatcher(tmp_path, IgnoreRules(tmp_path, []), queue_mod.Queue())
+    w.start()
+    assert len(set(os.listdir("/proc/self/fd")) - fds) == 3   # the inotify descriptor and the wake pipe
+    wd = w.watches["a"]
+    w.stop()
+    assert set(os.listdir("/proc/self/fd")) - fds == set()
+    with pytest.raises(OSError):
+        w._add(tmp_path / "a", "a")
+    w._remove(wd)
+    w.stop()
+
+
 @pytest.mark.parametrize("value", ["inotfy", "poll"])
 def test_an_unknown_watcher_is_refused_by_name(tmp_path, tokenizer, monkeypatch, value):
     """A ConfigError: ``agentspec serve --repo`` prints it and exits 2, no traceback."""
