@@ -43,6 +43,9 @@ class Watcher:
     deleted ones lose them. A backend supplies ``start``, ``stop``, ``_add`` and ``_remove``.
     """
 
+    # whether the backend moves a renamed folder's watches itself (else ``follow`` re-watches it)
+    MOVES_WATCHES = False
+
     def __init__(self, root: Path, rules: IgnoreRules, events: queue.Queue) -> None:
         self.root = root
         self.rules = rules
@@ -139,7 +142,7 @@ class Watcher:
                 if not is_dir and Path(src).name == ".gitignore":
                     watch.append(Path(src).parent)   # folders it no longer ignores need watches
                 if is_dir:
-                    if kind in ("deleted", "moved"):
+                    if kind == "deleted" or (kind == "moved" and not self.MOVES_WATCHES):
                         unwatch.append(relative(self.root, Path(src)))
                     for p in (src if kind == "created" else "", dest):
                         rel = relative(self.root, Path(p)) if p else ""
@@ -265,6 +268,8 @@ class InotifyWatcher(Watcher):
     scanned again.
     """
 
+    MOVES_WATCHES = True
+
     # a move's second half follows its first within the same rename(2); this long is allowed
     # for it to be read before the first half counts as moved out of the tree
     PAIR_WAIT_MS = 50
@@ -277,6 +282,7 @@ class InotifyWatcher(Watcher):
         self._thread: threading.Thread | None = None
         self._wake_r = self._wake_w = -1
         self._closed = False
+        self._displaced: dict[str, dict[str, int]] = {}   # watches set aside by a rename onto their folder
 
     def start(self) -> None:
         from inotify_simple import INotify, flags
@@ -375,6 +381,11 @@ class InotifyWatcher(Watcher):
                 rel = self._paths.pop(ev.wd, None)
                 if rel is not None and self.watches.get(rel) == ev.wd:
                     del self.watches[rel]
+                for key, aside in list(self._displaced.items()):
+                    if rel is not None and aside.get(rel) == ev.wd:
+                        del aside[rel]
+                        if not aside:
+                            del self._displaced[key]
             return pending
         if ev.wd == self._parent_wd and ev.wd not in self._paths:
             if is_dir and ev.name == self.root.name:   # the root itself
@@ -410,9 +421,19 @@ class InotifyWatcher(Watcher):
         return pending
 
     def _rename(self, src: str, dest: str) -> None:
+        """The folder ``src`` is now ``dest``: its watches take the new path. Watches already at
+        ``dest`` are set aside under it: a folder renamed over an empty one (whose watch the
+        kernel drops next), or the other half of an exchange (``mv --exchange``), whose own
+        rename, ``dest`` to ``src``, comes next and takes them."""
         with self._lock:
-            for key in [k for k in self.watches if k == src or k.startswith(src + "/")]:
-                wd = self.watches.pop(key)
+            under = lambda k, rel: k == rel or k.startswith(rel + "/")   # noqa: E731
+            moving = self._displaced.pop(src, None)
+            if moving is None:
+                moving = {k: self.watches.pop(k) for k in [k for k in self.watches if under(k, src)]}
+            there = {k: self.watches.pop(k) for k in [k for k in self.watches if under(k, dest)]}
+            if there:
+                self._displaced[dest] = there
+            for key, wd in moving.items():
                 new = dest + key[len(src):]
                 self.watches[new] = wd
                 self._paths[wd] = new

@@ -424,6 +424,76 @@ def test_inotify_watcher_stops_cleanly(tmp_path):
     w.stop()
 
 
+def _exchange(a: Path, b: Path) -> None:
+    """renameat2(RENAME_EXCHANGE): ``a`` and ``b`` swap places in one step (``mv --exchange``)."""
+    import ctypes
+    import ctypes.util
+    import errno
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if not hasattr(libc, "renameat2"):
+        pytest.skip("this C library has no renameat2")
+    if libc.renameat2(-100, os.fsencode(a), -100, os.fsencode(b), 2) != 0:   # AT_FDCWD, RENAME_EXCHANGE
+        e = ctypes.get_errno()
+        if e in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            pytest.skip(f"this file system cannot exchange folders: {os.strerror(e)}")
+        raise OSError(e, os.strerror(e))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify is Linux's")
+def test_an_exchange_rename_keeps_both_folders_watched(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.delenv("AGENTSPEC_WATCHER", raising=False)
+    (tmp_path / "a" / "deep").mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "one.py").write_text("def one_fn_xx():\n    return 'first-crane'\n")
+    (tmp_path / "a" / "deep" / "x.py").write_text("def deep_fn_xx():\n    return 'first-heron'\n")
+    (tmp_path / "b" / "two.py").write_text("def two_fn_xx():\n    return 'first-stork'\n")
+    with Workspace(tmp_path, tokenizer=tokenizer) as ws:
+        w = ws._watcher
+        _exchange(tmp_path / "a", tmp_path / "b")
+        want = ["a/two.py", "b/deep/x.py", "b/one.py"]
+        assert until(lambda: ws.files() == want), ws.files()
+        assert until(lambda: {"a", "b", "b/deep"} <= set(w.watches) and "a/deep" not in w.watches), w.watches
+        assert all(w._paths[wd] == rel for rel, wd in w.watches.items()), (w.watches, w._paths)
+        # edits in both, at their new places, are followed
+        (tmp_path / "a" / "two.py").write_text("def two_fn_xx():\n    return 'second-stork'\n")
+        (tmp_path / "b" / "deep" / "x.py").write_text("def deep_fn_xx():\n    return 'second-heron'\n")
+        assert until(lambda: continues(ws.index, tokenizer, "def two_fn_xx():\n    return", " 'second-stork'"))
+        assert until(lambda: continues(ws.index, tokenizer, "def deep_fn_xx():\n    return", " 'second-heron'"))
+        assert ws.files() == want
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify is Linux's")
+def test_inotify_reader_follows_an_exchange(tmp_path):
+    """The reader alone: after ``a`` and ``b`` swap places, a file written in each is reported at
+    its folder's new place (each folder's watches went with it), whatever batches the updater
+    would see the two renames in."""
+    import queue as queue_mod
+
+    from agentspec.workspace.ignore import IgnoreRules
+    from agentspec.workspace.watcher import InotifyWatcher
+
+    (tmp_path / "a" / "deep").mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    q: queue_mod.Queue = queue_mod.Queue()
+    w = InotifyWatcher(tmp_path, IgnoreRules(tmp_path, []), q)
+    w.start()
+    try:
+        _exchange(tmp_path / "a", tmp_path / "b")
+        a, b = str(tmp_path / "a"), str(tmp_path / "b")
+        _events_until(q, lambda e: e[:3] == ("moved", b, a))
+        (tmp_path / "a" / "new_a.py").write_text("x = 1\n")        # in the folder that was b
+        (tmp_path / "b" / "deep" / "new_b.py").write_text("y = 2\n")   # in the one that was a
+        want = {str(tmp_path / "a" / "new_a.py"), str(tmp_path / "b" / "deep" / "new_b.py")}
+        got: list = []
+        assert until(lambda: _drain(q, got) or want <= {e[1] for e in got if e[0] == "closed"}, 30), got
+        assert not any(e[1].endswith(("b/new_a.py", "a/deep/new_b.py")) for e in got), got
+        assert {"a", "b", "b/deep"} <= set(w.watches) and "a/deep" not in w.watches
+        assert all(w._paths[wd] == rel for rel, wd in w.watches.items())
+    finally:
+        w.stop()
+
+
 @pytest.mark.parametrize("value", ["inotfy", "poll"])
 def test_an_unknown_watcher_is_refused_by_name(tmp_path, tokenizer, monkeypatch, value):
     """A ConfigError: ``agentspec serve --repo`` prints it and exits 2, no traceback."""
