@@ -49,6 +49,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -270,23 +271,26 @@ PEAK_SOURCE = Path(__file__).resolve().parent / "native" / "int8_peak.cpp"
 PEAK_LOOP = {"avx2": "avx2", "avx512vnni": "vnni"}   # a body -> the loop of its instruction sequence
 
 
-def int8_peak(loop: str, threads: int, seconds: float = 2.0) -> dict:
-    """Build ``native/int8_peak.cpp`` (once per run, in a temporary folder) and run its ``loop``."""
+def build_int8_peak(folder: Path) -> Path:
+    """``native/int8_peak.cpp`` compiled into ``folder`` (with ``$CXX``, ``c++`` or ``g++``)."""
     import os
     import shutil
     import subprocess
-    import tempfile
 
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise SystemExit("quant-linears needs a C++ compiler for its peak loop: set $CXX or install g++")
-    exe = Path(tempfile.mkdtemp(prefix="int8_peak-")) / "int8_peak"
+    exe = folder / "int8_peak"
     subprocess.run([cxx, "-O2", "-std=c++17", "-pthread", str(PEAK_SOURCE), "-o", str(exe)], check=True)
-    try:
-        out = subprocess.run([str(exe), loop, str(threads), str(seconds)], check=True, capture_output=True, text=True)
-        return json.loads(out.stdout)
-    finally:
-        shutil.rmtree(exe.parent, ignore_errors=True)
+    return exe
+
+
+def int8_peak(exe: Path, loop: str, threads: int, seconds: float = 2.0) -> dict:
+    """The built peak program's ``loop`` at ``threads`` threads: its JSON line."""
+    import subprocess
+
+    out = subprocess.run([str(exe), loop, str(threads), str(seconds)], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
 
 
 def quant_linears(args) -> dict:
@@ -327,11 +331,14 @@ def quant_linears(args) -> dict:
     log(f"{args.model.name}: {len(layers)} layers, {macs_per_row / 1e9:.3f} G products a row; isas {isas}")
     results = []
     peaks: dict[str, dict] = {}
+    before = cpu_isa.active()
+    build = tempfile.TemporaryDirectory(prefix="int8_peak-")
+    exe = build_int8_peak(Path(build.name))
     for isa in isas:
         cpu_isa.set_isa(isa)
         b = body()
         if b in PEAK_LOOP and b not in peaks:
-            peaks[b] = int8_peak(PEAK_LOOP[b], args.threads)
+            peaks[b] = int8_peak(exe, PEAK_LOOP[b], args.threads)
             log(f"  peak loop {PEAK_LOOP[b]}: {peaks[b]['gmacs_per_s']} G products/s at {args.threads} threads")
         for m in rows:
             xs = {kl: torch.randn(m, q.K).to(torch.bfloat16) for kl, q in lin.items()}
@@ -354,7 +361,8 @@ def quant_linears(args) -> dict:
             log(f"  {isa} ({b}) {m} rows: {cell['ms']} ms, {cell['gmacs_per_s']} G products/s"
                 + (f", {cell['of_peak']:.0%} of the peak loop" if cell["of_peak"] else ""))
             results.append(cell)
-    cpu_isa.set_isa(None)
+    cpu_isa.set_isa(before)
+    build.cleanup()
     return {"benchmark": "bench_kernels quant-linears", "model": args.model.name, "layers": len(layers),
             "products_per_row": macs_per_row, "types": types, "threads": args.threads, "repeat": args.repeat,
             "peak_loops": peaks, "results": results, "machine": machine_record()}

@@ -53,9 +53,9 @@ SOURCES: dict[str, tuple[str, str, str, str]] = {
 }
 
 
-def source_info(repo: str) -> dict | None:
+def source_info(repo: str, sources: dict = SOURCES) -> dict | None:
     """What ``repo``'s pinned source is (project, version, sdist, sha256), or None if it has none."""
-    return dict(zip(("project", "version", "sdist", "sha256"), SOURCES[repo])) if repo in SOURCES else None
+    return dict(zip(("project", "version", "sdist", "sha256"), sources[repo])) if repo in sources else None
 
 
 def repository_of(record_id: str) -> str:
@@ -96,7 +96,7 @@ def fetch(root: Path, repos: list[str], *, index: str = INDEX, sources: dict = S
     out = {}
     for repo in repos:
         project, _, filename, sha = sources[repo]
-        out[repo] = dict(zip(("project", "version", "sdist", "sha256"), sources[repo]))
+        out[repo] = source_info(repo, sources)
         dest, mark = root / repo, root / f".{repo}.sha256"   # the mark: written once the folder is whole
         if dest.is_dir() and mark.is_file() and mark.read_text().strip() == sha:
             continue

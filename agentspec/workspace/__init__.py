@@ -3,9 +3,9 @@
 ``Workspace(root)`` walks the tree (respecting ``.gitignore`` files and an ignore list; binary,
 oversized, non-regular, unreadable and vanished files are skipped with a reason), cuts files at
 definition boundaries (tree-sitter), tokenizes the chunks with the engine's tokenizer and adds
-them as documents of its tenant to a ``suffix_index.SuffixIndex``. With ``watch=True`` a file watcher
-(one inotify reader thread on Linux, watchdog's observer elsewhere) feeds file events to a queue; one updater thread drains it, coalesces bursts and
-re-indexes only the chunks that changed. Nothing on a request's path touches the file system:
+them as documents of its tenant to a ``suffix_index.SuffixIndex``. With ``watch=True`` a file
+watcher (one inotify reader thread on Linux, watchdog's observer elsewhere) feeds file events to a
+queue; one updater thread drains it, coalesces bursts and re-indexes only the chunks that changed. Nothing on a request's path touches the file system:
 requests only read the index.
 
     with agentspec.Workspace(".", tokenizer=engine.tokenizer) as ws:

@@ -106,12 +106,16 @@ class Watcher:
                 continue
             stack.extend(d for d in subs if not self.rules.ignored(relative(self.root, d), True))
 
-    def unwatch_tree(self, rel: str) -> None:
-        """Drop the watches on ``rel`` and the folders under it ("" = the whole tree)."""
+    def _pop_tree(self, rel: str) -> dict[str, Any]:
+        """Take the watches on ``rel`` and the folders under it ("" = the whole tree) out of
+        ``watches`` (under the lock)."""
         with self._lock:
             keys = [k for k in self.watches if not rel or k == rel or k.startswith(rel + "/")]
-            handles = [self.watches.pop(k) for k in keys]
-        for handle in handles:
+            return {k: self.watches.pop(k) for k in keys}
+
+    def unwatch_tree(self, rel: str) -> None:
+        """Drop the watches on ``rel`` and the folders under it ("" = the whole tree)."""
+        for handle in self._pop_tree(rel).values():
             try:
                 self._remove(handle)
             except (KeyError, OSError):   # its folder is gone, and the watch with it
@@ -287,7 +291,7 @@ class InotifyWatcher(Watcher):
     def start(self) -> None:
         from inotify_simple import INotify, flags
 
-        f = flags
+        f = self._flags = flags
         self._mask = (f.CREATE | f.DELETE | f.MODIFY | f.CLOSE_WRITE | f.ATTRIB | f.MOVED_FROM | f.MOVED_TO
                       | f.ONLYDIR | f.DONT_FOLLOW | f.EXCL_UNLINK)
         try:
@@ -366,8 +370,7 @@ class InotifyWatcher(Watcher):
         # (a move's first half still pending at stop is dropped: its files stay as last indexed)
 
     def _event(self, ev: Any, pending: tuple[int, str, str, bool] | None) -> tuple[int, str, str, bool] | None:
-        from inotify_simple import flags as f
-
+        f = self._flags
         mask, put = ev.mask, self.events.put
         is_dir = bool(mask & f.ISDIR)
         if pending is not None and not (mask & f.MOVED_TO and ev.cookie == pending[0] and ev.wd in self._paths):
@@ -381,8 +384,8 @@ class InotifyWatcher(Watcher):
                 rel = self._paths.pop(ev.wd, None)
                 if rel is not None and self.watches.get(rel) == ev.wd:
                     del self.watches[rel]
-                for key, aside in list(self._displaced.items()):
-                    if rel is not None and aside.get(rel) == ev.wd:
+                for key, aside in list(self._displaced.items()) if rel is not None else ():
+                    if aside.get(rel) == ev.wd:
                         del aside[rel]
                         if not aside:
                             del self._displaced[key]
@@ -426,11 +429,10 @@ class InotifyWatcher(Watcher):
         kernel drops next), or the other half of an exchange (``mv --exchange``), whose own
         rename, ``dest`` to ``src``, comes next and takes them."""
         with self._lock:
-            under = lambda k, rel: k == rel or k.startswith(rel + "/")   # noqa: E731
             moving = self._displaced.pop(src, None)
             if moving is None:
-                moving = {k: self.watches.pop(k) for k in [k for k in self.watches if under(k, src)]}
-            there = {k: self.watches.pop(k) for k in [k for k in self.watches if under(k, dest)]}
+                moving = self._pop_tree(src)
+            there = self._pop_tree(dest)
             if there:
                 self._displaced[dest] = there
             for key, wd in moving.items():
