@@ -46,7 +46,8 @@ def linear_q_supported() -> bool:
 
 
 def body() -> str:
-    """The quantized linears' body at the ISA level set now ("avx512vnni", "avx2", "neon", "scalar")."""
+    """The quantized linears' body at the ISA level set now ("amx-int8", "avx512vnni", "avx2", "neon",
+    "scalar"; "amx-int8" is the VNNI body with prompt chunks of Q6_K weights on AMX tiles)."""
     return _cpu.qlinear_body() if linear_q_supported() else "none"
 
 

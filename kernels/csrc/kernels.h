@@ -34,7 +34,7 @@ void linear_bf16(uintptr_t x, int64_t x_st, int64_t M, uintptr_t wp, int64_t N, 
                  int64_t o_st, int threads);
 
 // qlinear.cpp: row-invariant linears over GGUF-quantized weights (repacked: cpu_quant), and the body
-// the ISA level set now runs ("avx512vnni", "avx2", "neon", "scalar")
+// the ISA level set now runs ("amx-int8", "avx512vnni", "avx2", "neon", "scalar")
 void linear_q(uintptr_t x, int64_t x_st, int64_t M, uintptr_t q, uintptr_t sc, uintptr_t mn, uintptr_t s8,
               uintptr_t m8, int fmt, int B, int64_t N, int64_t K, uintptr_t out, int64_t o_st, int threads, int act,
               uintptr_t norm_w, double eps, bool out_f32);

@@ -38,9 +38,10 @@
 // then rounded once to bfloat16. The integer sums are exact in every body (AVX512-VNNI's VPDPBUSD
 // on q + 128 minus 128 * sum q_x; AVX2's VPMADDUBSW on |q| and sign-adjusted x, whose int16 pair
 // sums cannot saturate: |q| <= 128, |q_x| <= 127; NEON's SMULL / SMLAL int16 products widened by
-// SADALP), and the float steps are the same IEEE operations in the same order, so every level
-// gives the same bits, and a row's bits do not depend on how many rows share the call or how the
-// panels are split between threads. The bodies are in qlinear_body.inc (tested standalone too:
+// SADALP; AMX-INT8's tile products of a whole super-block, the weights times their sub-scales
+// split into two bytes: v itself, for prompt chunks of U6K weights), and the float steps are
+// the same IEEE operations in the same order, so every level gives the same bits, and a row's bits
+// do not depend on how many rows share the call or how the panels are split between threads. The bodies are in qlinear_body.inc (tested standalone too:
 // tests/native/qlinear_isa_check.cpp, the NEON body under qemu-user).
 #include <nanobind/nanobind.h>
 

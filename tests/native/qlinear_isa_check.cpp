@@ -1,12 +1,13 @@
 // Standalone check of the quantized linears' SIMD bodies (kernels/csrc/qlinear_body.inc) against
 // the plain reference (qscalar), bit for bit, for architectures this machine cannot run natively
-// (aarch64 under qemu-user: the NEON body) and natively (x86: AVX2, and AVX512-VNNI where the CPU
-// has it). Compiled by tests/unit/test_cross_isa.py, no Python or nanobind involved. Random
-// weights in every repacked layout (U4 with and without a min, I8 with blocks of 16 and 32, with
-// and without a min, U4K, U6K), random rows quantized as linear_q quantizes them (plain and with
-// the fused RMSNorm), 1 to 9 rows, a partial last panel; and each level's activation quantizer
-// against the reference quantize_row on rows with NaN, infinities, signed zeros, subnormals, the
-// largest finite values and all-zero blocks. Prints "ok <n checked>" or the first mismatch; exit
+// (aarch64 under qemu-user: the NEON body) and natively (x86: AVX2, and AVX512-VNNI and AMX-INT8
+// where the CPU has them). Compiled by tests/unit/test_cross_isa.py, no Python or nanobind involved.
+// Random weights in every repacked layout (U4 with and without a min, I8 with blocks of 16 and 32,
+// with and without a min, U4K, U6K), random rows quantized as linear_q quantizes them (plain and
+// with the fused RMSNorm), 1 to 97 rows (AMX: whole 16-row tiles, in pairs and alone, and the rows
+// past them), a partial last panel; and each level's activation quantizer against the reference
+// quantize_row on rows with NaN, infinities, signed zeros, subnormals, the largest finite values and
+// all-zero blocks. Prints "ok <n checked>" or the first mismatch; exit
 // status 0 only when every body matches.
 #include <cstdint>
 #include <cstdio>
@@ -106,6 +107,7 @@ int main() {
 #elif defined(AGENTSPEC_X86)
     bodies.push_back(body_for(2));
     if (has_vnni()) bodies.push_back(body_for(3));
+    if (has_vnni() && qamx::ready()) bodies.push_back(body_for(4));   // AMX-INT8 (16-row tiles, the rest VNNI)
 #endif
     if (bodies.empty()) {
         std::puts("no SIMD body on this architecture");
@@ -126,7 +128,7 @@ int main() {
         for (int64_t N : {16, 40}) {
             Weights W = make_weights(c, N, K, rng);
             for (int act : {ACT_NONE, ACT_RMSNORM}) {
-                for (int64_t M : {1, 2, 3, 4, 5, 9, 12, 15}) {
+                for (int64_t M : {1, 2, 3, 4, 5, 9, 12, 15, 64, 65, 80, 97}) {
                     std::vector<uint16_t> x(M * K), nw(K);
                     for (auto& v : x) v = float_to_bf16(3.0f * nd(rng));
                     for (auto& v : nw) v = float_to_bf16(0.5f + std::fabs(nd(rng)));

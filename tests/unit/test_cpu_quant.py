@@ -163,6 +163,30 @@ def test_float32_outputs_are_the_unrounded_accumulators_at_every_isa_level(qtype
         lin(x, out)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_prompt_chunks_on_amx_tiles_are_the_documented_arithmetic(qtype, restore_isa):
+    """On a CPU with AMX-INT8, prompt chunks (64 rows or more) of Q6_K weights run on tiles, a
+    super-block a product (Q4_K's on the VNNI body under the same name): every row the documented
+    arithmetic's bits (bfloat16 and float32 outputs), in a chunk or alone, on one thread or two,
+    whatever the chunk's length."""
+    restore_isa.set_isa(None)
+    if cpu_quant.body() != "amx-int8":
+        pytest.skip(f"no AMX-INT8 here (the top body is {cpu_quant.body()})")
+    N, K, M = 72, 1024, 100   # 4 super-blocks a row; 6 tiles (3 pairs) and 4 rows past them
+    raw = _raw(qtype, N, K, seed=9)
+    lin = cpu_quant.QuantLinear.from_raw([(qtype, raw, K)])
+    x = (torch.randn(M, K, generator=torch.Generator().manual_seed(10)) * 2).to(torch.bfloat16)
+    x[3, :256] = 0   # a super-block of zeros: its activation scale is 0
+    ref = _reference(raw, qtype, x, torch.float32)
+    got = lin(x, dtype=torch.float32)
+    assert torch.equal(got, ref)
+    assert torch.equal(lin(x), ref.to(torch.bfloat16))
+    assert torch.equal(lin(x, threads=1), ref.to(torch.bfloat16))
+    for rows in (64, 80, 97):   # tiles in pairs, a tile alone, rows past the last tile
+        assert torch.equal(lin(x[:rows], dtype=torch.float32), ref[:rows]), rows
+    assert torch.equal(torch.cat([lin(x[i:i + 1], dtype=torch.float32) for i in range(M)]), ref)
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_close_to_the_dequantized_float_product(qtype):
     """int8 activations per 32 columns (scale amax / 127): for Gaussian rows each value is off by

@@ -34,7 +34,7 @@ def _build_and_run(cxx: str, harness: str, tmp_path: Path, *, static: bool, runn
     return int(r.stdout.split()[1])
 
 
-QUANT_OUTPUTS = 21504   # qlinear_isa_check per body: 8 layouts x 2 inputs x 24 rows x (16 + 40) outputs
+QUANT_OUTPUTS = 319872   # qlinear_isa_check per body: 8 layouts x 2 inputs x 357 rows x (16 + 40) outputs
 
 
 @pytest.mark.skipif(CXX is None or QEMU is None, reason="needs aarch64-linux-gnu-g++ and qemu-aarch64")
@@ -50,7 +50,8 @@ def test_neon_quantized_linear_equals_scalar_bitwise(tmp_path):
 
 @pytest.mark.skipif(HOST_CXX is None or platform.machine() != "x86_64", reason="needs g++ on x86_64")
 def test_x86_quantized_linear_bodies_equal_scalar_bitwise_standalone(tmp_path):
-    """The same harness natively: the AVX2 (and, where the CPU has it, AVX512-VNNI) bodies."""
+    """The same harness natively: the AVX2 body and, where the CPU has them, the AVX512-VNNI and
+    AMX-INT8 ones (the latter takes Q6_K calls of 64 rows or more)."""
     assert _build_and_run(HOST_CXX, "qlinear_isa_check.cpp", tmp_path, static=False, runner=[]) >= QUANT_OUTPUTS
 
 

@@ -137,12 +137,12 @@ def test_a_step_never_verifies_more_rows_than_the_decode_kernels_take():
 def test_quantized_weights_run_the_quantized_linears_everywhere():
     """A GGUF file's weights kept quantized: every projection and the head run the quantized
     linears (rows and prompts); the rest of the plan is the shape's; on AMX the prompt attention
-    stays on SDPA and the plan says the quantized linears have no AMX body."""
+    stays on SDPA and the plan says which quantized linears take the AMX-INT8 tiles."""
     for facts, shape, path in ((AVX512BF16, SMOL, "fused"), (AVX2, QWEN15, "layered"), (AMX, SMOL, "fused")):
         p = KernelPlan.choose(device=torch.device("cpu"), dtype=torch.bfloat16, kv_dtype=torch.float32, packed=True,
                               amx_weights=False, gemm_f32=False, settings=Settings(), facts=facts, quantized=True,
                               **shape)
         assert (p.rows_path, p.rows_linears, p.head, p.prefill_linears) == (path, "quantized", "quantized", "quantized")
         assert p.layered_linears == "quantized" == p.torch_linears and p.prefill_attention == "sdpa"
-        assert ("no AMX-INT8 body" in " ".join(p.why)) == facts.amx
+        assert ("AMX-INT8 tiles take prompt chunks of Q6_K" in " ".join(p.why)) == facts.amx
         assert "quantized" in p.describe()

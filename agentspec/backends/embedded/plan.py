@@ -137,8 +137,8 @@ def _fallbacks(*, cpu: bool, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim
         elif not 0 < group <= 8:
             out.append(f"native attention: {group or 'uneven'} query heads per kv head (native: 1-8): torch attention")
     if quantized and facts.amx:
-        out.append("quantized linears: no AMX-INT8 body yet (the VNNI / AVX2 bodies run); prompt attention "
-                   "on SDPA, not AMX tiles")
+        out.append("quantized linears: AMX-INT8 tiles take prompt chunks of Q6_K weights only (other types, decode "
+                   "and verification rows: the VNNI body); prompt attention on SDPA, not AMX tiles")
     if bf16 and not packed and facts.linear_kernels and settings.native_linears:
         out.append("native linears: the projections' shapes have no packed kernel: torch linears")
     if amx_top and rows_linears == "vector" and settings.decode_linears == "amx":
@@ -193,7 +193,8 @@ class KernelPlan:
     prefill_attention: str
     prefill_linears: str
     weight_copies: int = 2
-    # the quantized linears' body at this level ("avx512vnni", "avx2", "neon", "scalar"; "" for other linears)
+    # the quantized linears' body at this level ("amx-int8", "avx512vnni", "avx2", "neon", "scalar"; "" for
+    # other linears)
     quant_body: str = ""
     # why a part runs a slower kernel than this machine's best for it: ("part: reason", ...)
     why: tuple[str, ...] = ()
