@@ -27,8 +27,10 @@ uses CRLF, exactly one trailing newline when it ends with one (or is empty), non
 from __future__ import annotations
 
 import difflib
+import errno
 import os
 import re
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +67,6 @@ LANGUAGES = {".py": "python", ".js": "javascript", ".ts": "typescript", ".tsx": 
 
 MAX_PREAMBLE_LINES = 3  # non-blank lines of chatter allowed before the opening fence
 
-_TAG = {t: re.compile(rf"<{t}>\n?(.*?)\n?</{t}>", re.DOTALL) for t in ("instruction", "code", "update")}
 _FENCE = re.compile(r" {0,3}(`{3,}|~{3,})([^`]*)")  # a fence line: marker and info string (CommonMark)
 
 
@@ -97,12 +98,32 @@ def apply_prompt(code: str, update: str | None, instruction: str | None, name: s
     return "\n\n".join(parts)
 
 
+def _tagged(text: str, tag: str) -> str | None:
+    """What the first ``<tag>...</tag>`` in ``text`` holds, one newline after the opening tag and one
+    before the closing tag left out; None when there is none. Two ``str.find`` calls: linear in the
+    text, where a lazy regex retries at every opening tag that has no closing one (quadratic: a
+    message of repeated ``<code>`` would hold the interpreter for minutes)."""
+    opening, closing = f"<{tag}>", f"</{tag}>"
+    start = text.find(opening)
+    if start < 0:
+        return None
+    start += len(opening)
+    end = text.find(closing, start)
+    if end < 0:
+        return None
+    if text.startswith("\n", start) and start < end:
+        start += 1
+    if end > start and text[end - 1] == "\n":
+        end -= 1
+    return text[start:end]
+
+
 def find_apply_code(text: str) -> str | None:
     """The original code of a Morph/Relace-style fast-apply message (``<code>...</code>`` with an
     ``<update>`` and/or an ``<instruction>``); None when ``text`` is not one."""
-    code = _TAG["code"].search(text)
-    if code and (_TAG["update"].search(text) or _TAG["instruction"].search(text)):
-        return code.group(1)
+    code = _tagged(text, "code")
+    if code is not None and (_tagged(text, "update") is not None or _tagged(text, "instruction") is not None):
+        return code
     return None
 
 
@@ -266,14 +287,9 @@ class ApplyPathError(InvalidRequestError):
         self.type = type
 
 
-def _ignored_path(base: Path, asked: Path, full: Path, ignored: Callable[[str], bool] | None) -> bool:
+def _ignored_path(base: Path, asked: Path, full: Path, ignored: Callable[[str], bool]) -> bool:
     """Whether the workspace at ``base`` ignores ``asked`` (as given: normalized, symlinks not
     followed) or ``full`` (the file it resolves to, inside ``base``)."""
-    if ignored is None:   # one rule set for both questions (each .gitignore read once)
-        from .workspace import ignore_checker
-
-        ignored = ignore_checker(base)
-
     lexical = Path(os.path.normpath(asked if asked.is_absolute() else base / asked))
     rels = {full.relative_to(base).as_posix()}
     if lexical.is_relative_to(base):
@@ -300,7 +316,9 @@ def resolve_workspace_path(root: str | os.PathLike | None, path: str, *, max_byt
     ``.env`` when gitignored, ``.venv/...`` and a symlink to any of them are not read. The text
     is decoded as UTF-8 as stored (CRLF kept). ``tenant`` names the workspace's owner in
     messages. ``owned``: the server's own files and folders (config file, log folder, caches),
-    refused whatever the path says (403, code ``path_server_owned``, naming the rule). Raises
+    refused whatever the path says (403, code ``path_server_owned``, naming the rule; a hard link
+    to one too). The file is opened once and the checks are asked again of what was opened, so
+    a folder swapped for a symlink between the checks and the read is caught. Raises
     ApplyPathError (see its ``status``)."""
     owner = f" of tenant {tenant!r}" if tenant is not None else ""
     if root is None:
@@ -312,44 +330,71 @@ def resolve_workspace_path(root: str | os.PathLike | None, path: str, *, max_byt
         # before any file system or ignore-rule work: the ignore walk costs ~depth^3 (7 s at 200 parts)
         raise ApplyPathError(f"path is too long or too deep (at most {MAX_PATH_CHARS} characters and "
                              f"{MAX_PATH_PARTS} components)", status=400, code="invalid_value")
+    from .workspace.ignore import owned_identity, owned_rule
+    from .workspace.scan import open_file, read_fd
+
     base = Path(root).resolve()
+    if ignored is None:   # one rule set for every question (each .gitignore read once)
+        from .workspace import ignore_checker
+
+        ignored = ignore_checker(base)
     p = Path(path)
+    lexical = Path(os.path.normpath(p if p.is_absolute() else base / p))
+
+    def refuse(full: Path, st: os.stat_result | None = None) -> None:
+        """Raise the 403 for ``full`` (resolved; ``st``: its stat once opened), if it has one."""
+        if not full.is_relative_to(base):
+            raise ApplyPathError(f"path {path!r} is outside the workspace{owner}", status=403,
+                                 type="permission_error", code="path_outside_workspace")
+        rule = owned_rule(owned, lexical, full)
+        if rule is None and st is not None:   # a hard link to one
+            rule = owned_identity(owned, st, full, base)
+        if rule:
+            raise ApplyPathError(f"path {path!r} is one of the server's own files ({rule}): no tenant reads "
+                                 "them", status=403, type="permission_error", code="path_server_owned")
+        if _ignored_path(base, p, full, ignored):
+            raise ApplyPathError(f"path {path!r} is ignored by the workspace{owner} (.gitignore or the ignore "
+                                 "list): fast apply reads only files the workspace indexes", status=403,
+                                 type="permission_error", code="path_ignored")
+
     try:
         full = (p if p.is_absolute() else base / p).resolve()
     except (OSError, RuntimeError) as e:  # a symlink loop
         raise ApplyPathError(f"cannot read {path!r}: {getattr(e, 'strerror', None) or e}", status=400,
                              code="unreadable") from None
-    if not full.is_relative_to(base):
-        raise ApplyPathError(f"path {path!r} is outside the workspace{owner}", status=403, type="permission_error",
-                             code="path_outside_workspace")
-    from .workspace.ignore import owned_rule
-
-    lexical = Path(os.path.normpath(p if p.is_absolute() else base / p))
-    rule = owned_rule(owned, lexical, full)
-    if rule:
-        raise ApplyPathError(f"path {path!r} is one of the server's own files ({rule}): no tenant reads "
-                             "them", status=403, type="permission_error", code="path_server_owned")
-    if _ignored_path(base, p, full, ignored):
-        raise ApplyPathError(f"path {path!r} is ignored by the workspace{owner} (.gitignore or the ignore list): "
-                             "fast apply reads only files the workspace indexes", status=403,
-                             type="permission_error", code="path_ignored")
+    refuse(full)
+    not_found = ApplyPathError(f"no such file in the workspace: {path!r}", status=404, type="not_found_error",
+                               code="file_not_found")
     try:
-        is_file = full.is_file()
-    except OSError as e:  # is_file() raises on ENAMETOOLONG (a name over 255 bytes) and the like: a 400, not a 500
+        st = full.stat()   # before opening: a FIFO or device is never opened
+    except OSError as e:  # ENAMETOOLONG (a name over 255 bytes) and the like: a 400, not a 500
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise not_found from None
         raise ApplyPathError(f"cannot read {path!r}: {e.strerror}", status=400, code="unreadable") from None
-    if not is_file:
-        raise ApplyPathError(f"no such file in the workspace: {path!r}", status=404, type="not_found_error",
-                             code="file_not_found")
+    if not stat.S_ISREG(st.st_mode):
+        raise not_found
     too_large = ApplyPathError(f"file {path!r} is larger than {max_bytes} bytes", status=413, code="file_too_large")
+    if st.st_size > max_bytes:
+        raise too_large
     try:
-        if full.stat().st_size > max_bytes:
-            raise too_large
-        with open(full, "rb") as f:
-            data = f.read(max_bytes + 1)
-        if len(data) > max_bytes:  # grew since the stat
-            raise too_large
+        fd, opened, st = open_file(full)
+    except FileNotFoundError:
+        raise not_found from None
+    except OSError as e:
+        raise ApplyPathError(f"cannot read {path!r}: {e.strerror}", status=400, code="unreadable") from None
+    try:
+        # checked again as opened (a folder on the way may be a symlink by now), then read from it
+        refuse(opened, st)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_found
+        data = read_fd(fd, max_bytes + 1)
+    except OSError as e:
+        raise ApplyPathError(f"cannot read {path!r}: {e.strerror}", status=400, code="unreadable") from None
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:  # grew since the stat
+        raise too_large
+    try:
         return full, data.decode("utf-8")
     except UnicodeDecodeError:
         raise ApplyPathError(f"file {path!r} is not UTF-8 text", status=400, code="invalid_value") from None
-    except OSError as e:
-        raise ApplyPathError(f"cannot read {path!r}: {e.strerror}", status=400, code="unreadable") from None

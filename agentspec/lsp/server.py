@@ -13,6 +13,13 @@ from: if the buffer changed meanwhile, nothing is applied and the result says wh
 is ``{applied, reason?, edits, completion_tokens, mat, seconds, version, route?}`` (``route``: the
 route that decided how it speculated).
 
+Nothing but ``initialize`` is served before it (a request is a ``ServerNotInitialized`` error, a
+notification is dropped). Over TCP (``--tcp``) each connection is its own language server (its
+own protocol, buffers and settings), let in by an ``initialize`` that carries
+``initializationOptions.token`` when ``$AGENTSPEC_LSP_TOKEN`` is set: a peer without it is
+answered with an error and hung up on, and never reaches another connection's session. One
+editor at a time; the listener stops when that editor's session ends.
+
 The open buffers are the workspace: ``didOpen`` / ``didChange`` text shadows the file on disk in
 the tenant's index (``Workspace.overlay``; incremental sync), ``didClose`` drops it. This holds
 in-process (no ``url``: the embedded engine and an index of the workspace folder live in this
@@ -42,12 +49,15 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from lsprotocol import types
-from pygls.exceptions import JsonRpcInternalError, JsonRpcInvalidParams, JsonRpcInvalidRequest
+from pygls.exceptions import (JsonRpcInternalError, JsonRpcInvalidParams, JsonRpcInvalidRequest,
+                              JsonRpcServerNotInitialized)
+from pygls.io_ import run_async
 from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
+from pygls.protocol.json_rpc import RPCRequest
 from pygls.protocol.language_server import lsp_method
 from pygls.uris import from_fs_path, to_fs_path
 
@@ -63,6 +73,42 @@ REPORT_EVERY_S = 0.1
 
 
 class _Protocol(LanguageServerProtocol):
+    """One peer's connection. Until an ``initialize`` is let in (``AgentSpecLanguageServer.admit``),
+    nothing reaches a handler: pygls' own ``initialize`` (which replaces the workspace) runs only
+    after the token was checked."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.authorized = False   # an initialize was let in on this connection
+        self.hang_up: Callable[[], None] | None = None   # TCP: close this connection (None: stdio)
+        self.hung_up = False      # refused and closed: nothing more is handled
+
+    def handle_message(self, message: Any) -> None:
+        if self.hung_up:   # refused: what the peer sent after it is read, never handled
+            return
+        if self.authorized:
+            return super().handle_message(message)
+        method = getattr(message, "method", None)
+        request = isinstance(message, RPCRequest)
+        if method == types.INITIALIZE and request:
+            why = self._server.admit(message.params)
+            if why is None:
+                self.authorized = True
+                return super().handle_message(message)
+            self._send_response(message.id, error=JsonRpcInvalidRequest(why).to_response_error())
+            return self._hang_up()
+        if method == types.EXIT:   # stdio: the editor's process ends it (1: no shutdown); TCP: this peer only
+            return super().handle_message(message) if self.hang_up is None else self._hang_up()
+        if request:
+            self._send_response(message.id, error=JsonRpcServerNotInitialized(
+                f"{method}: the server is not initialized (send initialize first)").to_response_error())
+        # a notification or a response before initialize: dropped
+
+    def _hang_up(self) -> None:
+        if self.hang_up is not None:
+            self.hung_up = True
+            self.hang_up()
+
     @lsp_method(types.WORKSPACE_EXECUTE_COMMAND)
     def lsp_workspace__execute_command(self, params: types.ExecuteCommandParams):
         """pygls hands a command its arguments only: a client's ``workDoneToken`` rides along
@@ -73,8 +119,8 @@ class _Protocol(LanguageServerProtocol):
 
 
 class _Overlays:
-    """Feeds buffer text to ``Workspace.overlay`` off the event loop: one thread, the newest
-    text per path wins (a burst of keystrokes is indexed once)."""
+    """Feeds buffer text to ``Workspace.overlay`` off the event loop: one thread (started with the
+    workspace it feeds), the newest text per path wins (a burst of keystrokes is indexed once)."""
 
     def __init__(self, on_indexed) -> None:
         self.workspace: Any = None
@@ -83,7 +129,6 @@ class _Overlays:
         self._closed = False
         self._on_indexed = on_indexed
         self._thread = threading.Thread(target=self._run, name="agentspec-lsp-overlays", daemon=True)
-        self._thread.start()
 
     def put(self, path: str, text: str | None, version: Any) -> None:
         with self._cv:
@@ -94,6 +139,8 @@ class _Overlays:
         with self._cv:
             self.workspace = workspace
             self._cv.notify()
+            if not self._closed and not self._thread.is_alive():
+                self._thread.start()
 
     def close(self) -> None:
         with self._cv:
@@ -134,8 +181,36 @@ class AgentSpecLanguageServer(LanguageServer):
         self.overlays = _Overlays(self._indexed)
         self._ignored = None   # the root's ignore rules when there is no workspace (remote mode)
         self.token: str | None = None   # `--tcp` with $AGENTSPEC_LSP_TOKEN: what initialize must carry
-        self.refused = False            # this peer's initialize did not carry the token
+        self.listener: _TcpListener | None = None   # `--tcp`: the listener this connection came in on
         self._progress_ok = False
+
+    def admit(self, params: Any) -> str | None:
+        """Why this connection's ``initialize`` is refused (None: let in, and it is the listener's
+        session from now on)."""
+        if self.token is not None:   # a TCP listener with a token: the peer proves it knows it first
+            opts = params.initialization_options if isinstance(params.initialization_options, dict) else {}
+            given = opts.get("token")
+            # compared as bytes: a lone surrogate (JSON allows one) is a wrong token, not an error
+            given = given.encode("utf-8", "surrogatepass") if isinstance(given, str) else b""
+            if not hmac.compare_digest(given, self.token.encode()):
+                return ("initializationOptions.token is missing or wrong: this agentspec language server "
+                        "listens on TCP with $AGENTSPEC_LSP_TOKEN")
+        if self.listener is not None:
+            if self.listener.session is not None:
+                return "another editor is connected to this agentspec language server (one at a time)"
+            self.listener.session = self
+        return None
+
+    def report_server_error(self, error: Exception, source: Any) -> None:
+        if self.protocol.authorized:   # nothing, not even an error message, to a peer not let in
+            super().report_server_error(error, source)
+
+    async def stop(self) -> None:
+        """Stop what the session started (the overlay thread, the client); again: nothing."""
+        self.overlays.close()
+        client, self.client = self.client, None
+        if client is not None:
+            await client.close()
 
     # ---- state ----------------------------------------------------------------------------------
 
@@ -197,13 +272,37 @@ class AgentSpecLanguageServer(LanguageServer):
                     break
         if doc is not None:
             return doc.source, doc.version
-        real = Path(os.path.realpath(path))   # read what path_of checked, not a link swapped since
-        if not real.is_file():
-            raise JsonRpcInvalidParams(f"{uri}: no such file (and no open buffer)")
+        import stat
+
+        from ..workspace.scan import open_file, read_fd
+
+        # opened once, checked again as opened and read from that descriptor: a folder on the way
+        # swapped for a symlink since path_of checked it cannot bring in another file (the config)
+        missing = JsonRpcInvalidParams(f"{uri}: no such file (and no open buffer)")
+        real = Path(os.path.realpath(path))
+        if not real.is_file():   # (a FIFO is never opened)
+            raise missing
         try:
-            return real.read_text(encoding="utf-8"), None
+            fd, opened, st = open_file(real)
+        except FileNotFoundError:
+            raise missing from None
+        except OSError as e:
+            raise JsonRpcInvalidParams(f"{uri}: cannot read it as UTF-8 text ({e})") from None
+        try:
+            if not stat.S_ISREG(st.st_mode):
+                raise missing
+            if self.root not in opened.parents:
+                raise JsonRpcInvalidParams(f"{uri} is outside the workspace {from_fs_path(str(self.root))}")
+            ws = self.overlays.workspace
+            rule = ws.owned_rule(opened, st=st) if ws is not None else None
+            refused = f"one of the server's own files ({rule})" if rule else self._refusal(opened, opened)
+            if refused:
+                raise JsonRpcInvalidParams(f"{uri} is {refused}: agentspec rewrites only files the workspace indexes")
+            return read_fd(fd).decode("utf-8"), None
         except (OSError, UnicodeDecodeError) as e:
             raise JsonRpcInvalidParams(f"{uri}: cannot read it as UTF-8 text ({e})") from None
+        finally:
+            os.close(fd)
 
     async def start_backend(self) -> None:
         """Connect to the server, or load the embedded engine and index the workspace."""
@@ -252,9 +351,6 @@ class AgentSpecLanguageServer(LanguageServer):
     # ---- commands -------------------------------------------------------------------------------
 
     async def run_command(self, kind: str, args: tuple) -> dict:
-        if self.refused:
-            raise JsonRpcInvalidRequest("this peer did not initialize with the token (a TCP peer must send "
-                                        "initializationOptions.token)")
         if len(args) != 1 or not isinstance(args[0], dict):
             raise JsonRpcInvalidParams(f"{kind} takes one argument object, got {len(args)} argument(s)")
         arg = args[0]
@@ -430,13 +526,6 @@ def build_server(defaults: dict | None = None) -> AgentSpecLanguageServer:
 
     @server.feature(types.INITIALIZE)
     def initialize(ls: AgentSpecLanguageServer, params: types.InitializeParams) -> None:
-        if ls.token is not None:   # a TCP listener with a token: the peer proves it knows it first
-            opts = params.initialization_options if isinstance(params.initialization_options, dict) else {}
-            given = opts.get("token")
-            if not isinstance(given, str) or not hmac.compare_digest(given.encode(), ls.token.encode()):
-                ls.refused = True
-                raise JsonRpcInvalidRequest("initializationOptions.token is missing or wrong: this agentspec "
-                                            "language server listens on TCP with $AGENTSPEC_LSP_TOKEN")
         ls.settings = {**base, **_settings(params.initialization_options)}
         folders = params.workspace_folders or []
         root_uri = folders[0].uri if folders else params.root_uri
@@ -449,8 +538,6 @@ def build_server(defaults: dict | None = None) -> AgentSpecLanguageServer:
 
     @server.feature(types.INITIALIZED)
     async def initialized(ls: AgentSpecLanguageServer, params: types.InitializedParams) -> None:
-        if ls.refused:   # a TCP peer without the token: nothing starts, no file is read
-            return
         try:
             ws_caps = ls.client_capabilities.workspace
             if ws_caps and ws_caps.configuration:
@@ -549,9 +636,7 @@ def build_server(defaults: dict | None = None) -> AgentSpecLanguageServer:
 
     @server.feature(types.SHUTDOWN)
     async def shutdown(ls: AgentSpecLanguageServer, *args: Any) -> None:
-        ls.overlays.close()
-        if ls.client is not None:
-            await ls.client.close()
+        await ls.stop()
 
     @server.feature("agentspec/status")
     def status(ls: AgentSpecLanguageServer, *args: Any) -> dict:
@@ -566,15 +651,49 @@ def build_server(defaults: dict | None = None) -> AgentSpecLanguageServer:
     return server
 
 
+class _TcpListener:
+    """``--tcp``: a language server of its own for each connection (pygls' ``start_tcp`` shares one
+    protocol among them all: replies go to the newest peer, and a peer that never initialized is
+    served). The first connection let in is the session; the listener stops when it ends."""
+
+    def __init__(self, defaults: dict | None, token: str | None) -> None:
+        self.defaults = defaults
+        self.token = token
+        self.session: AgentSpecLanguageServer | None = None
+        self._ended: asyncio.Event | None = None
+
+    async def serve(self, host: str, port: int) -> None:
+        self._ended = asyncio.Event()
+        server = await asyncio.start_server(self._connection, host, port)
+        try:
+            await self._ended.wait()
+        finally:   # not wait_closed(): a peer still connected (never let in) must not hold the exit
+            server.close()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        ls = build_server(self.defaults)
+        ls.token, ls.listener = self.token, self
+        ls.protocol.set_writer(writer)
+        ls.protocol.hang_up = writer.close
+        try:
+            await run_async(stop_event=threading.Event(), reader=reader, protocol=ls.protocol,
+                            error_handler=ls.report_server_error)
+        except (ConnectionError, asyncio.IncompleteReadError):   # the peer went away mid-message
+            pass
+        finally:
+            writer.close()
+            await ls.stop()
+            if self.session is ls:
+                self._ended.set()
+
+
 def main(*, tcp: str | None = None, defaults: dict | None = None, token: str | None = None) -> int:
     """Serve over stdio, or over TCP at ``tcp`` ("HOST:PORT"). ``token``: every TCP peer must send
     it as ``initializationOptions.token`` (the command line asks for one to listen beyond
     loopback)."""
-    server = build_server(defaults)
-    server.token = token or None
     if tcp:
         host, _, port = tcp.rpartition(":")
-        server.start_tcp(host or "127.0.0.1", int(port))
+        asyncio.run(_TcpListener(defaults, token or None).serve(host.strip("[]") or "127.0.0.1", int(port)))
     else:
-        server.start_io()
+        build_server(defaults).start_io()
     return 0

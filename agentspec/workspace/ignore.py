@@ -7,7 +7,9 @@ which no tenant ever sees. Paths are relative to the workspace root, with forwar
 
 A symbolic link is followed only where it lands inside the root, on a path the rules keep
 (``IgnoreRules.link_refusal``): a link to a file outside the workspace, to a gitignored file or to
-one of the server's files is skipped with the reason, never read.
+one of the server's files, or to a folder holding one of them, is skipped with the reason, never
+read. Whatever the links on the way, a file is read only if what was opened passes
+``IgnoreRules.file_refusal`` (its real path, and its identity against the server's files).
 """
 
 from __future__ import annotations
@@ -58,6 +60,32 @@ def owned_rule(owned: Sequence[OwnedPath], *paths: Path) -> str | None:
             if any(o.covers(c) for c in candidates):
                 return o.rule
     return None
+
+
+def owned_identity(owned: Sequence[OwnedPath], st: os.stat_result, real: Path, root: Path) -> str | None:
+    """The rule of the server-owned path that the file ``st`` (whose real path is ``real``, inside
+    ``root``), or a folder between it and ``root``, is by identity (device and inode), or None: a
+    hard link to the config file, or another spelling of it on a case-insensitive file system,
+    which comparing paths misses."""
+    ids: dict[tuple[int, int], str] = {}
+    for o in owned:   # stat now: an owned file written again by rename is another inode
+        try:
+            s = os.stat(o.path)
+        except OSError:
+            continue
+        ids.setdefault((s.st_dev, s.st_ino), o.rule)
+    if not ids:
+        return None
+    rule = ids.get((st.st_dev, st.st_ino))
+    parent = real.parent
+    while rule is None and parent != root and parent.is_relative_to(root):
+        try:
+            s = os.stat(parent)
+        except OSError:
+            break
+        rule = ids.get((s.st_dev, s.st_ino))
+        parent = parent.parent
+    return rule
 
 
 class IgnoreRules:
@@ -152,10 +180,31 @@ class IgnoreRules:
             return "symlink out of the workspace"
         if owned_rule(self.owned, target):
             return "symlink to a server-owned path"
+        # a folder holding one: the files under the link would be checked by their names through it
+        if any(o.path.is_relative_to(target) for o in self.owned):
+            return "symlink to a folder holding a server-owned path"
         trel = relative(self.root, target)
         if self.ignored(trel, target.is_dir()) or any(self.ignored(d, True) for d in parents(trel)):
             return "symlink to an ignored path"
         return None
+
+    def file_refusal(self, real: Path) -> str | None:
+        """Why the file whose real path is ``real`` (no links left in it) must not be read for a
+        tenant, or None: outside the root, one of the server's own, or ignored (it or a folder
+        above it). Asked of the file about to be read, whatever path led there, so a symlinked
+        folder anywhere on the way cannot lead around the rules."""
+        if real == self.root or not real.is_relative_to(self.root):
+            return "symlink out of the workspace"
+        if any(o.covers(real) for o in self.owned):
+            return "symlink to a server-owned path"
+        if self.ignored_file(relative(self.root, real)):
+            return "symlink to an ignored path"
+        return None
+
+    def identity_refusal(self, real: Path, st: os.stat_result) -> str | None:
+        """"another name for a server-owned path" when the file ``st`` (at ``real``) or a folder
+        above it is one by identity (``owned_identity``: a hard link), else None."""
+        return "another name for a server-owned path" if owned_identity(self.owned, st, real, self.root) else None
 
 
 def ignore_checker(root: str | os.PathLike, ignore: Sequence[str] = DEFAULT_IGNORE,

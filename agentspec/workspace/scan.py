@@ -4,11 +4,17 @@
 when it lands inside the root on a kept path, ``IgnoreRules.link_refusal``; a symlinked folder is
 followed once: a loop or a second path to the same folder is skipped with a reason); ``read_text`` reads
 one as UTF-8 text, or skips it with a reason (binary, oversized, not a regular file, unreadable,
-vanished). Skips go to a callback, ``skip(rel, reason)``, where the workspace counts them.
+vanished, or leading where the rules refuse). Skips go to a callback, ``skip(rel, reason)``, where the
+workspace counts them.
+
+Checking a path and then opening it by name again is a race: a folder on the way can become a
+symlink in between. So a file is opened once (``open_file``), what was opened is checked (its real
+path per the descriptor, its identity) and the text is read from that descriptor.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -69,7 +75,11 @@ def walk(root: Path, rules: IgnoreRules, skip: Skip) -> Iterator[tuple[str, Path
 
 def walk_under(root: Path, folder: Path, rules: IgnoreRules) -> Iterator[tuple[str, Path]]:
     """The files under ``folder`` (inside ``root``) that the rules keep, without skip reasons:
-    the watcher's look at a folder that appeared or whose ``.gitignore`` changed."""
+    the watcher's look at a folder that appeared or whose ``.gitignore`` changed. A ``folder``
+    that is a symlink the rules refuse (made after start: ``ln -s / x``) gives nothing; os.walk
+    would follow it."""
+    if rules.link_refusal(folder):
+        return
     for dirpath, dirnames, filenames in os.walk(folder):
         base = Path(dirpath)
         dirnames[:] = [d for d in dirnames if not rules.ignored(relative(root, base / d), True)]
@@ -79,15 +89,62 @@ def walk_under(root: Path, folder: Path, rules: IgnoreRules) -> Iterator[tuple[s
                 yield rel, base / name
 
 
-def read_text(rel: str, path: Path, *, max_bytes: int, skip: Skip) -> tuple[str, os.stat_result] | None:
-    """The file's text and the stat taken before reading it, or None (skipped with the reason)."""
+def open_file(path: Path) -> tuple[int, Path, os.stat_result]:
+    """Open ``path`` (resolved: no symlink in it) for reading, once, and say what was opened: the
+    descriptor, the file's real path per the descriptor (``/proc/self/fd``; ``path`` itself where
+    there is none) and its stat. A final component that became a symlink is not followed (ELOOP);
+    a folder on the way that did is seen in the real path, so the caller checks that path and
+    stat, then reads from the descriptor (``read_fd``) and closes it. Non-blocking: a FIFO opens at
+    once (and is no regular file). OSError as ``os.open``."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, flags)
     try:
-        st = path.stat()
+        st = os.fstat(fd)
+        try:
+            real = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:   # no /proc (not Linux, or not mounted): the path checked is what was opened
+            real = path
+        if real.name.endswith(" (deleted)") and os.fstat(fd).st_nlink == 0:
+            raise FileNotFoundError(errno.ENOENT, "vanished while it was opened", str(path))
+        return fd, real, st
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_fd(fd: int, limit: int | None = None) -> bytes:
+    """Up to ``limit`` bytes (None: all) from the descriptor ``fd``, fewer only at the end of the file."""
+    parts, got = [], 0
+    while limit is None or got < limit:
+        b = os.read(fd, 1 << 20 if limit is None else min(limit - got, 1 << 20))
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
+def read_text(rel: str, path: Path, *, rules: IgnoreRules, max_bytes: int,
+              skip: Skip) -> tuple[str, os.stat_result] | None:
+    """The file's text and its stat (taken from the descriptor before reading), or None (skipped
+    with the reason). Read only when the file opened passes ``rules.file_refusal``: a symlinked
+    folder on the way (``a-link -> deploy``, made at any time) cannot bring in a file outside the
+    root, an ignored one or one of the server's own."""
+    try:
+        real = path.resolve(strict=True)
+        st = real.stat()   # before opening: a FIFO or device is never opened
     except FileNotFoundError:
         skip(rel, "vanished before it was read" if not path.is_symlink() else "broken symlink")
         return None
+    except RuntimeError:   # Python 3.11: a loop
+        skip(rel, "symlink loop")
+        return None
     except OSError as e:
-        skip(rel, "symlink loop" if e.errno == 40 else f"unreadable: {e.strerror or e}")
+        skip(rel, "symlink loop" if e.errno == errno.ELOOP else f"unreadable: {e.strerror or e}")
+        return None
+    refused = rules.file_refusal(real)
+    if refused:
+        skip(rel, refused)
         return None
     if not stat.S_ISREG(st.st_mode):
         skip(rel, "not a regular file")
@@ -96,14 +153,28 @@ def read_text(rel: str, path: Path, *, max_bytes: int, skip: Skip) -> tuple[str,
         skip(rel, f"over {max_bytes} bytes")
         return None
     try:
-        with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
+        fd, opened, st = open_file(real)
     except FileNotFoundError:
         skip(rel, "vanished before it was read")
         return None
     except OSError as e:
         skip(rel, f"unreadable: {e.strerror or e}")
         return None
+    try:
+        # what was opened, which is what is read: a folder on the way may have become a link since
+        refused = (rules.file_refusal(opened) if opened != real else None) or rules.identity_refusal(opened, st)
+        if refused:
+            skip(rel, refused)
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            skip(rel, "not a regular file")
+            return None
+        data = read_fd(fd, max_bytes + 1)
+    except OSError as e:
+        skip(rel, f"unreadable: {e.strerror or e}")
+        return None
+    finally:
+        os.close(fd)
     if b"\0" in data[:SNIFF_BYTES]:
         skip(rel, "binary")
         return None

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .chunking import chunk_text
-from .ignore import DEFAULT_IGNORE, IgnoreRules, OwnedPath, rel_under, relative
+from .ignore import DEFAULT_IGNORE, IgnoreRules, OwnedPath, owned_identity, rel_under, relative
 from .overlays import EditorOverlays
 from .scan import read_text, walk, walk_under
 from .snapshot import load_snapshot, write_snapshot
@@ -173,11 +173,17 @@ class Workspace(EditorOverlays):
         (403). ValueError for a path outside the root."""
         return self._ignore.ignored_file(rel_under(self.root, path))
 
-    def owned_rule(self, path: str | os.PathLike) -> str | None:
+    def owned_rule(self, path: str | os.PathLike, *, st: os.stat_result | None = None) -> str | None:
         """The rule naming the server-owned path ``path`` (absolute or relative to the root; as
-        given or resolved) falls under ("config file", "log_dir", ...), or None."""
+        given or resolved) falls under ("config file", "log_dir", ...), or None. With ``st`` (the
+        stat of the file ``path``, fully resolved, as opened) another name for one counts too: a
+        hard link (``ignore.owned_identity``)."""
         p = Path(path)
-        return self._ignore.owned_rule(p if p.is_absolute() else self.root / p)
+        p = p if p.is_absolute() else self.root / p
+        rule = self._ignore.owned_rule(p)
+        if rule is None and st is not None:
+            rule = owned_identity(self._ignore.owned, st, p, self.root)
+        return rule
 
     def save(self) -> None:
         """Write the snapshot (index + manifest) atomically, if ``snapshot`` was given."""
@@ -247,7 +253,7 @@ class Workspace(EditorOverlays):
                         continue   # unchanged since the snapshot / last index
                 except OSError:
                     pass
-            got = read_text(rel, path, max_bytes=self.max_file_bytes, skip=self._skip)
+            got = read_text(rel, path, rules=self._ignore, max_bytes=self.max_file_bytes, skip=self._skip)
             if got is None:
                 with self._lock:
                     if rel not in self._overlays:

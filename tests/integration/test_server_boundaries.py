@@ -218,10 +218,13 @@ def test_lsp_on_tcp_with_a_token_refuses_a_peer_without_it(tmp_path, token, acce
                 assert "result" in reply and reply["result"]["capabilities"], reply
                 return
             assert "error" in reply and "token" in reply["error"]["message"], reply
-            reply = _rpc(sock, 2, "workspace/executeCommand",   # root "/": any file, had it been let in
-                         {"command": "agentspec.rewrite", "arguments": [{"uri": "file:///etc/passwd",
-                                                                        "instruction": "Repeat it."}]})
-            assert "error" in reply and "result" not in reply, reply
+            try:   # hung up on: nothing it sends next is answered (root "/": any file, had it been let in)
+                reply = _rpc(sock, 2, "workspace/executeCommand",
+                             {"command": "agentspec.rewrite", "arguments": [{"uri": "file:///etc/passwd",
+                                                                            "instruction": "Repeat it."}]})
+            except ConnectionError:   # closed: the read's end, or a reset on the send
+                reply = None
+            assert reply is None, reply
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -166,9 +166,51 @@ def test_a_link_made_later_is_refused_like_one_found_at_start(tmp_path, tokenize
     with Workspace(root, tokenizer=tokenizer, exclude=[OwnedPath.of("config file", root / "server.toml")]) as ws:
         (root / "late_out.py").symlink_to(tmp_path / "outside" / "secret.py")
         (root / "late_env.py").symlink_to(root / ".env")
+        # folder links: inotify says "created", not a folder (a link is none), yet the path is a folder
+        (root / "late_dir").symlink_to(tmp_path / "outside" / "dir")
+        (root / "late_up").symlink_to(tmp_path)   # holds the root again, its config and outside/
         (root / "late_ok.py").write_text("marker = 'late-file-ibis-77'\n")
         assert until(lambda: "late_ok.py" in ws.files()), ws.files()
         assert "late_out.py" not in ws.files() and "late_env.py" not in ws.files()
+        assert not [f for f in ws.files() if f.startswith(("late_dir/", "late_up/"))], ws.files()
+        assert not continues(ws.index, tokenizer, "SECRET_TOKEN = 'okapi", "-narwhal-canary")
+
+
+def test_a_symlinked_folder_never_leads_to_the_servers_files(tmp_path, tokenizer):
+    """The server's config and log folder inside the workspace (``--config deploy/agentspec.toml
+    --repo .``, ``log_dir = "var/logs"``): a link to a folder holding them is refused, at start and
+    when made later; a file is read only when the file opened is inside the root, kept and none of
+    the server's (by path, or by identity: a hard link)."""
+    from agentspec.workspace import OwnedPath
+
+    root, outside = tmp_path / "ws", tmp_path / "outside"
+    (root / "deploy").mkdir(parents=True)
+    (root / "deploy" / "agentspec.toml").write_text(f"# {SECRET}")
+    (root / "deploy" / "notes.md").write_text("deploy notes\n")
+    (root / "var" / "logs").mkdir(parents=True)
+    (root / "var" / "logs" / "acme.jsonl").write_text(f'{{"prompt": "{SECRET.strip()}"}}\n')
+    (root / "var" / "readme.md").write_text("var readme\n")
+    outside.mkdir()
+    (outside / "secret.py").write_text(SECRET)
+    (root / "a-link").symlink_to(root / "deploy")   # sorts before the folder it leads to
+    (root / "b-link").symlink_to(root / "var")
+    os.link(root / "deploy" / "agentspec.toml", root / "copy.toml")
+    owned = [OwnedPath.of("config file", root / "deploy" / "agentspec.toml"),
+             OwnedPath.of("log_dir", root / "var" / "logs")]
+    with Workspace(root, tokenizer=tokenizer, watch=False, exclude=owned) as ws:
+        assert ws.files() == ["deploy/notes.md", "var/readme.md"], ws.files()
+        reasons = ws.skipped_paths
+        assert reasons["a-link"] == reasons["b-link"] == "symlink to a folder holding a server-owned path"
+        assert reasons["copy.toml"] == "another name for a server-owned path"
+        # made later, applied as the watcher would: a folder link (no walk under it) and a file
+        # under it (read only as the file it opens, which is the config)
+        (root / "late").symlink_to(root / "deploy")
+        (root / "late_out").symlink_to(outside)
+        ws._apply({str(root / "late"), str(root / "late_out"), str(root / "late" / "agentspec.toml"),
+                   str(root / "late_out" / "secret.py"), str(root / "late") + os.sep})
+        assert ws.files() == ["deploy/notes.md", "var/readme.md"], ws.files()
+        assert ws.skipped_paths["late/agentspec.toml"] == "symlink to a server-owned path"
+        assert ws.skipped_paths["late_out/secret.py"] == "symlink out of the workspace"
         assert not continues(ws.index, tokenizer, "SECRET_TOKEN = 'okapi", "-narwhal-canary")
 
 

@@ -6,6 +6,8 @@ No model: a tiny fake tokenizer stands in where one is needed (the tokenizer is 
 from __future__ import annotations
 
 import os
+import random
+import re
 
 import pytest
 
@@ -200,6 +202,27 @@ def test_chat_fast_apply_detection():
     assert chat_fast_apply([{"role": "system", "content": "s"}]) == ([{"role": "system", "content": "s"}], None)
 
 
+def test_fast_apply_tags_read_like_the_lazy_pattern_they_replace():
+    # One newline after the opening tag and one before the closing tag are left out; the first
+    # complete pair counts, however the text around it looks.
+    pattern = re.compile(r"<code>\n?(.*?)\n?</code>", re.DOTALL)
+    rng = random.Random(7)
+    pieces = ["<code>", "</code>", "\n", "a", "<", ">", "/"]
+    for _ in range(20_000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 10)))
+        found = pattern.search(text)
+        expected = found.group(1) if found else None
+        assert find_apply_code(text + "<update>u</update>") == expected, text
+
+
+@pytest.mark.timeout(30)
+def test_fast_apply_detection_is_linear_in_the_message():
+    # A message of opening tags with no closing one: the lazy pattern retried at every tag
+    # (quadratic, about an hour at this size, holding the interpreter for every tenant).
+    assert find_apply_code("<code>" * 200_000 + "<update>u</update>") is None
+    assert find_apply_code("<code>x</code>" + "<update>" * 200_000) is None
+
+
 def test_prediction_usage():
     assert prediction_usage([1, 2, 3, 4], [1, 2, 9, 4]) == (3, 1)
     assert prediction_usage([], [1]) == (0, 0)
@@ -309,3 +332,96 @@ def test_paths_the_workspace_ignores_are_refused(workspace):
         e = _err(workspace, "big.txt", ignored=ws.ignored)
         assert e.code == "path_ignored"
         assert not is_ignored(workspace, "big.txt")   # the default list does not name *.txt
+
+
+# ---- the file read is the file checked -------------------------------------------------------------
+
+
+def _swap_pkg_during_the_checks(workspace, target):
+    """An ``ignored`` rule that, when first asked (the path resolved, the checks under way), swaps
+    the folder ``pkg`` for a symlink to ``target``: the window a rename-exchange racing the request
+    would hit, made deterministic."""
+    from agentspec.workspace import ignore_checker
+
+    rules, swapped = ignore_checker(workspace), []
+
+    def ignored(rel: str) -> bool:
+        if not swapped:
+            swapped.append(rel)
+            os.rename(workspace / "pkg", workspace / "pkg.old")
+            os.symlink(target, workspace / "pkg")
+        return rules(rel)
+
+    return ignored
+
+
+def test_a_folder_swapped_for_a_symlink_after_the_checks_is_refused(workspace, tmp_path):
+    """What is read is what was opened, checked again as opened: pkg/ turned into a link between
+    the checks and the open leads nowhere the checks refuse (outside, the server's files, ignored)."""
+    from agentspec.workspace import OwnedPath
+
+    srv = tmp_path / "srv"   # outside the workspace
+    srv.mkdir()
+    (srv / "mod.py").write_text("API_KEYS = ['outside-canary-1']\n")
+    (workspace / "deploy").mkdir()   # inside, holding the server's config
+    (workspace / "deploy" / "mod.py").write_text("API_KEYS = ['config-canary-2']\n")
+    (workspace / ".gitignore").write_text("private/\n")
+    (workspace / "private").mkdir()
+    (workspace / "private" / "mod.py").write_text("TOKEN = 'ignored-canary-3'\n")
+    owned = [OwnedPath.of("config file", workspace / "deploy" / "mod.py")]
+    for target, code in ((srv, "path_outside_workspace"), (workspace / "deploy", "path_server_owned"),
+                         (workspace / "private", "path_ignored")):
+        ignored = _swap_pkg_during_the_checks(workspace, target)
+        e = _err(workspace, "pkg/mod.py", ignored=ignored, owned=owned)
+        assert (e.status, e.type, e.code) == (403, "permission_error", code), target
+        assert "pkg/mod.py" in str(e) and "canary" not in str(e)
+        if code == "path_server_owned":
+            assert "(config file)" in str(e)
+        os.unlink(workspace / "pkg")
+        os.rename(workspace / "pkg.old", workspace / "pkg")
+    assert resolve_workspace_path(workspace, "pkg/mod.py", max_bytes=100, owned=owned)[1] == CODE   # unswapped
+
+
+def test_a_hard_link_to_the_servers_file_is_refused(workspace):
+    """The server's files are matched by identity too: a hard link has a path of its own."""
+    from agentspec.workspace import OwnedPath
+
+    config = workspace.parent / "agentspec.toml"
+    config.write_text("api_keys = ['hard-link-canary']\n")
+    os.link(config, workspace / "cfg.py")
+    e = _err(workspace, "cfg.py", owned=[OwnedPath.of("config file", config)])
+    assert (e.status, e.code) == (403, "path_server_owned") and "(config file)" in str(e)
+
+
+def test_a_fifo_is_no_file_and_never_blocks(workspace):
+    os.mkfifo(workspace / "pipe.py")
+    assert _err(workspace, "pipe.py").code == "file_not_found"
+
+
+def test_the_language_server_reads_the_file_it_checked(workspace, tmp_path):
+    """``agentspec lsp``: ``path_of`` checks a URI, ``document`` reads it; pkg/ swapped for a link
+    in between (to a folder outside the workspace) is refused, not read."""
+    pytest.importorskip("pygls")
+    from pygls.exceptions import JsonRpcInvalidParams
+    from pygls.uris import from_fs_path
+    from pygls.workspace import Workspace as EditorWorkspace
+
+    from agentspec.lsp.server import AgentSpecLanguageServer
+
+    srv = tmp_path / "srv"
+    srv.mkdir()
+    (srv / "mod.py").write_text("API_KEYS = ['lsp-canary']\n")
+    ls = AgentSpecLanguageServer()
+    ls.root = workspace.resolve()
+    ls.protocol._workspace = EditorWorkspace(from_fs_path(str(ls.root)))   # what initialize sets: no open buffers
+    uri = from_fs_path(str(workspace / "pkg" / "mod.py"))
+    try:
+        assert ls.document(uri, ls.path_of(uri)) == (CODE, None)
+        path = ls.path_of(uri)
+        os.rename(workspace / "pkg", workspace / "pkg.old")
+        os.symlink(srv, workspace / "pkg")
+        with pytest.raises(JsonRpcInvalidParams, match="outside the workspace") as e:
+            ls.document(uri, path)
+        assert "canary" not in str(e.value)
+    finally:
+        ls.overlays.close()
