@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from ._events import AsyncEventStream, EventStream
 from .errors import AgentSpecAPIError, APIConnectionError, APITimeoutError, error_for_status
 
 __all__ = ["AsyncHTTPTransport", "HTTPTransport", "api_root"]
@@ -79,19 +80,38 @@ def _retryable(e: httpx.TransportError) -> bool:
     return not isinstance(e, (httpx.ReadTimeout, httpx.WriteTimeout))
 
 
+_DONE: dict = {}   # what ``_event`` returns for ``data: [DONE]`` (compared by identity)
+
+
+def _event(line: str) -> dict | None:
+    """One server-sent event line: its JSON event, ``_DONE`` for ``data: [DONE]``, None for a
+    line that is not data; an error event raises its exception."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return _DONE
+    event = json.loads(data)
+    if isinstance(event, dict) and "error" in event:
+        raise error_for_status(None, event)
+    return event
+
+
+def _cut_off() -> APIConnectionError:
+    return APIConnectionError("the stream was cut off: the response ended before data: [DONE]")
+
+
 def _events(lines: Iterator[str]) -> Iterator[dict]:
     """The JSON events of a server-sent event stream up to ``data: [DONE]``; an error event
-    raises its exception."""
+    raises its exception, and so does a stream that ends without ``[DONE]`` (the connection
+    was cut: ``APIConnectionError``)."""
     for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
+        event = _event(line)
+        if event is _DONE:
             return
-        event = json.loads(data)
-        if isinstance(event, dict) and "error" in event:
-            raise error_for_status(None, event)
-        yield event
+        if event is not None:
+            yield event
+    raise _cut_off()
 
 
 class HTTPTransport:
@@ -132,8 +152,9 @@ class HTTPTransport:
         response = self._send(method, path, body, timeout, stream=False)
         return response.json()
 
-    def stream(self, path: str, body: dict, *, timeout: Any = None) -> Iterator[dict]:
-        """Sends now (errors before the stream raise here); iterate for the events."""
+    def stream(self, path: str, body: dict, *, timeout: Any = None) -> EventStream:
+        """Sends now (errors before the stream raise here); iterate for the events. ``close()``
+        closes the response (the server cancels the request), whether or not iteration started."""
         response = self._send("POST", path, body, timeout, stream=True)
 
         def events() -> Iterator[dict]:
@@ -144,7 +165,7 @@ class HTTPTransport:
             finally:
                 response.close()
 
-        return events()
+        return EventStream(events(), response.close)
 
     def close(self) -> None:
         if self._own:
@@ -189,24 +210,25 @@ class AsyncHTTPTransport:
         response = await self._send(method, path, body, timeout, stream=False)
         return response.json()
 
-    async def stream(self, path: str, body: dict, *, timeout: Any = None) -> AsyncIterator[dict]:
+    async def stream(self, path: str, body: dict, *, timeout: Any = None) -> AsyncEventStream:
+        """``HTTPTransport.stream``."""
         response = await self._send("POST", path, body, timeout, stream=True)
 
         async def events() -> AsyncIterator[dict]:
             try:
                 async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    for event in _events(iter((line,))):
-                        yield event
-                    if line[5:].strip() == "[DONE]":
+                    event = _event(line)
+                    if event is _DONE:
                         return
+                    if event is not None:
+                        yield event
+                raise _cut_off()
             except httpx.TransportError as e:
                 raise _transport_error(e) from e
             finally:
                 await response.aclose()
 
-        return events()
+        return AsyncEventStream(events(), response.aclose)
 
     async def aclose(self) -> None:
         if self._own:

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from ._events import AsyncEventStream, EventStream
 from .errors import APITimeoutError, error_for_status
 
 __all__ = ["AsyncLocalTransport", "LocalTransport"]
@@ -122,9 +123,9 @@ class LocalTransport:
         except APIError as e:
             raise self._error(e, timeout) from None
 
-    def stream(self, path: str, body: dict, *, timeout: float | None = None) -> Iterator[dict]:
-        """Submits now (bad input raises here); iterate for the events (closing the iterator
-        cancels the request at its next decode step)."""
+    def stream(self, path: str, body: dict, *, timeout: float | None = None) -> EventStream:
+        """Submits now (bad input raises here); iterate for the events. ``close()`` cancels the
+        request at its next decode step, whether or not iteration started."""
         from ..api import handling
         from ..api.protocol import APIError
 
@@ -134,7 +135,7 @@ class LocalTransport:
             job, events = self._submit(state, prepared, timeout)
         except APIError as e:
             raise self._error(e, timeout) from None
-        return self._events(state, prepared, job, events, timeout)
+        return EventStream(self._events(state, prepared, job, events, timeout), job.cancel)
 
     def _submit(self, state: Any, prepared: Any, timeout: float | None):
         from ..api import handling
@@ -197,9 +198,10 @@ class AsyncLocalTransport:
     async def request(self, method: str, path: str, body: dict | None = None, *, timeout: float | None = None) -> dict:
         return await asyncio.to_thread(self.local.request, method, path, body, timeout=timeout)
 
-    async def stream(self, path: str, body: dict, *, timeout: float | None = None) -> AsyncIterator[dict]:
-        """One thread per stream pumps the events into the loop; closing the stream (or cancelling
-        the task iterating it) cancels the request at its next decode step."""
+    async def stream(self, path: str, body: dict, *, timeout: float | None = None) -> AsyncEventStream:
+        """One thread per stream pumps the events into the loop; closing the stream (whether or
+        not iteration started), or cancelling the task iterating it, cancels the request at its
+        next decode step."""
         events = await asyncio.to_thread(self.local.stream, path, body, timeout=timeout)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -237,8 +239,13 @@ class AsyncLocalTransport:
                         raise value
             finally:
                 closing.set()
+                events.release()   # thread-safe: the pump then ends at the job's last event
 
-        return run()
+        async def release() -> None:
+            closing.set()
+            events.release()
+
+        return AsyncEventStream(run(), release)
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.local.close)

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 from suffix_index.atomic import write_atomic
 
+from ._events import AsyncEventStream, EventStream
 from .errors import FileChangedError
 from .types import ApplyResult, ChatResult, CompletionResult, RewriteResult, result_from_body
 
@@ -117,11 +118,12 @@ class _Assembler:
 
 class _StreamBase(Generic[R]):
     def __init__(self, kind: str, t0: float, session_id: str | None,
-                 on_done: Callable[[Any], None] | None) -> None:
+                 on_done: Callable[[Any], None] | None, on_abandon: Callable[[], None] | None) -> None:
         self._asm = _Assembler(kind)
         self._t0 = t0
         self._session_id = session_id
         self._on_done = on_done
+        self._on_abandon = on_abandon
         self.ttft_ms: float | None = None      # client-side: the call to the first text
         self.result: R | None = None           # set once the stream ended
         self.completion_tokens = 0             # apply streams: tokens committed so far
@@ -148,24 +150,37 @@ class _StreamBase(Generic[R]):
         if self._on_done is not None:
             self._on_done(self.result)
 
+    def _abandon(self) -> None:
+        """The stream ended without a result (it failed, or was closed before its end): ``on_abandon``, once."""
+        if self.result is None and self._on_abandon is not None:
+            on_abandon, self._on_abandon = self._on_abandon, None
+            on_abandon()
+
 
 class Stream(_StreamBase[R]):
     """``stream=True``: iterate for the text as it comes (``str`` deltas; for ``apply``, of the
     model's raw answer). ``final()`` reads the rest and returns the result (``ttft_ms`` set);
-    ``close()`` (or leaving ``with``) before the end cancels the request."""
+    ``close()`` (or leaving ``with``) before the end cancels the request, whether or not
+    iteration started. A stream cut off before its end raises ``APIConnectionError``."""
 
-    def __init__(self, events: Iterator[dict], kind: str, t0: float, session_id: str | None = None,
-                 on_done: Callable[[Any], None] | None = None) -> None:
-        super().__init__(kind, t0, session_id, on_done)
+    def __init__(self, events: EventStream, kind: str, t0: float, session_id: str | None = None,
+                 on_done: Callable[[Any], None] | None = None, on_abandon: Callable[[], None] | None = None) -> None:
+        super().__init__(kind, t0, session_id, on_done, on_abandon)
         self._events = events
 
     def __iter__(self) -> Iterator[str]:
-        for event in self._events:
-            delta = self._delta(event)
-            if delta:
-                yield delta
-        if self.result is None:
-            self._finish()
+        try:
+            for event in self._events:
+                delta = self._delta(event)
+                if delta:
+                    yield delta
+            if self.result is None:
+                self._finish()
+        except GeneratorExit:   # this iterator dropped (a ``break``): the stream may be read on
+            raise
+        except BaseException:
+            self._abandon()
+            raise
 
     def final(self) -> R:
         for _ in self:
@@ -174,9 +189,10 @@ class Stream(_StreamBase[R]):
         return self.result
 
     def close(self) -> None:
-        close = getattr(self._events, "close", None)
-        if close is not None:
-            close()
+        try:
+            self._events.close()
+        finally:
+            self._abandon()
 
     def __enter__(self) -> "Stream[R]":
         return self
@@ -186,20 +202,27 @@ class Stream(_StreamBase[R]):
 
 
 class AsyncStream(_StreamBase[R]):
-    """``Stream`` for ``AsyncClient``: ``async for delta in stream``; ``await stream.final()``."""
+    """``Stream`` for ``AsyncClient``: ``async for delta in stream``; ``await stream.final()``;
+    ``await stream.aclose()`` (or leaving ``async with``)."""
 
-    def __init__(self, events: AsyncIterator[dict], kind: str, t0: float, session_id: str | None = None,
-                 on_done: Callable[[Any], None] | None = None) -> None:
-        super().__init__(kind, t0, session_id, on_done)
+    def __init__(self, events: AsyncEventStream, kind: str, t0: float, session_id: str | None = None,
+                 on_done: Callable[[Any], None] | None = None, on_abandon: Callable[[], None] | None = None) -> None:
+        super().__init__(kind, t0, session_id, on_done, on_abandon)
         self._events = events
 
     async def __aiter__(self) -> AsyncIterator[str]:
-        async for event in self._events:
-            delta = self._delta(event)
-            if delta:
-                yield delta
-        if self.result is None:
-            self._finish()
+        try:
+            async for event in self._events:
+                delta = self._delta(event)
+                if delta:
+                    yield delta
+            if self.result is None:
+                self._finish()
+        except GeneratorExit:
+            raise
+        except BaseException:
+            self._abandon()
+            raise
 
     async def final(self) -> R:
         async for _ in self:
@@ -208,9 +231,10 @@ class AsyncStream(_StreamBase[R]):
         return self.result
 
     async def aclose(self) -> None:
-        close = getattr(self._events, "aclose", None)
-        if close is not None:
-            await close()
+        try:
+            await self._events.aclose()
+        finally:
+            self._abandon()
 
     async def __aenter__(self) -> "AsyncStream[R]":
         return self
@@ -314,11 +338,14 @@ class Client:
         return t
 
     def _call(self, kind: str, body: dict, stream: bool, timeout: Any, session_id: str | None,
-              on_done: Callable[[Any], None] | None = None) -> Any:
+              on_done: Callable[[Any], None] | None = None,
+              on_abandon: Callable[[], None] | None = None) -> Any:
+        """One request; ``on_done(result)`` when it succeeded; for a stream, ``on_abandon()`` when it
+        ends without a result (failed, or closed before its end)."""
         t0 = time.perf_counter()
         if stream:
             events = self._transport.stream(_PATHS[kind], body, timeout=self._timeout(timeout))
-            return Stream(events, kind, t0, session_id, on_done)
+            return Stream(events, kind, t0, session_id, on_done, on_abandon)
         data = self._transport.request("POST", _PATHS[kind], body, timeout=self._timeout(timeout))
         result = result_from_body(kind, data, latency_ms=(time.perf_counter() - t0) * 1e3, session_id=session_id)
         if on_done is not None:
@@ -423,11 +450,13 @@ class AsyncClient:
     _timeout = Client._timeout
 
     async def _call(self, kind: str, body: dict, stream: bool, timeout: Any, session_id: str | None,
-                    on_done: Callable[[Any], None] | None = None) -> Any:
+                    on_done: Callable[[Any], None] | None = None,
+                    on_abandon: Callable[[], None] | None = None) -> Any:
+        """``Client._call``."""
         t0 = time.perf_counter()
         if stream:
             events = await self._transport.stream(_PATHS[kind], body, timeout=self._timeout(timeout))
-            return AsyncStream(events, kind, t0, session_id, on_done)
+            return AsyncStream(events, kind, t0, session_id, on_done, on_abandon)
         data = await self._transport.request("POST", _PATHS[kind], body, timeout=self._timeout(timeout))
         result = result_from_body(kind, data, latency_ms=(time.perf_counter() - t0) * 1e3, session_id=session_id)
         if on_done is not None:
@@ -524,16 +553,21 @@ class _SessionBase:
         """Append a message without asking the model (e.g. an observation from a command)."""
         self.messages.append({"role": role, "content": content})
 
-    def _begin(self, content: str | None, role: str) -> tuple[int, Callable[[Any], None]]:
-        n = len(self.messages)
-        if content is not None:
-            self.add(role, content)
+    def _begin(self, content: str | None, role: str) -> tuple[Callable[[], None], Callable[[Any], None]]:
+        """Adds the turn's message; returns ``(rollback, on_done)``: ``rollback()`` takes the
+        message out again (the turn failed), ``on_done(result)`` appends the reply."""
+        added = [{"role": role, "content": content}] if content is not None else []
+        self.messages.extend(added)
+
+        def rollback() -> None:
+            # by identity: messages ``add``ed meanwhile (a stream is read at leisure) stay
+            self.messages[:] = [m for m in self.messages if not any(m is a for a in added)]
 
         def on_done(result: ChatResult) -> None:
             self.messages.append(result.message)
             self.results.append(result)
 
-        return n, on_done
+        return rollback, on_done
 
     def _options(self, options: dict) -> dict:
         unknown = sorted(set(options) - _TURN_OPTIONS)
@@ -549,20 +583,19 @@ class Session(_SessionBase):
     """``Client.session``: a conversation with one session id. ``chat(content)`` appends
     ``content`` as a user message, sends the history, and appends the reply; a request that
     fails (e.g. the history outgrew the context window: ``BadRequestError`` with code
-    "context_length_exceeded") leaves the history as it was. ``apply`` / ``rewrite`` run under
-    the same session id and leave the history alone."""
+    "context_length_exceeded") leaves the history as it was, and so does a streamed turn that
+    fails midway or is closed before its end. ``apply`` / ``rewrite`` run under the same
+    session id and leave the history alone."""
 
     def chat(self, content: str | None = None, *, role: str = "user", stream: bool = False,
              **options: Any) -> ChatResult | Stream[ChatResult]:
-        n, on_done = self._begin(content, role)
         opts = self._options(options)
+        rollback, on_done = self._begin(content, role)
         try:
-            if not stream:
-                return self.client._call("chat", self._body(opts), False, opts.get("timeout"), self.id, on_done)
-            return self.client._call("chat", self._body(opts, stream=True), True, opts.get("timeout"), self.id,
-                                     on_done)
+            return self.client._call("chat", self._body(opts, stream=stream), stream, opts.get("timeout"), self.id,
+                                     on_done, rollback)
         except BaseException:
-            del self.messages[n:]
+            rollback()
             raise
 
     def _body(self, opts: dict, stream: bool = False) -> dict:
@@ -593,13 +626,13 @@ class AsyncSession(_SessionBase):
 
     async def chat(self, content: str | None = None, *, role: str = "user", stream: bool = False,
                    **options: Any) -> ChatResult | AsyncStream[ChatResult]:
-        n, on_done = self._begin(content, role)
         opts = self._options(options)
+        rollback, on_done = self._begin(content, role)
         try:
             return await self.client._call("chat", self._body(opts, stream=stream), stream, opts.get("timeout"),
-                                           self.id, on_done)
+                                           self.id, on_done, rollback)
         except BaseException:
-            del self.messages[n:]
+            rollback()
             raise
 
     async def apply(self, **options: Any) -> ApplyResult | AsyncStream[ApplyResult]:

@@ -10,6 +10,8 @@ from typing import Any
 
 import msgspec
 
+from .errors import AgentSpecAPIError
+
 __all__ = ["ApplyResult", "ChatResult", "CompletionResult", "RewriteResult", "SpecStats", "Usage"]
 
 
@@ -112,15 +114,18 @@ class RewriteResult(msgspec.Struct, kw_only=True):
 def result_from_body(kind: str, body: dict[str, Any], *, latency_ms: float, ttft_ms: float | None = None,
                      session_id: str | None = None) -> Any:
     """The typed result of a response body (or a stream's assembled one) of endpoint ``kind``
-    ("chat", "completion", "apply")."""
+    ("chat", "completion", "apply"). A body without a ``finish_reason`` raises
+    ``AgentSpecAPIError``: it is cut off, and its text may be too."""
+    choice = (body.get("choices") or [{}])[0] if kind != "apply" else body
+    finish = choice.get("finish_reason")
+    if not finish:   # never assumed: a response without one is incomplete (cut off) or not a server's
+        raise AgentSpecAPIError(f"the {kind} response has no finish_reason: it is incomplete")
     common = dict(id=body.get("id", ""), model=body.get("model", ""), usage=Usage.from_body(body.get("usage")),
                   spec=SpecStats.from_body(body.get("spec")), latency_ms=round(latency_ms, 3),
                   ttft_ms=None if ttft_ms is None else round(ttft_ms, 3))
     if kind == "apply":
-        return ApplyResult(finish_reason=body.get("finish_reason") or "stop", merged_code=body.get("merged_code", ""),
-                           path=body.get("path"), **common)
-    choice = (body.get("choices") or [{}])[0]
-    finish = choice.get("finish_reason") or "stop"
+        return ApplyResult(finish_reason=finish, merged_code=body.get("merged_code", ""), path=body.get("path"),
+                           **common)
     if kind == "chat":
         text = (choice.get("message") or {}).get("content") or ""
         return ChatResult(finish_reason=finish, text=text, session_id=session_id, **common)

@@ -5,13 +5,20 @@ bundled model; one server and one in-process engine for the module."""
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import httpx
 import msgspec
 import pytest
 from helpers.serve import Server
 
 import agentspec
 from agentspec.sdk import (
+    APIConnectionError,
     ApplyResult,
     AsyncClient,
     BadRequestError,
@@ -21,6 +28,7 @@ from agentspec.sdk import (
     NotFoundError,
     PermissionDeniedError,
 )
+from agentspec.sdk.client import new_session_id
 
 pytestmark = pytest.mark.slow
 
@@ -230,3 +238,157 @@ def test_inproc_agent_loop_writes_records_and_reuses_the_prefix_cache_as_served(
     assert [r["endpoint"] for r in records] == ["chat.completions"] * 3 + ["apply"]
     assert [r["session"] for r in records[1:3]] == [cached["inproc"][2]] * 2
     assert all(r["tenant"] == "default" and r["finish_reason"] in ("stop", "length") for r in records)
+
+
+# ---- streams that end early: closed by the caller, or cut off on the way ------------------------------------
+
+LONG = "Count from 1 to 500, one number per line."
+LONG_MAX = 400   # far more tokens than a cancelled request gets to make
+
+
+def _logged_config(log_dir: Path):
+    from agentspec.config import ServerConfig
+
+    return msgspec.convert({"server": {"log_dir": str(log_dir)}}, ServerConfig)
+
+
+@pytest.fixture(scope="module")
+def logged(server, clients, tmp_path_factory):
+    """Per mode: a client and the acceptance log its requests go to (the server's: ``logs/`` in
+    its working folder; in process: a config's ``log_dir``)."""
+    log_dir = tmp_path_factory.mktemp("sdk_inproc_logs")
+    engine = clients["inproc"]._transport._state.backend.engine
+    local = Client(engine=engine, config=_logged_config(log_dir))
+    local.chat("hi", max_tokens=1, temperature=0)   # its state's threads start here (module-owned)
+    yield {"server": (clients["server"], server.cwd / "logs" / "default.jsonl"),
+           "inproc": (local, log_dir / "default.jsonl")}
+    local.close()
+
+
+def _record_of(log: Path, session: str, timeout: float = 60) -> dict:
+    """The acceptance record of the (one) request of ``session``, once its job has ended."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for line in log.read_text().splitlines() if log.exists() else ():
+            try:
+                r = json.loads(line)
+            except ValueError:   # a line being written
+                continue
+            if r.get("session") == session:
+                return r
+        assert time.monotonic() < deadline, f"no record of session {session} in {log}"
+        time.sleep(0.05)
+
+
+def _assert_cancelled(log: Path, sessions: list[str]) -> None:
+    for sid in sessions:
+        rec = _record_of(log, sid)
+        assert rec["finish_reason"] == "cancelled" and rec["completion_tokens"] < LONG_MAX, rec
+
+
+@pytest.mark.parametrize("mode", ["server", "inproc"])
+def test_closing_a_stream_cancels_its_request_whether_or_not_it_was_read(mode, logged):
+    c, log = logged[mode]
+    sessions = [new_session_id() for _ in range(3)]
+    kw = dict(max_tokens=LONG_MAX, temperature=0, stream=True)
+    with c.chat(LONG, session_id=sessions[0], **kw):
+        pass                                   # closed before the first read
+    with pytest.raises(RuntimeError), c.chat(LONG, session_id=sessions[1], **kw):
+        raise RuntimeError("the caller failed before reading")
+    with c.chat(LONG, session_id=sessions[2], **kw) as s:
+        assert next(iter(s))                   # closed after the first delta
+    _assert_cancelled(log, sessions)
+
+
+@pytest.mark.parametrize("mode", ["server", "inproc"])
+def test_closing_an_async_stream_cancels_its_request_whether_or_not_it_was_read(mode, server, clients, tmp_path):
+    engine = clients["inproc"]._transport._state.backend.engine
+    sessions = [new_session_id() for _ in range(2)]
+    kw = dict(max_tokens=LONG_MAX, temperature=0, stream=True)
+
+    async def main():
+        opts = {"engine": engine, "config": _logged_config(tmp_path)} if mode == "inproc" else {}
+        async with AsyncClient(server.base if mode == "server" else None, max_retries=0, **opts) as c:
+            async with await c.chat(LONG, session_id=sessions[0], **kw):
+                pass
+            s = await c.chat(LONG, session_id=sessions[1], **kw)
+            await s.aclose()
+            _assert_cancelled(tmp_path / "default.jsonl" if mode == "inproc" else
+                              server.cwd / "logs" / "default.jsonl", sessions)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["server", "inproc"])
+def test_a_session_turn_streamed_and_closed_early_leaves_the_history(mode, logged):
+    c, _ = logged[mode]
+    with c.session(system="You answer in one short sentence.", temperature=0, max_tokens=8) as s:
+        with s.chat("Closed before reading.", stream=True):
+            pass
+        with s.chat("Closed after one delta.", stream=True) as st:
+            assert next(iter(st))
+        assert s.messages == [{"role": "system", "content": "You answer in one short sentence."}]
+        r = s.chat("What is 2 + 2?", stream=True).final()
+    assert [m["role"] for m in s.messages] == ["system", "user", "assistant"] and s.results == [r]
+    assert s.messages[1]["content"] == "What is 2 + 2?"
+
+
+class _CuttingProxy:
+    """A proxy on loopback in front of the real server that relays a stream's first ``keep``
+    data lines, then ends its response cleanly: no ``[DONE]``, as a proxy that cut it or a server
+    that died would. Non-streamed responses are relayed whole."""
+
+    def __init__(self, upstream: str, keep: int) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                with httpx.Client(timeout=120) as http, http.stream(
+                        "POST", upstream + self.path, content=body,
+                        headers={"Content-Type": "application/json"}) as r:
+                    self.send_response(r.status_code)
+                    self.send_header("Content-Type", r.headers["content-type"])
+                    self.end_headers()   # HTTP/1.0, no Content-Length: the body ends when the connection does
+                    data = 0
+                    for line in r.iter_lines():
+                        data += line.startswith("data:")
+                        if data > keep:
+                            break
+                        self.wfile.write(line.encode() + b"\n")
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="cutting-proxy", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join()
+
+
+@pytest.fixture(scope="module")
+def cut(server):
+    proxy = _CuttingProxy(server.base, keep=4)
+    yield proxy
+    proxy.close()
+
+
+def test_a_stream_cut_off_before_its_end_raises_not_finishes(cut):
+    """A cut stream is not a finished answer: ``APIConnectionError``, no result, never a
+    finish_reason "stop" for the text so far (chat and apply), and a session turn rolled back."""
+    with Client(cut.base, max_retries=0, timeout=120) as c:
+        s = c.chat(PROMPT, max_tokens=40, temperature=0, stream=True)
+        with pytest.raises(APIConnectionError, match=r"\[DONE\]"):
+            s.final()
+        assert s.result is None
+        with pytest.raises(APIConnectionError):
+            c.apply(code=CODE, instruction="Rename sub to subtract.", max_tokens=48, stream=True).final()
+        with c.session(system="You answer in one short sentence.", temperature=0, max_tokens=40) as sess:
+            with pytest.raises(APIConnectionError):
+                sess.chat("What is 2 + 2?", stream=True).final()
+            assert [m["role"] for m in sess.messages] == ["system"]
+            r = sess.chat("What is 2 + 2?", max_tokens=8)   # non-streamed: relayed whole
+        assert [m["role"] for m in sess.messages] == ["system", "user", "assistant"] and r.text

@@ -330,3 +330,159 @@ def test_async_client_retries_streams_and_maps_errors(monkeypatch):
     r, parts, final = asyncio.run(main())
     assert r.text == "hello" and len(slept) == 1
     assert parts == ["hel", "lo"] and final.text == "hello" and final.finish_reason == "stop"
+
+
+class _Body(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A response body that records whether it was closed (sync or async)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.closed = False
+
+    def __iter__(self):
+        yield self.data
+
+    async def __aiter__(self):
+        yield self.data
+
+    def close(self) -> None:
+        self.closed = True
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def test_closing_a_stream_before_reading_it_closes_the_response():
+    import asyncio
+
+    from agentspec.sdk import AsyncClient
+
+    bodies: list[_Body] = []
+
+    def handler(request):
+        bodies.append(_Body(sse(chunk("hel"), chunk("lo", "stop"))))
+        return httpx.Response(200, stream=bodies[-1])
+
+    with client_for(handler) as c:
+        with c.chat("hi", stream=True):
+            pass
+        with pytest.raises(RuntimeError), c.chat("hi", stream=True):
+            raise RuntimeError("the caller failed before reading")
+        c.chat("hi", stream=True).close()
+    assert [b.closed for b in bodies] == [True] * 3
+
+    async def main():
+        async with AsyncClient("http://agentspec.test", http_client=httpx.AsyncClient(
+                transport=httpx.MockTransport(handler))) as c:
+            async with await c.chat("hi", stream=True):
+                pass
+
+    bodies.clear()
+    asyncio.run(main())
+    assert [b.closed for b in bodies] == [True]
+
+
+def test_a_stream_cut_off_before_done_raises_instead_of_finishing():
+    """A stream whose lines end without ``data: [DONE]`` (a proxy cut it, the server died) is not
+    a finished answer: ``APIConnectionError``, never a result with finish_reason "stop"."""
+    import asyncio
+
+    from agentspec.sdk import AsyncClient
+
+    cut = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in (chunk("pa"), chunk("r")))
+    apply_cut = b"data: " + json.dumps({"id": "apply-1", "object": "apply.chunk", "model": "m", "delta": "def",
+                                        "completion_tokens": 1, "steps": 1}).encode() + b"\n\n"
+    with client_for(lambda r: httpx.Response(200, content=cut)) as c:
+        s = c.chat("hi", stream=True)
+        with pytest.raises(APIConnectionError, match=r"\[DONE\]"):
+            s.final()
+        assert s.result is None and s.text == "par"
+    with client_for(lambda r: httpx.Response(200, content=apply_cut)) as c:
+        with pytest.raises(APIConnectionError):
+            c.apply(code="x = 1\n", instruction="x", stream=True).final()
+
+    async def main():
+        async with AsyncClient("http://agentspec.test", http_client=httpx.AsyncClient(
+                transport=httpx.MockTransport(lambda r: httpx.Response(200, content=cut)))) as c:
+            s = await c.chat("hi", stream=True)
+            with pytest.raises(APIConnectionError):
+                await s.final()
+            return s
+
+    assert asyncio.run(main()).result is None
+
+
+def test_a_response_without_a_finish_reason_is_not_taken_for_stop():
+    no_finish = {**CHAT, "choices": [{"index": 0, "message": {"role": "assistant", "content": "hel"}}]}
+    with client_for(lambda r: httpx.Response(200, json=no_finish)) as c, \
+            pytest.raises(AgentSpecAPIError, match="no finish_reason"):
+        c.chat("hi")
+    with client_for(lambda r: httpx.Response(200, content=sse(chunk("hel"), chunk("lo")))) as c, \
+            pytest.raises(AgentSpecAPIError, match="no finish_reason"):
+        c.chat("hi", stream=True).final()
+    body = {"id": "apply-1", "object": "apply", "model": "m", "merged_code": "", "usage": CHAT["usage"]}
+    with client_for(lambda r: httpx.Response(200, json=body)) as c, \
+            pytest.raises(AgentSpecAPIError, match="no finish_reason"):
+        c.apply(code="x = 1\n", instruction="x")
+
+
+@pytest.mark.parametrize("code,cls", [("timeout", InternalServerError), ("overloaded", ServiceUnavailableError),
+                                      ("internal_error", InternalServerError), (None, APIConnectionError)])
+def test_a_streamed_session_turn_that_fails_midway_leaves_the_history(code, cls):
+    """An error event after the stream started (504, 503, 500) or a cut-off stream: the turn's
+    user message is taken out again, so the next turn does not send two user messages in a row."""
+    bodies = []
+    failing = sse(chunk("a"), envelope("it failed", type="server_error", code=code)) if code else \
+        b"data: " + json.dumps(chunk("a")).encode() + b"\n\n"
+
+    def handler(request):
+        bodies.append(json.loads(request.content))
+        if len(bodies) == 1:
+            return httpx.Response(200, content=failing)
+        return httpx.Response(200, json=CHAT)
+
+    with client_for(handler) as c, c.session(system="be terse") as s:
+        with pytest.raises(cls), s.chat("one", stream=True) as st:
+            st.final()
+        assert s.messages == [{"role": "system", "content": "be terse"}] and s.results == []
+        s.chat("two")
+    assert [m["role"] for m in bodies[1]["messages"]] == ["system", "user"]
+    assert [m["role"] for m in s.messages] == ["system", "user", "assistant"]
+
+
+def test_a_streamed_session_turn_closed_before_its_end_leaves_the_history():
+    import asyncio
+
+    from agentspec.sdk import AsyncClient
+
+    body = sse(chunk("hel"), chunk("lo", "stop"), {"id": "chatcmpl-2", "model": "m", "choices": [],
+                                                    "usage": CHAT["usage"]})
+    with client_for(lambda r: httpx.Response(200, content=body)) as c, c.session(system="be terse") as s:
+        with s.chat("closed before reading", stream=True):
+            pass
+        assert s.messages == [{"role": "system", "content": "be terse"}]
+        with s.chat("closed after one delta", stream=True) as st:
+            assert next(iter(st)) == "hel"
+            s.add("user", "an observation added while the stream was open")
+        assert [m["content"] for m in s.messages] == ["be terse", "an observation added while the stream was open"]
+        with s.chat("read to the end", stream=True) as st:
+            for _ in st:
+                break
+            assert st.final().text == "hello"   # a loop left early is not a stream closed
+        assert [m["role"] for m in s.messages] == ["system", "user", "user", "assistant"]
+
+    async def main():
+        async with AsyncClient("http://agentspec.test", http_client=httpx.AsyncClient(
+                transport=httpx.MockTransport(lambda r: httpx.Response(200, content=body)))) as c:
+            s = c.session(system="be terse")
+            async with await s.chat("closed before reading", stream=True):
+                pass
+            before = list(s.messages)
+            st = await s.chat("read", stream=True)
+            await st.final()
+            await st.aclose()   # after the end: the turn stays
+            return before, s.messages
+
+    before, after = asyncio.run(main())
+    assert before == [{"role": "system", "content": "be terse"}]
+    assert [m["role"] for m in after] == ["system", "user", "assistant"]
