@@ -23,18 +23,18 @@ class UsageError(Exception):
     """Bad input to a command (exit 2): the message names the value and says what to do instead."""
 
 
-def _number(name: str, kind: type, *, low: float, strict: bool):
-    """An argparse type: ``text`` as ``kind`` (int or float), > ``low`` when ``strict``, else >= ``low``;
-    otherwise an error naming ``name`` and the value."""
+def _number(name: str, kind: type, *, low: float, strict: bool, high: float | None = None):
+    """An argparse type: ``text`` as ``kind`` (int or float), > ``low`` when ``strict``, else >= ``low``,
+    and <= ``high`` when given; otherwise an error naming ``name`` and the value."""
     what = "an integer" if kind is int else "a number"
-    bound = f"{'>' if strict else '>='} {low:g}"
+    bound = f"{'>' if strict else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
 
     def parse(text: str):
         try:
             v = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
-        if not (v > low if strict else v >= low):   # NaN fails both
+        if not (v > low if strict else v >= low) or (high is not None and not v <= high):   # NaN fails both
             raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {text if kind is float else v}")
         return v
 
@@ -52,6 +52,27 @@ def _nonneg_int(name: str):
 
 def _nonneg_float(name: str):
     return _number(name, float, low=0, strict=False)
+
+
+# the engine's bounds, here so that parsing imports nothing (``agentspec --help`` and ``stats`` load
+# no backend); tests/unit/test_cli_exit_codes.py checks they agree with the engine's
+MAX_TEMPERATURE = 2.0    # backends.protocol.MAX_TEMPERATURE
+GREEDY_BELOW = 1e-5      # api.protocol.GREEDY_BELOW: a temperature under it samples as greedy (0)
+SPEC_BUDGET_MAX = 1024   # SpecConfig.budget's upper bound
+
+
+def _temperature(name: str):
+    """A sampling temperature: a number in [0, MAX_TEMPERATURE] (the engine's range); below
+    ``GREEDY_BELOW`` it is greedy, 0, as the server takes it (a temperature near 0 would
+    overflow the logits it divides)."""
+    check = _number(name, float, low=0, strict=False, high=MAX_TEMPERATURE)
+
+    def parse(text: str) -> float:
+        v = check(text)
+        return 0.0 if v < GREEDY_BELOW else v
+
+    parse.describes = f"{check.describes}; under {GREEDY_BELOW:g}: 0".replace("e-0", "e-")
+    return parse
 
 
 _CUDA = re.compile(r"cuda(?::(\d+))?")
@@ -119,16 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion for a prompt (file or stdin)")
     g.add_argument("prompt_file", nargs="?", default="-", help="file holding the prompt, or - for stdin (default)")
     g.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=256, help="most tokens to generate")
-    g.add_argument("--temperature", type=_nonneg_float("--temperature"), default=0.0,
+    g.add_argument("--temperature", type=_temperature("--temperature"), default=0.0,
                    help="sampling temperature; 0 is greedy")
-    g.add_argument("--top-p", type=float, default=1.0,
+    g.add_argument("--top-p", type=_number("--top-p", float, low=0, strict=True, high=1), default=1.0,
                    help="sample from the most likely tokens up to this probability mass (1: all)")
     g.add_argument("--top-k", type=_nonneg_int("--top-k"), default=0,
                    help="sample from the k most likely tokens (0: all)")
     g.add_argument("--seed", type=int,
                    help="sampling seed: the output is a function of the seed, with or without speculation")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--budget", type=_nonneg_int("--budget"), default=32, help="max draft tokens per step")
+    g.add_argument("--budget", type=_number("--budget", int, low=0, strict=False, high=SPEC_BUDGET_MAX), default=32,
+                   help="max draft tokens per step")
     g.add_argument("--no-spec", action="store_true", help="plain decoding, no speculation")
     g.add_argument("--drafters", help="comma-separated drafter names, e.g. suffix,eagle3 (default: suffix)")
     g.add_argument("--raw", action="store_true", help="tokenize the prompt as is (no chat template)")
@@ -187,7 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rows per (tenant, route) (default) or per (tenant, session): requests, prompt, "
                          "cached and completion tokens, MAT, accepted/drafted, total e2e seconds")
     st.add_argument("--json", action="store_true", help="print the statistics as one JSON object")
-    st.add_argument("--plot", metavar="PNG", help="also draw acceptance by position and MAT by route to PNG")
+    st.add_argument("--plot", metavar="PNG",
+                    help="also draw acceptance by position and MAT by route to PNG (.png, or .svg / .pdf; "
+                         "needs matplotlib)")
     ls = sub.add_parser("lsp", help="run the language server for editors (stdio): rewrites and fast apply",
                         description="The agentspec language server. Editors start it over stdio; settings come from "
                                     "initializationOptions / workspace/configuration (section 'agentspec'); the "
@@ -225,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=192, help="response tokens")
     tr.add_argument("--samples", type=_nonneg_int("--samples"), default=1,
                     help="sampled responses per prompt besides the greedy one (default 1)")
-    tr.add_argument("--temperature", type=_nonneg_float("--temperature"), default=0.8,
+    tr.add_argument("--temperature", type=_temperature("--temperature"), default=0.8,
                     help="temperature of the sampled responses")
     tr.add_argument("--concurrency", type=_positive_int("--concurrency"), default=8,
                     help="prompts the target answers at once while distilling")
@@ -437,6 +461,8 @@ def cmd_stats(args) -> int:
     by_session = getattr(args, "by", "route") == "session"
     if by_session and args.plot:
         raise UsageError("--plot draws routes; it does not go with --by session (drop one of them)")
+    if args.plot:
+        _check_plot_path(args.plot)
     report = ReadReport()
     try:
         records = read_records(args.log_dir, tenant=args.tenant, since=args.since, report=report)
@@ -445,7 +471,10 @@ def cmd_stats(args) -> int:
         raise UsageError(f"{e} (--log-dir: the folder the server writes, its config's log_dir; "
                          "default logs in the folder it runs in)") from None
     if args.plot:
-        plot_summary(summary, args.plot)
+        try:
+            plot_summary(summary, args.plot)
+        except ImportError:   # a part of matplotlib that cannot load (a broken install)
+            raise UsageError(_NO_MATPLOTLIB) from None
     if args.json:
         print(json.dumps({"log_dir": args.log_dir, "since": args.since, "records": report.records,
                           "skipped_lines": report.skipped, **({"by": "session"} if by_session else {}), **summary}))
@@ -459,6 +488,27 @@ def cmd_stats(args) -> int:
     if args.plot:
         print(f"plot: {args.plot}")
     return 0
+
+
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")   # the format is the file name's: what matplotlib writes with no extra
+_NO_MATPLOTLIB = ("--plot needs matplotlib, which is not installed here: pip install matplotlib "
+                  "(or leave out --plot)")
+
+
+def _check_plot_path(path: str) -> None:
+    """UsageError for a ``--plot`` file that cannot be written, before the logs are read: a
+    suffix matplotlib would not write, a folder that does not exist, no matplotlib."""
+    p = Path(path)
+    if p.suffix.lower() not in PLOT_SUFFIXES:
+        raise UsageError(f"--plot {path!r}: the file name must end in {', '.join(PLOT_SUFFIXES[:-1])} or "
+                         f"{PLOT_SUFFIXES[-1]} (the image format is taken from it), e.g. --plot acceptance.png")
+    if not p.parent.is_dir():
+        raise UsageError(f"--plot {path!r}: the folder {str(p.parent)!r} does not exist (create it, or plot "
+                         "into an existing one)")
+    try:
+        import matplotlib  # noqa: F401 - what plot_summary draws with
+    except ImportError:
+        raise UsageError(_NO_MATPLOTLIB) from None
 
 
 def cmd_index(args) -> int:
@@ -518,17 +568,21 @@ def cmd_generate(args) -> int:
     from . import SpecConfig
     from .errors import ConfigError
 
-    if not 0.0 <= args.top_p <= 1.0:   # the engine's range, checked before the model loads
-        raise UsageError(f"--top-p must be in [0, 1], got {args.top_p}")
+    # --temperature, --top-p and --budget: their ranges are the flags' types, checked by argparse
     text = _read_prompt(args.prompt_file)
     if not text.strip():
         where = "on stdin" if args.prompt_file == "-" else f"in {args.prompt_file!r}"
         raise UsageError(f"the prompt {where} is empty (or only whitespace): give some text to complete")
     drafters = None if not args.drafters else tuple(x.strip() for x in args.drafters.split(","))
     try:   # checked before the model loads
-        spec = None if args.no_spec else SpecConfig(budget=args.budget, drafters=drafters)
+        spec = None if args.no_spec else SpecConfig(budget=args.budget)
     except ConfigError as e:
-        raise UsageError(f"--drafters: {e}") from None
+        raise UsageError(f"--budget: {e}") from None
+    if spec is not None and drafters is not None:
+        try:
+            spec = SpecConfig(budget=args.budget, drafters=drafters)
+        except ConfigError as e:
+            raise UsageError(f"--drafters: {e}") from None
     check_device(args.device)
     engine = _make_engine(args)
     prompt = engine.tokenizer.encode(text) if args.raw else text

@@ -108,7 +108,7 @@ class ServerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     budget_policy: Literal["load_aware", "fixed", "off"] = "load_aware"
     # max_tokens when a request gives none
     default_max_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1024
-    # at most this many tenants get their own Prometheus label value; the rest share "other"
+    # at most this many tenants get their own Prometheus label value; the rest share "(other)"
     metrics_max_tenants: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 32
     # operator keys for GET /metrics (Authorization: Bearer <key>): they read every tenant's series
     # and nothing else; a tenant's own key reads only that tenant's series. Each at least

@@ -40,6 +40,7 @@ from .protocol import (
     CompletionRequest,
     SessionCreateRequest,
     decode_body,
+    sampling_temperature,
 )
 from .sessions import SessionNotFoundError
 
@@ -121,6 +122,31 @@ class Call:
         return self.request.prompt_ids
 
 
+# characters per token a text can have at most before its length alone rules it out (a token of
+# ordinary text is ~4 characters; long runs of one character tokenize longer, rarely past 8)
+_CHARS_PER_TOKEN = 8
+
+
+def _prediction_too_long(size: str, max_context: int) -> APIError:
+    return APIError(400, f"prediction of {size} is longer than the context window of {max_context} tokens: no "
+                         "completion can repeat it; send the part the completion is expected to reproduce",
+                    param="prediction", code="context_length_exceeded")
+
+
+def _prediction_text(req: Any, max_context: int) -> str | None:
+    """The text of ``req.prediction`` (None: none), refused before it is tokenized when it cannot
+    fit the context window however it tokenizes (``_CHARS_PER_TOKEN`` characters a token): a
+    megabytes-long prediction would otherwise cost seconds of tokenizing, per-token checks and
+    diffing before the token-count check (``_resolve``) refuses it."""
+    if req.prediction is None:
+        return None
+    content = req.prediction.content
+    size = len(content) if isinstance(content, str) else sum(len(part.text) for part in content)
+    if size > _CHARS_PER_TOKEN * max_context:
+        raise _prediction_too_long(f"{size} characters", max_context)
+    return _text(content)
+
+
 def _resolve(state: ServerState, body: Any, *, endpoint: str, tenant: Tenant, model: str, ids: list[int],
              max_tokens: int | None, prediction: str | list[int] | None, session: str | None, t0: float,
              prefix: str, include_usage: bool, want_stats: bool) -> Call:
@@ -129,7 +155,8 @@ def _resolve(state: ServerState, body: Any, *, endpoint: str, tenant: Tenant, mo
     ``max_tokens`` filled in, the prediction tokenized."""
     backend = state.backend
     temperature = getattr(body, "temperature", None)
-    temperature = 1.0 if temperature is None else temperature   # OpenAI's default when unset
+    # OpenAI's default when unset; below GREEDY_BELOW: greedy (0), as routed and as sampled
+    temperature = 1.0 if temperature is None else sampling_temperature(temperature)
     try:
         route = state.router.resolve(endpoint=endpoint, tenant=tenant.name, model=model, temperature=temperature,
                                      name=getattr(body, "route", None))
@@ -146,6 +173,8 @@ def _resolve(state: ServerState, body: Any, *, endpoint: str, tenant: Tenant, mo
         max_tokens = min(state.config.server.default_max_tokens, room)
     pred_ids = backend.encode_text(prediction) if isinstance(prediction, str) and prediction else (
         prediction or None)
+    if pred_ids is not None and len(pred_ids) > backend.max_context:
+        raise _prediction_too_long(f"{len(pred_ids)} tokens", backend.max_context)
     stop = getattr(body, "stop", None)
     top_p, top_k = getattr(body, "top_p", None), getattr(body, "top_k", None)
     request = GenerationRequest(
@@ -222,7 +251,7 @@ def _chat(state: ServerState, tenant: Tenant, req: ChatCompletionRequest, model:
           t0: float) -> Prepared:
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
                 for m in req.messages]
-    prediction = _text(req.prediction.content) if req.prediction is not None else None
+    prediction = _prediction_text(req, state.backend.max_context)
     # Morph/Relace-style fast apply in a chat message: the original code is the draft source
     messages, apply_code = chat_fast_apply(messages)
     if apply_code is not None and prediction is None:
@@ -280,7 +309,7 @@ def _completion(state: ServerState, tenant: Tenant, req: CompletionRequest, mode
     else:
         ids = list(prompt)  # token ids: the backend checks them at submit (param "prompt")
     call = _resolve(state, req, endpoint="completions", tenant=tenant, model=model, ids=ids, max_tokens=req.max_tokens,
-                    prediction=_text(req.prediction.content) if req.prediction is not None else None,
+                    prediction=_prediction_text(req, state.backend.max_context),
                     session=session, t0=t0, prefix="cmpl",
                     include_usage=bool(req.stream_options and req.stream_options.include_usage),
                     want_stats=req.spec_stats)
@@ -379,9 +408,9 @@ def prepare(state: ServerState, path: str, tenant: Tenant, body: bytes, *, t0: f
     admit(state, tenant)
     body_type, preparer = GENERATION_PATHS[path]
     req = decode_body(body, body_type)
-    req.check_unsupported()
     if stream is not None and req.stream != stream:
         req = msgspec.structs.replace(req, stream=stream)
+    req.check_unsupported()   # after the forced ``stream``: stream_options go with a stream
     model = check_model(state, req.model)
     return preparer(state, tenant, req, model, _session(state, tenant, req), t0)
 

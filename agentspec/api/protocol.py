@@ -15,8 +15,8 @@ import msgspec
 from ..backends.protocol import MAX_TEMPERATURE
 from ..config import unknown_field
 
-__all__ = ["APIError", "ApplyRequest", "ChatCompletionRequest", "CompletionRequest", "SessionCreateRequest",
-           "error_body"]
+__all__ = ["GREEDY_BELOW", "APIError", "ApplyRequest", "ChatCompletionRequest", "CompletionRequest",
+           "SessionCreateRequest", "error_body", "sampling_temperature"]
 
 
 class APIError(Exception):
@@ -64,7 +64,18 @@ class Prediction(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False   # vLLM's usage on every chunk: not implemented, refused when true
+
+
+# a positive temperature under this samples as greedy (temperature 0): dividing logits by a
+# temperature near 0 (1e-320) overflows them to inf and the softmax to NaN; at 1e-5 a logit gap of
+# 0.001 is already a factor e^-100, so sampling is the argmax but for near-exact ties
+GREEDY_BELOW = 1e-5
+
+
+def sampling_temperature(t: float) -> float:
+    """``t`` as sampled: 0.0 (greedy) for ``t < GREEDY_BELOW``, else ``t``."""
+    return 0.0 if t < GREEDY_BELOW else t
 
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -105,8 +116,20 @@ class _Sampling(_Strict):
             v = getattr(self, name)
             if v not in (None, 0, 0.0):
                 raise APIError(400, f"{name} is not supported (got {v})", param=name, code="unsupported_parameter")
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
+        # chat: a boolean; completions: how many top tokens per position, where 0 still asks for the
+        # sampled token's logprob. Only "none" (absent, null, false) is honoured: logprobs are not computed
+        if self.logprobs is not None and self.logprobs is not False:
+            raise APIError(400, f"logprobs are not supported (got {self.logprobs!r}; leave it out or send null)",
+                           param="logprobs", code="unsupported_parameter")
+        so = self.stream_options
+        if so is not None:
+            if not self.stream:   # OpenAI refuses it too: the options shape a stream
+                raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options",
+                               code="invalid_value")
+            if so.continuous_usage_stats:
+                raise APIError(400, "stream_options.continuous_usage_stats (usage on every chunk) is not "
+                                    "supported; use include_usage for one usage chunk at the end",
+                               param="stream_options.continuous_usage_stats", code="unsupported_parameter")
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -115,6 +138,17 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     top_logprobs: int | None = None
     parallel_tool_calls: bool | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.top_logprobs not in (None, 0):
+            raise APIError(400, f"top_logprobs is not supported (logprobs are not computed), got {self.top_logprobs}",
+                           param="top_logprobs", code="unsupported_parameter")
+        for i, m in enumerate(self.messages):
+            if m.name is not None:   # the chat template has no place for it: it would be dropped
+                raise APIError(400, f"messages[{i}].name is not supported (the model's chat template has no "
+                                    f"participant names); leave it out, or put the name in the content",
+                               param=f"messages[{i}].name", code="unsupported_parameter")
 
 
 class CompletionRequest(_Sampling, kw_only=True):

@@ -20,32 +20,47 @@ __all__ = ["LookaheadDrafter"]
 
 
 class _Pool:
-    __slots__ = ("grams", "cap")
+    """Continuations by key, the most recently added key last (evicted oldest first): at most
+    ``cap`` keys and, when ``max_tokens`` is set, at most that many continuation tokens."""
 
-    def __init__(self, cap: int):
+    __slots__ = ("grams", "cap", "max_tokens", "tokens")
+
+    def __init__(self, cap: int, max_tokens: int | None = None):
         self.grams: dict[tuple[int, ...], deque[tuple[int, ...]]] = {}
         self.cap = cap
+        self.max_tokens = max_tokens
+        self.tokens = 0   # continuation tokens held (sum of len(gram) over every key's grams)
 
     def add(self, key: tuple[int, ...], gram: tuple[int, ...], per_key: int) -> None:
-        q = self.grams.get(key)
+        q = self.grams.pop(key, None)   # re-inserted below: the most recent key
         if q is None:
-            if len(self.grams) >= self.cap:  # forget the oldest key
-                self.grams.pop(next(iter(self.grams)))
-            q = self.grams[key] = deque(maxlen=per_key)
-        if gram in q:
+            q = deque(maxlen=per_key)
+        elif gram in q:
             q.remove(gram)
+            self.tokens -= len(gram)
+        elif len(q) == q.maxlen:   # appendleft drops the oldest on the right
+            self.tokens -= len(q[-1])
         q.appendleft(gram)
+        self.tokens += len(gram)
+        self.grams[key] = q
+        while self.grams and (len(self.grams) > self.cap
+                              or (self.max_tokens is not None and self.tokens > self.max_tokens)):
+            self.tokens -= sum(len(g) for g in self.grams.pop(next(iter(self.grams))))   # the oldest key
 
 
 class LookaheadDrafter:
     """Draft from n-grams seen in generated text: the request's own output and its tenant's
-    recent outputs (``tenant_tokens`` most recent tokens), keyed by ``key`` tokens, each
-    continuation up to ``gram`` tokens, the ``per_key`` most recent per key."""
+    recent outputs, keyed by ``key`` tokens, each continuation up to ``gram`` tokens, the
+    ``per_key`` most recent per key. A tenant's pool holds at most ``tenant_tokens``
+    continuation tokens and a pool at most ``max_keys`` keys; past either, the keys added to
+    least recently go first."""
 
     def __init__(self, *, key: int = 2, gram: int = 8, per_key: int = 8, tenant_tokens: int = 1 << 16,
                  max_keys: int = 1 << 18) -> None:
         if key < 1 or gram < 1 or per_key < 1:
             raise ValueError(f"key, gram and per_key must be >= 1, got {key}, {gram}, {per_key}")
+        if tenant_tokens < 1 or max_keys < 1:
+            raise ValueError(f"tenant_tokens and max_keys must be >= 1, got {tenant_tokens}, {max_keys}")
         self.key, self.gram, self.per_key = key, gram, per_key
         self.tenant_tokens, self.max_keys = tenant_tokens, max_keys
         self._reqs: dict[str, tuple[str, list[int], int]] = {}   # req -> (tenant, tokens, prompt length)
@@ -93,7 +108,7 @@ class LookaheadDrafter:
         del self._reqs[req_id]
         shared = self._tenant_pools.get(tenant)
         if shared is None:
-            shared = self._tenant_pools[tenant] = _Pool(self.max_keys)
+            shared = self._tenant_pools[tenant] = _Pool(self.max_keys, self.tenant_tokens)
         for key, grams in pool.grams.items():
             for gram in reversed(grams):
                 shared.add(key, gram, self.per_key)

@@ -152,16 +152,23 @@ def _submit(state: ServerState, prepared: Prepared) -> tuple[Job, asyncio.Queue]
 
 
 async def _collect(request: Request, job: Job, events: asyncio.Queue):
-    """Wait for a non-streamed job; cancel it if the client goes away."""
-    while True:
-        try:
-            kind, value = await asyncio.wait_for(events.get(), timeout=0.5)
-        except TimeoutError:
-            if await request.is_disconnected():
-                job.cancel()
-            continue
-        if kind != "tokens":
-            return handling.outcome(job, kind, value)
+    """Wait for a non-streamed job; cancel it the moment the client goes away. The body is read
+    already, so the connection's next message is its disconnect: a task waits for it beside the
+    job's events (asking ``is_disconnected`` between events would never ask while tokens keep
+    coming, and the job would hold its batch slot to ``max_tokens``)."""
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        while True:
+            kind, value = await events.get()
+            if kind != "tokens":
+                return handling.outcome(job, kind, value)
+    finally:
+        watcher.cancel()
 
 
 async def _stream(state: ServerState, prepared: Prepared, job: Job, events: asyncio.Queue) -> AsyncIterator[bytes]:

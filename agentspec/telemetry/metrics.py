@@ -10,6 +10,9 @@ from typing import Any
 from .records import AcceptanceRecord
 
 MAX_POSITIONS = 64  # per-position Prometheus series per tenant (deeper positions are not exported)
+# the ``tenant`` label of the tenants past ``max_tenants``: not a tenant name (those are
+# [A-Za-z0-9._-], records.TENANT_PATTERN), so no tenant's own series is ever the combined one
+OVERFLOW_TENANT = "(other)"
 
 
 class Metrics:
@@ -17,7 +20,8 @@ class Metrics:
     without ``_created`` series.
 
     Every series has a ``tenant`` label; the first ``max_tenants`` tenants seen keep their name,
-    later ones are counted as ``"other"``. ``..._per_pos`` series have a ``position`` label,
+    later ones are counted together as ``"(other)"`` (``OVERFLOW_TENANT``: no tenant can be
+    named that). ``..._per_pos`` series have a ``position`` label,
     0-based as in vLLM (position p = draft depth p + 1), for the first ``max_positions`` positions.
     """
 
@@ -64,14 +68,14 @@ class Metrics:
         self.num_requests_running = Gauge(p + "num_requests_running", "Requests in flight.", t, registry=reg)
 
     def tenant_label(self, tenant: str) -> str:
-        """``tenant``, or ``"other"`` once ``max_tenants`` other tenants have been seen."""
+        """``tenant``, or ``OVERFLOW_TENANT`` once ``max_tenants`` other tenants have been seen."""
         with self._lock:
             if tenant in self._tenants:
                 return tenant
             if len(self._tenants) < self.max_tenants:
                 self._tenants.add(tenant)
                 return tenant
-            return "other"
+            return OVERFLOW_TENANT
 
     def request_started(self, tenant: str) -> None:
         self.num_requests_running.labels(self.tenant_label(tenant)).inc()
@@ -126,7 +130,7 @@ class Metrics:
     def render(self, tenant: str | None = None) -> tuple[bytes, str]:
         """``(body, content_type)`` for ``GET /metrics``: every series, or with ``tenant`` only
         that tenant's (the samples labelled with it; a tenant past ``max_tenants``, counted under
-        "other", gets none: "other" is several tenants)."""
+        ``OVERFLOW_TENANT``, gets none: that series is several tenants')."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         if tenant is None:

@@ -528,6 +528,33 @@ def test_concurrent_clients_and_disconnect_cancels(server):
     assert quick.usage.completion_tokens >= 1
 
 
+def test_a_non_streamed_client_that_leaves_cancels_its_generation(server):
+    """A non-streamed request whose client closes the connection mid-generation stops at the
+    next decode step: tokens arriving faster than any idle check must not hide the disconnect."""
+    import re
+    import socket
+
+    h = {"Authorization": f"Bearer {ACME_KEY}"}
+    before = {r["request_id"] for r in _logs(server, "acme")}
+    body = json.dumps({"messages": rewrite_messages(), "temperature": 0, "max_tokens": 2000,
+                       "speculation": False}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+            f"Authorization: Bearer {ACME_KEY}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    running = re.compile(r'agentspec:num_requests_running\{tenant="acme"\} 1\.0')
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 60
+        while not running.search(httpx.get(server.base + "/metrics", headers=h, timeout=60).text):
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
+    deadline = time.monotonic() + 120
+    while not (new := [r for r in _logs(server, "acme") if r["request_id"] not in before]):
+        assert time.monotonic() < deadline, "no record for the abandoned request"
+        time.sleep(0.1)
+    assert new[0]["finish_reason"] == "cancelled" and new[0]["completion_tokens"] < 2000, new[0]
+
+
 def test_default_server_without_config_and_sigkill(tmp_path):
     """No config: tenant "default", no key on loopback, workspace = --repo. A SIGKILL mid-stream
     leaves logs that still parse."""
@@ -606,3 +633,163 @@ def test_streamed_request_timeout_ends_with_a_timeout_error(timeout_server):
         events = [json.loads(line[6:]) for line in st.iter_lines() if line.startswith("data: {")]
     assert events[-1].get("error", {}).get("code") == "timeout", events[-1]
     assert all(ch["finish_reason"] is None for e in events[:-1] for ch in e.get("choices", []))
+
+
+# ---- refused request fields (nothing accepted and ignored) --------------------------------------------
+
+def test_unimplemented_fields_are_refused_by_name(server):
+    h = {"Authorization": f"Bearer {ACME_KEY}"}
+    msgs = [{"role": "user", "content": "a"}]
+    cases = [
+        ("/v1/chat/completions", {"messages": msgs, "stream": True,
+                                  "stream_options": {"continuous_usage_stats": True}},
+         "stream_options.continuous_usage_stats", "unsupported_parameter"),
+        ("/v1/chat/completions", {"messages": msgs, "stream_options": {"include_usage": True}},
+         "stream_options", "invalid_value"),
+        ("/v1/completions", {"prompt": "a", "stream": False, "stream_options": {"include_usage": True}},
+         "stream_options", "invalid_value"),
+        ("/v1/chat/completions", {"messages": msgs, "top_logprobs": 2}, "top_logprobs", "unsupported_parameter"),
+        ("/v1/completions", {"prompt": "a", "logprobs": 0}, "logprobs", "unsupported_parameter"),
+        ("/v1/chat/completions", {"messages": [*msgs, {"role": "assistant", "content": "b", "name": "bot"}]},
+         "messages[1].name", "unsupported_parameter"),
+    ]
+    for path, body, param, code in cases:
+        r = httpx.post(server.base + path, headers=h, json={**body, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 400, (body, r.text)
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code), r.text
+    # what they may be instead is taken
+    ok = httpx.post(server.base + "/v1/chat/completions", headers=h, timeout=60,
+                    json={"messages": msgs, "max_tokens": 2, "temperature": 0, "top_logprobs": 0, "logprobs": False,
+                          "stream_options": None})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_prediction_past_the_context_window_is_a_400(server):
+    """Refused before its tokens reach the backend (the index, per-token checks, the usage diff):
+    by its length in characters past 8 per token, else by its token count."""
+    h = {"Authorization": f"Bearer {ACME_KEY}"}
+    ctx = httpx.get(server.base + "/v1/models", headers=h, timeout=60).json()["data"][0]["max_model_len"]
+    import re
+
+    for content, size in (("x" * (8 * ctx + 1), f"prediction of {8 * ctx + 1} characters"),
+                          (" 7" * (ctx + 50), r"prediction of \d+ tokens")):
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}),
+                           ("/v1/completions", {"prompt": "a"})):
+            r = httpx.post(server.base + path, headers=h, timeout=60,
+                           json={**body, "max_tokens": 2, "prediction": {"type": "content", "content": content}})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert (err["param"], err["code"]) == ("prediction", "context_length_exceeded"), err
+            assert re.match(size, err["message"]) and f"window of {ctx} tokens" in err["message"], err
+
+
+def test_a_temperature_near_zero_is_greedy(server):
+    """1e-320 would divide the logits to inf (NaN probabilities): below 1e-5 it is greedy."""
+    c = server.client(ACME_KEY)
+    msgs = [{"role": "user", "content": "Count from 1 to 5."}]
+    greedy = c.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=12)
+    tiny = c.chat.completions.create(model=MODEL, messages=msgs, temperature=1e-320, max_tokens=12,
+                                     extra_body={"spec_stats": True})
+    assert tiny.choices[0].message.content == greedy.choices[0].message.content
+    assert tiny.usage.completion_tokens == greedy.usage.completion_tokens
+
+
+# ---- queued requests end while they wait ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_slot_server(tmp_path_factory):
+    """One request decodes at a time (max_batch = 1) and one may wait (max_queue = 1)."""
+    root = tmp_path_factory.mktemp("one_slot")
+    s = Server(root, config="[server]\nmax_batch = 1\nmax_queue = 1\n", name="one_slot")
+    yield s
+    s.stop()
+
+
+# a completion that goes on counting: it holds the one batch slot until it is cancelled
+LONG_COUNT = {"prompt": "1, 2, 3, 4, 5, 6,", "temperature": 0, "max_tokens": 1500, "speculation": False}
+
+
+def _until(cond, what: str, timeout: float = 120) -> None:
+    """Poll ``cond`` (a hang guard, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_queued_request_whose_client_leaves_ends_while_the_batch_is_full(one_slot_server):
+    """A queued request's disconnect ends it at the next decode step, not when a batch slot
+    frees: its queue place is free again while the running request still decodes."""
+    import socket
+
+    s = one_slot_server
+
+    def health() -> dict:
+        return httpx.get(s.base + "/health", timeout=60).json()
+
+    with httpx.stream("POST", s.base + "/v1/completions", json={**LONG_COUNT, "stream": True}, timeout=120) as long:
+        lines = long.iter_lines()   # kept: a closed line iterator closes the response (a disconnect)
+        first = next(line for line in lines if line.startswith("data: {"))
+        long_id = json.loads(first[6:])["id"]
+        body = json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{s.port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", s.port), timeout=60) as sock:
+            sock.sendall(head + body)
+            _until(lambda: health()["waiting"] == 1, "the second request never queued")
+        _until(lambda: health()["waiting"] == 0, "the abandoned request kept its queue place")
+        _until(lambda: any(r["request_id"] != long_id for r in _logs(s, "default")), "no record for it")
+        queued = [r for r in _logs(s, "default") if r["request_id"] != long_id]
+        assert [(r["finish_reason"], r["completion_tokens"]) for r in queued] == [("cancelled", 0)], queued
+        assert health()["running"] == 1 and not any(r["request_id"] == long_id for r in _logs(s, "default"))
+    _until(lambda: any(r["request_id"] == long_id for r in _logs(s, "default")), "no record for the long one")
+    rec = next(r for r in _logs(s, "default") if r["request_id"] == long_id)
+    assert rec["finish_reason"] == "cancelled" and rec["completion_tokens"] < LONG_COUNT["max_tokens"], rec
+
+
+def test_a_queued_request_gets_its_504_at_its_deadline_while_the_batch_is_full(engine, tmp_path):
+    """The server's handling on the real engine, one batch slot: a queued request whose deadline
+    passes gets its 504 then, while the request in the slot still decodes (not after it ends).
+    (Over HTTP every request has the same ``request_timeout_s``, so a queued one never expires
+    before the one ahead of it; ``handling.submit``'s deadline is the per-request one.)"""
+    import queue
+
+    import msgspec
+
+    from agentspec.api import handling
+    from agentspec.api.protocol import APIError
+    from agentspec.api.state import build_state
+    from agentspec.config import ServerConfig
+
+    config = msgspec.convert({"server": {"log_dir": str(tmp_path / "logs")}}, ServerConfig)
+    state = build_state(config, engine=engine, max_batch=1, quiet=True, watch=False)
+    try:
+        tenant = state.tenants["default"]
+        long = handling.prepare(state, "/v1/completions", tenant, json.dumps({**LONG_COUNT, "stream": True}).encode())
+        long_events: queue.Queue = queue.Queue()
+        long_job = handling.submit(state, long.call, lambda kind, value: long_events.put((kind, value)))
+        assert long_events.get(timeout=120)[0] == "tokens"   # decoding: it holds the one slot
+        short = handling.prepare(state, "/v1/completions", tenant,
+                                 json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode())
+        events: queue.Queue = queue.Queue()
+        job = handling.submit(state, short.call, lambda kind, value: events.put((kind, value)),
+                              deadline=time.monotonic() + 0.2)
+        kind, value = events.get(timeout=120)
+        with pytest.raises(APIError) as info:
+            handling.outcome(job, kind, value)
+        assert (info.value.status, info.value.code) == (504, "timeout")
+        seen = []
+        while not long_events.empty():
+            seen.append(long_events.get()[0])
+        assert "done" not in seen and state.backend.health()["running"] == 1   # the long one still decodes
+        long_job.cancel()
+        while (end := long_events.get(timeout=120))[0] == "tokens":
+            pass
+        assert end[0] == "done" and end[1].finish_reason == "cancelled", end
+    finally:
+        state.close()
+    from agentspec.telemetry import read_records
+
+    records = {r.request_id: r for r in read_records(tmp_path / "logs")}
+    assert records[short.call.request_id].finish_reason == "timeout"
+    assert records[long.call.request_id].finish_reason == "cancelled"

@@ -53,7 +53,16 @@ USAGE = [
     (["train-eagle3", "--out", "head", "--data", "nope.jsonl"], "", ["'nope.jsonl'"]),
     # flags and their combinations
     (["generate", "--drafters", "bogus", "prompt.txt"], "", ["'bogus'", "known"]),
-    (["generate", "--top-p", "5", "prompt.txt"], "", ["--top-p", "[0, 1]", "5"]),
+    (["generate", "--top-p", "5", "prompt.txt"], "", ["--top-p must be > 0 and <= 1, got 5"]),
+    (["generate", "--top-p", "0", "prompt.txt"], "", ["--top-p must be > 0 and <= 1, got 0"]),
+    (["generate", "--temperature", "2.5", "prompt.txt"], "", ["--temperature must be >= 0 and <= 2, got 2.5"]),
+    (["generate", "--temperature", "nan", "prompt.txt"], "", ["--temperature", "got nan"]),
+    (["generate", "--budget", "2000", "prompt.txt"], "", ["--budget must be >= 0 and <= 1024, got 2000"]),
+    (["train-eagle3", "--out", "head", "--data", "data.jsonl", "--temperature", "9"], "",
+     ["--temperature must be >= 0 and <= 2, got 9"]),
+    (["stats", "--plot", "p.txt"], "", ["--plot 'p.txt'", ".png, .svg or .pdf"]),
+    (["stats", "--plot", "p"], "", ["--plot 'p'", ".png"]),
+    (["stats", "--plot", "nodir/p.png"], "", ["--plot 'nodir/p.png'", "'nodir' does not exist"]),
     (["generate", "--max-tokens", "0", "prompt.txt"], "", ["--max-tokens must be > 0, got 0"]),
     (["stats", "--plot", "p.png", "--by", "session"], "", ["--plot", "--by session"]),
     (["serve", "--host", "0.0.0.0"], "", ["'0.0.0.0'", "--insecure-no-auth"]),
@@ -89,3 +98,51 @@ def test_a_runtime_failure_exits_1_naming_it(files):
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
     assert f"agentspec serve: cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr
     assert "Traceback" not in r.stderr and "model ready" not in r.stderr
+
+
+def test_bad_budget_is_blamed_on_budget_not_drafters(files):
+    r = run(["generate", "--budget", "2000", "--drafters", "suffix", "prompt.txt"], files)
+    error = r.stderr.strip().splitlines()[-1]   # (the usage lines above it list every flag)
+    assert r.returncode == 2 and "--budget" in error and "--drafters" not in error, r.stderr[-2000:]
+
+
+def test_flag_ranges_agree_with_the_engine():
+    """The CLI checks --temperature and --budget before the model loads: with the engine's own bounds."""
+    from agentspec import cli
+    from agentspec.api.protocol import GREEDY_BELOW
+    from agentspec.backends.protocol import MAX_TEMPERATURE
+    from agentspec.cli import SPEC_BUDGET_MAX, build_parser
+    from agentspec.config import SpecConfig
+    from agentspec.errors import ConfigError
+
+    assert (cli.MAX_TEMPERATURE, cli.GREEDY_BELOW) == (MAX_TEMPERATURE, GREEDY_BELOW)
+    SpecConfig(budget=SPEC_BUDGET_MAX)
+    with pytest.raises(ConfigError):
+        SpecConfig(budget=SPEC_BUDGET_MAX + 1)
+    parse = build_parser().parse_args
+    assert parse(["generate", "--temperature", str(MAX_TEMPERATURE), "x"]).temperature == MAX_TEMPERATURE
+    with pytest.raises(SystemExit):
+        parse(["generate", "--temperature", str(MAX_TEMPERATURE * 1.01), "x"])
+
+
+@pytest.mark.parametrize("text,want", [("1e-320", 0.0), ("9.9e-6", 0.0), ("1e-5", 1e-5), ("0.7", 0.7), ("0", 0.0)])
+def test_a_temperature_near_zero_is_greedy(text, want):
+    """Logits divided by 1e-320 overflow to inf (NaN probabilities): under 1e-5 is 0, greedy."""
+    from agentspec.cli import build_parser
+
+    for argv in (["generate", "--temperature", text, "x"], ["train-eagle3", "--out", "o", "--temperature", text]):
+        assert build_parser().parse_args(argv).temperature == want
+
+
+def test_stats_plot_without_matplotlib_is_a_usage_error(files, tmp_path):
+    """No matplotlib: exit 2 saying what to install, before the logs are read; no traceback."""
+    stub = tmp_path / "no_matplotlib"
+    (stub / "matplotlib").mkdir(parents=True)
+    (stub / "matplotlib" / "__init__.py").write_text(
+        'raise ImportError("No module named \'matplotlib\'", name="matplotlib")\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stub), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "agentspec", "stats", "--log-dir", "nope", "--plot", "p.png"],
+                       cwd=files, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr
+    assert "agentspec stats: --plot needs matplotlib" in r.stderr and "pip install matplotlib" in r.stderr

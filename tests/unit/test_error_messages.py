@@ -99,7 +99,7 @@ def test_openai_fields_that_were_accepted_still_are():
     body = (b'{"messages": [{"role": "user", "content": "a"}], "user": "u", "metadata": {"k": "v"}, "store": false,'
             b' "service_tier": "auto", "prompt_cache_key": "s", "parallel_tool_calls": false, "top_logprobs": null,'
             b' "max_completion_tokens": 4, "stream_options": {"include_usage": true}, "seed": 1, "stop": ["x"],'
-            b' "presence_penalty": 0, "frequency_penalty": 0, "logprobs": false, "n": 1}')
+            b' "presence_penalty": 0, "frequency_penalty": 0, "logprobs": false, "n": 1, "stream": true}')
     req = decode_body(body, ChatCompletionRequest)
     req.check_unsupported()
     assert req.max_completion_tokens == 4 and req.user == "u"

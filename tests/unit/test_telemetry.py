@@ -15,6 +15,7 @@ import msgspec
 import pytest
 
 from agentspec.decode.results import GenerationStats
+from agentspec.telemetry.metrics import OVERFLOW_TENANT
 from agentspec.telemetry import (
     AcceptanceRecord,
     Metrics,
@@ -439,14 +440,33 @@ def test_metrics_bound_tenants_and_positions():
         m.observe(make_record(tenant=f"t{k}", drafted_per_pos=list(range(1, 20)), accepted_per_pos=[1] * 19))
     m.observe(make_record(tenant="t1"))  # a tenant seen early keeps its label
     tenants = {dict(labels)["tenant"] for (_, labels) in _samples(m)}
-    assert tenants == {"t0", "t1", "t2", "other"}
+    assert tenants == {"t0", "t1", "t2", OVERFLOW_TENANT}
     s = _samples(m)
-    assert s[("agentspec:request_success_total", (("finish_reason", "stop"), ("tenant", "other")))] == 7
+    assert s[("agentspec:request_success_total", (("finish_reason", "stop"), ("tenant", OVERFLOW_TENANT)))] == 7
     assert s[("agentspec:request_success_total", (("finish_reason", "stop"), ("tenant", "t1")))] == 2
     positions = {dict(labels).get("position") for (_, labels) in s} - {None}
     assert positions == {"0", "1", "2", "3", "4"}
     with pytest.raises(ValueError, match="max_tenants"):
         Metrics(max_tenants=0)
+
+
+def test_a_tenant_named_other_keeps_its_own_series():
+    """The overflow label is no tenant name, so a tenant called "other" never reads (or is read
+    as) the tenants past max_tenants."""
+    from agentspec.telemetry.records import validate_tenant
+
+    with pytest.raises(ValueError):
+        validate_tenant(OVERFLOW_TENANT)
+    m = Metrics(max_tenants=1)
+    m.observe(make_record(tenant="other"))
+    for k in range(3):
+        m.observe(make_record(tenant=f"late{k}"))
+    s = _samples(m)
+    assert s[("agentspec:request_success_total", (("finish_reason", "stop"), ("tenant", "other")))] == 1
+    assert s[("agentspec:request_success_total", (("finish_reason", "stop"), ("tenant", OVERFLOW_TENANT)))] == 3
+    own = m.render("other")[0].decode()
+    assert 'tenant="other"' in own and OVERFLOW_TENANT not in own
+    assert "late0" not in m.render()[0].decode()
 
 
 # ---- summaries and the CLI -------------------------------------------------------------------

@@ -112,6 +112,23 @@ class FairQueue:
         self._n -= 1
         return req
 
+    def take_if(self, pred: Callable[[_Request], bool]) -> list[_Request]:
+        """Remove and return the waiting requests ``pred`` holds for (each tenant keeps its turn
+        while it has requests left)."""
+        out: list[_Request] = []
+        for tenant, q in list(self._queues.items()):
+            keep = collections.deque()
+            for r in q:
+                (out if pred(r) else keep).append(r)
+            if len(keep) == len(q):
+                continue
+            if keep:
+                self._queues[tenant] = keep   # an existing key: its place in the turn order stays
+            else:
+                del self._queues[tenant]
+        self._n -= len(out)
+        return out
+
     def drain(self) -> list[_Request]:
         out = [r for q in self._queues.values() for r in q]
         self._queues.clear()
@@ -128,6 +145,15 @@ class _Request:
     on_done: Callable[[Any, Any], None]     # (Generation | None, error | None)
     should_stop: Callable[[], bool] | None
     finished: bool = False                  # on_done was called (it is called exactly once)
+
+    def stopping(self) -> bool:
+        """``should_stop()`` (False when there is none, or it fails: admission then fails the request)."""
+        if self.should_stop is None:
+            return False
+        try:
+            return bool(self.should_stop())
+        except Exception:  # noqa: BLE001 - a consumer's failure must not stop the batch
+            return False
 
     def done(self, generation: Any, error: Any) -> None:
         if self.finished:
@@ -440,12 +466,18 @@ class BatchEngine:
                     pending = self._waiting.drain() + self._running
                     self._running = []
                     break
+                # waiting requests cancelled or past their deadline end now, not when a slot frees:
+                # their clients get their answer (504, 499) at once and their queue places go to
+                # others (bounded by max_queue: a cheap sweep once per step)
+                stopped = self._waiting.take_if(_Request.stopping) if self._waiting else []
                 joining = []
                 if self._waiting and len(self._running) < self.max_batch:
                     in_batch = collections.Counter(r.seq.tenant for r in self._running)
                     while self._waiting and len(self._running) + len(joining) < self.max_batch:
                         joining.append(self._waiting.pop(in_batch))
                         in_batch[joining[-1].seq.tenant] += 1
+            for req in stopped:
+                self._guard(req, self._end_waiting)
             for req in joining:
                 self._guard(req, self._admit)
             self._running = [r for r in self._running if r.seq.cache is not None]
@@ -512,11 +544,16 @@ class BatchEngine:
             if len(self._free_caches) > self.max_batch:
                 self._free_caches.remove(min(self._free_caches, key=lambda c: c.capacity))
 
+    def _end_waiting(self, req: _Request) -> None:
+        """End a request that was cancelled or expired while waiting: nothing ran (no drafter
+        started, no cache), finish reason "cancelled" (the server tells a timeout apart)."""
+        req.done(Generation(text="", token_ids=[], finish_reason="cancelled",
+                            stats=GenerationStats(prompt_tokens=len(req.seq.ids))), None)
+
     def _admit(self, req: _Request) -> None:
         seq = req.seq
         if req.should_stop is not None and req.should_stop():  # cancelled or expired while waiting
-            req.done(Generation(text="", token_ids=[], finish_reason="cancelled",
-                                stats=GenerationStats(prompt_tokens=len(seq.ids))), None)
+            self._end_waiting(req)
             return
         seq.cache = self._cache_for(self.decoder.cache_need(seq))
         first = self.decoder.prefill(seq)
