@@ -100,6 +100,10 @@ class Figure:
 
 
 FIGURES = [
+    Figure("docs/benchmarks.md", "| 256 | 516.16 ms | 343.93 ms | 1461.01 ms | 1168.83 ms |", "343.93",
+           "quant_linears_amx_qwen2.5-coder-1.5b_2026-12-06.json", None),
+    Figure("docs/benchmarks.md", "| 256 | 516.16 ms | 343.93 ms | 1461.01 ms | 1168.83 ms |", "516.16",
+           "quant_linears_amx_qwen2.5-coder-1.5b_2026-12-06.json", None),
     Figure("docs/benchmarks.md", "| 512 | 2795.22 ms, 240 G/s | 63% |", "2795.22",
            "quant_linears_qwen2.5-coder-1.5b_2026-12-05.json", None),
     Figure("docs/benchmarks.md", "| 512 | 2795.22 ms, 240 G/s | 63% | 1074.96 ms, 624 G/s | 82% |", "1074.96",
