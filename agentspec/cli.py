@@ -57,7 +57,7 @@ def _nonneg_float(name: str):
 # the engine's bounds, here so that parsing imports nothing (``agentspec --help`` and ``stats`` load
 # no backend); tests/unit/test_cli_exit_codes.py checks they agree with the engine's
 MAX_TEMPERATURE = 2.0    # backends.protocol.MAX_TEMPERATURE
-GREEDY_BELOW = 1e-5      # api.protocol.GREEDY_BELOW: a temperature under it samples as greedy (0)
+GREEDY_BELOW = 1e-5      # backends.protocol.GREEDY_BELOW: a temperature under it samples as greedy (0)
 SPEC_BUDGET_MAX = 1024   # SpecConfig.budget's upper bound
 
 

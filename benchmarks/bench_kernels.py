@@ -313,7 +313,18 @@ def quant_linears(args) -> dict:
     from agentspec.kernels.cpu_quant import QuantLinear, body
 
     have = cpu_isa.supported()
-    isas = [x for x in args.isas.split(",") if x] if args.isas else [x for x in ("avx2", "avx512") if x in have]
+    before = cpu_isa.active()
+    if args.isas:
+        isas = [x for x in args.isas.split(",") if x]
+    else:   # avx2, avx512 and, where its body is another (amx-int8), avx512bf16
+        isas, seen = [], set()
+        for x in ("avx2", "avx512", "avx512bf16"):
+            if x in have:
+                cpu_isa.set_isa(x)
+                if body() not in seen:
+                    isas.append(x)
+                    seen.add(body())
+        cpu_isa.set_isa(before)
     bad = [x for x in isas if x not in have]
     if bad:
         raise SystemExit(f"--isas {','.join(bad)}: not an ISA level this CPU runs (it runs {', '.join(have)})")
@@ -333,7 +344,6 @@ def quant_linears(args) -> dict:
     log(f"{args.model.name}: {len(layers)} layers, {macs_per_row / 1e9:.3f} G products a row; isas {isas}")
     results = []
     peaks: dict[str, dict] = {}
-    before = cpu_isa.active()
     build = tempfile.TemporaryDirectory(prefix="int8_peak-")
     exe = build_int8_peak(Path(build.name))
     bodies = {}
@@ -399,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                        "their instructions' peak")
     q.add_argument("--model", type=Path, required=True, help="a GGUF file (Q4_K_M, Q4_0, Q8_0, ...)")
     q.add_argument("--rows", default="1,16,512", help="activation rows per call (comma-separated)")
-    q.add_argument("--isas", default="", help="ISA levels (default: avx2 and avx512 where the CPU has them)")
+    q.add_argument("--isas", default="",
+                   help="ISA levels (default: avx2, avx512 and, with AMX, avx512bf16, where the CPU has them)")
     q.add_argument("--threads", type=int, default=2)
     q.add_argument("--repeat", type=int, default=5)
     for s in (d, p, q):

@@ -123,8 +123,8 @@ class Call:
 
 
 # characters per token a text can have at most before its length alone rules it out (a token of
-# ordinary text is ~4 characters; long runs of one character tokenize longer, rarely past 8)
-_CHARS_PER_TOKEN = 8
+# ordinary text is ~4 characters; runs of spaces or punctuation tokenize longer: a generous bound)
+_CHARS_PER_TOKEN = 32
 
 
 def _prediction_too_long(size: str, max_context: int) -> APIError:
@@ -249,8 +249,10 @@ class Prepared:
 
 def _chat(state: ServerState, tenant: Tenant, req: ChatCompletionRequest, model: str, session: str | None,
           t0: float) -> Prepared:
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
-                for m in req.messages]
+    # a message's name goes to the chat template, as OpenAI-compatible servers pass it (clients such as
+    # AutoGen send one on every message); the bundled and Qwen templates do not show it
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content),
+                 **({"name": m.name} if m.name is not None else {})} for m in req.messages]
     prediction = _prediction_text(req, state.backend.max_context)
     # Morph/Relace-style fast apply in a chat message: the original code is the draft source
     messages, apply_code = chat_fast_apply(messages)

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from ..backends.protocol import MAX_TEMPERATURE
+from ..backends.protocol import GREEDY_BELOW, MAX_TEMPERATURE
 from ..config import unknown_field
 
 __all__ = ["GREEDY_BELOW", "APIError", "ApplyRequest", "ChatCompletionRequest", "CompletionRequest",
@@ -67,10 +67,6 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False   # vLLM's usage on every chunk: not implemented, refused when true
 
 
-# a positive temperature under this samples as greedy (temperature 0): dividing logits by a
-# temperature near 0 (1e-320) overflows them to inf and the softmax to NaN; at 1e-5 a logit gap of
-# 0.001 is already a factor e^-100, so sampling is the argmax but for near-exact ties
-GREEDY_BELOW = 1e-5
 
 
 def sampling_temperature(t: float) -> float:
@@ -144,11 +140,6 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         if self.top_logprobs not in (None, 0):
             raise APIError(400, f"top_logprobs is not supported (logprobs are not computed), got {self.top_logprobs}",
                            param="top_logprobs", code="unsupported_parameter")
-        for i, m in enumerate(self.messages):
-            if m.name is not None:   # the chat template has no place for it: it would be dropped
-                raise APIError(400, f"messages[{i}].name is not supported (the model's chat template has no "
-                                    f"participant names); leave it out, or put the name in the content",
-                               param=f"messages[{i}].name", code="unsupported_parameter")
 
 
 class CompletionRequest(_Sampling, kw_only=True):

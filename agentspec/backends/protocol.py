@@ -41,6 +41,10 @@ def model_name_for(model: str | Path | None) -> str:
     return p.name.removesuffix(".gguf") if p.suffix == ".gguf" else p.name
 
 MAX_TEMPERATURE = 2.0   # the OpenAI range, [0, 2], for the API and the engine alike
+# a positive temperature under this samples as greedy (temperature 0): dividing logits by a
+# temperature near 0 (1e-320) overflows them to inf and the softmax to NaN; at 1e-5 a logit gap of
+# 0.001 is already a factor e^-100, so sampling is the argmax but for near-exact ties
+GREEDY_BELOW = 1e-5
 
 OnTokens = Callable[[list[int]], None]
 """Called with the tokens each scheduler step committed (from the backend's scheduler thread)."""
@@ -294,6 +298,8 @@ def check_sampling(*, max_tokens: Any, temperature: Any = 0.0, top_p: Any = 1.0,
 
     check_int("max_tokens", max_tokens, lo=1)
     temperature = check_float("temperature", temperature, lo=0.0, hi=MAX_TEMPERATURE)
+    if temperature < GREEDY_BELOW:   # greedy: logits / 1e-320 are infinite, the softmax NaN
+        temperature = 0.0
     top_p = check_float("top_p", top_p, lo=0.0, hi=1.0)
     if top_p == 0.0:
         raise InvalidRequestError("top_p must be in (0, 1], got 0", param="top_p")

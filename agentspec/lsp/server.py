@@ -199,6 +199,7 @@ class AgentSpecLanguageServer(LanguageServer):
             if self.listener.session is not None:
                 return "another editor is connected to this agentspec language server (one at a time)"
             self.listener.session = self
+            self.listener.let_in(self)
         return None
 
     def report_server_error(self, error: Exception, source: Any) -> None:
@@ -656,11 +657,22 @@ class _TcpListener:
     protocol among them all: replies go to the newest peer, and a peer that never initialized is
     served). The first connection let in is the session; the listener stops when it ends."""
 
+    ADMIT_TIMEOUT_S = 30.0   # a peer not let in by then is hung up on
+    MAX_PENDING = 8          # connections not let in yet, at most: more are hung up on at once
+
     def __init__(self, defaults: dict | None, token: str | None) -> None:
         self.defaults = defaults
         self.token = token
         self.session: AgentSpecLanguageServer | None = None
         self._ended: asyncio.Event | None = None
+        self._pending = 0
+        self._waiting: set[int] = set()   # id() of the connections' servers not let in yet
+
+    def let_in(self, ls: AgentSpecLanguageServer) -> None:
+        """``ls``'s connection no longer counts as pending (let in, or gone)."""
+        if id(ls) in self._waiting:
+            self._waiting.discard(id(ls))
+            self._pending -= 1
 
     async def serve(self, host: str, port: int) -> None:
         self._ended = asyncio.Event()
@@ -671,16 +683,31 @@ class _TcpListener:
             server.close()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # a peer that connects and never initializes costs a language server: at most MAX_PENDING
+        # such at a time, each for at most ADMIT_TIMEOUT_S, so idle peers cannot pile up
+        if self._pending >= self.MAX_PENDING:
+            writer.close()
+            return
+        self._pending += 1
         ls = build_server(self.defaults)
         ls.token, ls.listener = self.token, self
+        self._waiting.add(id(ls))
         ls.protocol.set_writer(writer)
         ls.protocol.hang_up = writer.close
+
+        def admitted_or_hang_up() -> None:
+            if not ls.protocol.authorized:
+                writer.close()
+
+        deadline = asyncio.get_running_loop().call_later(self.ADMIT_TIMEOUT_S, admitted_or_hang_up)
         try:
             await run_async(stop_event=threading.Event(), reader=reader, protocol=ls.protocol,
                             error_handler=ls.report_server_error)
         except (ConnectionError, asyncio.IncompleteReadError):   # the peer went away mid-message
             pass
         finally:
+            deadline.cancel()
+            self.let_in(ls)   # (pending no longer, either way)
             writer.close()
             await ls.stop()
             if self.session is ls:

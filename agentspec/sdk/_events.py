@@ -31,7 +31,8 @@ class EventStream:
         try:
             self.release()
         finally:
-            close = getattr(self._events, "close", None)
+            # closed from another thread while it is being read: released, it ends on its own
+            close = None if getattr(self._events, "gi_running", False) else getattr(self._events, "close", None)
             if close is not None:
                 close()
 
@@ -53,6 +54,7 @@ class AsyncEventStream:
         try:
             await self.release()
         finally:
-            aclose = getattr(self._events, "aclose", None)
+            # closed from another task while it is being read: released, it ends on its own
+            aclose = None if getattr(self._events, "ag_running", False) else getattr(self._events, "aclose", None)
             if aclose is not None:
                 await aclose()

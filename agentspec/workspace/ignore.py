@@ -103,6 +103,11 @@ class IgnoreRules:
                                 if o.path != root and o.path.is_relative_to(root))
         self.base = pathspec.GitIgnoreSpec.from_lines(list(patterns))
         self._specs: dict[str, Any] = {}   # folder (relative, "" = root) -> spec or None
+        # folder (relative) -> ignored: what ``ignored_file`` asks of every file's folders, each
+        # folder's answer once (a file at depth d costs d folder checks, each ~d matches); dropped
+        # with any ``.gitignore``'s rules, which may change it
+        self._folders: dict[str, bool] = {}
+        self._generation = 0
         self._lock = threading.Lock()
 
     def _spec(self, rel_dir: str):
@@ -125,11 +130,26 @@ class IgnoreRules:
         """Read ``rel_dir``'s ``.gitignore`` again when next needed (it changed)."""
         with self._lock:
             self._specs.pop(rel_dir, None)
+            self._folders.clear()
+            self._generation += 1
 
     def clear(self) -> None:
         """Forget every folder's rules (the tree was replaced)."""
         with self._lock:
             self._specs.clear()
+            self._folders.clear()
+            self._generation += 1
+
+    def _folder_ignored(self, rel_dir: str) -> bool:
+        """``ignored(rel_dir, True)``, remembered until the rules change."""
+        with self._lock:
+            hit, generation = self._folders.get(rel_dir), self._generation
+        if hit is None:
+            hit = self.ignored(rel_dir, True)
+            with self._lock:
+                if generation == self._generation:   # not a rule set forgotten meanwhile
+                    self._folders[rel_dir] = hit
+        return hit
 
     def ignored(self, rel: str, is_dir: bool) -> bool:
         """``rel``: a path relative to the root, with forward slashes."""
@@ -155,7 +175,7 @@ class IgnoreRules:
     def ignored_file(self, rel: str) -> bool:
         """The file ``rel`` (relative, forward slashes) or a folder above it is ignored: what the
         walk never reaches."""
-        return self.ignored(rel, False) or any(self.ignored(d, True) for d in parents(rel))
+        return self.ignored(rel, False) or any(self._folder_ignored(d) for d in parents(rel))
 
     def owned_rule(self, path: Path) -> str | None:
         """The rule of the server-owned path ``path`` (absolute; as given or resolved) falls

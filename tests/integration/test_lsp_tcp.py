@@ -249,6 +249,36 @@ def test_a_wrong_token_is_hung_up_on_and_locks_nobody_out(lsp, backend, root):
             peer.close()
 
 
+def test_idle_peers_are_capped_and_the_editor_gets_in_once_one_leaves(lsp, backend, root):
+    """Peers that connect and never initialize hold a language server each: at most
+    MAX_PENDING (8) at a time; one more is hung up on at once, and once an idle one leaves the
+    editor is let in."""
+    proc, port = lsp
+    idle = [Peer.connect(port, proc) for _ in range(8)]
+    peers = list(idle)
+    try:
+        for peer in idle:   # each is a pending connection: it answers before initialize
+            assert peer.request("agentspec/status", {})["error"]["code"] == NOT_INITIALIZED
+        extra = Peer.connect(port, proc)
+        peers.append(extra)
+        assert extra.hung_up()
+        idle[0].close()
+        deadline = time.monotonic() + READ_TIMEOUT_S
+        while True:   # the server sees the closed socket on its own schedule: until a peer is answered
+            editor = Peer.connect(port, proc)
+            peers.append(editor)
+            try:
+                assert editor.request("agentspec/status", {})["error"]["code"] == NOT_INITIALIZED
+                break
+            except ConnectionError:
+                assert time.monotonic() < deadline, "the editor never got in after an idle peer left"
+        assert "result" in editor.initialize(root, token=TOKEN, url=backend.base)
+        assert editor.request("agentspec/status", {})["result"]["root"] == str(root)
+    finally:
+        for peer in peers:
+            peer.close()
+
+
 def test_one_editor_at_a_time_and_the_listener_ends_with_its_session(lsp, backend, root):
     proc, port = lsp
     editor = Peer.connect(port, proc)

@@ -107,7 +107,9 @@ int main() {
 #elif defined(AGENTSPEC_X86)
     bodies.push_back(body_for(2));
     if (has_vnni()) bodies.push_back(body_for(3));
-    if (has_vnni() && qamx::ready()) bodies.push_back(body_for(4));   // AMX-INT8 (16-row tiles, the rest VNNI)
+#if defined(__x86_64__)
+    if (has_vnni() && qamx::ready()) bodies.push_back(body_for(4));   // AMX-INT8 (Q6_K's prompt chunks)
+#endif
 #endif
     if (bodies.empty()) {
         std::puts("no SIMD body on this architecture");

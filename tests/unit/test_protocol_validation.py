@@ -93,12 +93,10 @@ def test_logprobs_off_is_taken(type, body, value):
     assert _check(body(logprobs=value), type).logprobs is value
 
 
-def test_a_message_name_is_refused_naming_the_message():
+def test_a_message_name_is_taken():
+    # given to the chat template (OpenAI clients such as AutoGen send one on every message)
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "a", "name": "alice"}]
-    e = _refused({"messages": msgs})
-    assert (e.param, e.code) == ("messages[1].name", "unsupported_parameter")
-    assert "messages[1].name" in e.message and "content" in e.message
-    _refused({"messages": [{"role": "user", "content": "a", "name": ""}]})   # present, even empty
+    assert _check({"messages": msgs}).messages[1].name == "alice"
     _check({"messages": [{"role": "user", "content": "a", "name": None}]})
 
 
@@ -112,18 +110,29 @@ def test_a_temperature_near_zero_samples_as_greedy():
 
 
 def test_a_prediction_past_the_context_is_refused_before_tokenizing():
-    """A prediction longer than 8 characters per token of the window cannot fit it however it
+    """A prediction longer than 32 characters per token of the window cannot fit it however it
     tokenizes: refused by its length, so no tokenizer, per-token check or diff runs on it."""
     ctx = 100
-    ok = decode_body(json.dumps(_chat(prediction={"type": "content", "content": "x" * 8 * ctx})).encode(),
+    ok = decode_body(json.dumps(_chat(prediction={"type": "content", "content": "x" * 32 * ctx})).encode(),
                      ChatCompletionRequest)
-    assert _prediction_text(ok, ctx) == "x" * 8 * ctx
-    for content in ("x" * (8 * ctx + 1), [{"type": "text", "text": "x" * 500}, {"type": "text", "text": "y" * 301}]):
+    assert _prediction_text(ok, ctx) == "x" * 32 * ctx
+    for content in ("x" * (32 * ctx + 1), [{"type": "text", "text": "x" * 2000}, {"type": "text", "text": "y" * 1201}]):
         req = decode_body(json.dumps(_chat(prediction={"type": "content", "content": content})).encode(),
                           ChatCompletionRequest)
         with pytest.raises(APIError) as info:
             _prediction_text(req, ctx)
         e = info.value
         assert (e.status, e.param, e.code) == (400, "prediction", "context_length_exceeded")
-        assert "801 characters" in e.message and "100 tokens" in e.message
+        assert "3201 characters" in e.message and "100 tokens" in e.message
     assert _prediction_text(decode_body(json.dumps(_chat()).encode(), ChatCompletionRequest), ctx) is None
+
+
+def test_the_engine_takes_a_temperature_near_zero_as_greedy():
+    """``check_sampling``, which every engine request passes (the API, the SDK in process,
+    ``Engine.generate``): a positive temperature under GREEDY_BELOW is 0, never a divisor that
+    makes the logits infinite."""
+    from agentspec.backends.protocol import GREEDY_BELOW, check_sampling
+
+    assert check_sampling(max_tokens=1, temperature=1e-320).temperature == 0.0
+    assert check_sampling(max_tokens=1, temperature=GREEDY_BELOW / 2).temperature == 0.0
+    assert check_sampling(max_tokens=1, temperature=GREEDY_BELOW).temperature == GREEDY_BELOW

@@ -136,7 +136,7 @@ def _fallbacks(*, cpu: bool, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim
             out.append(f"fused rows: a {str(kv_dtype).removeprefix('torch.')} KV cache (fused: float32)")
         elif not 0 < group <= 8:
             out.append(f"native attention: {group or 'uneven'} query heads per kv head (native: 1-8): torch attention")
-    if quantized and facts.amx:
+    if quantized and amx_top:
         out.append("quantized linears: AMX-INT8 tiles take prompt chunks of Q6_K weights only (other types, decode "
                    "and verification rows: the VNNI body); prompt attention on SDPA, not AMX tiles")
     if bf16 and not packed and facts.linear_kernels and settings.native_linears:
