@@ -331,7 +331,7 @@ def resolve_workspace_path(root: str | os.PathLike | None, path: str, *, max_byt
         raise ApplyPathError(f"path is too long or too deep (at most {MAX_PATH_CHARS} characters and "
                              f"{MAX_PATH_PARTS} components)", status=400, code="invalid_value")
     from .workspace.ignore import owned_identity, owned_rule
-    from .workspace.scan import open_file, read_fd
+    from .workspace.scan import read_opened
 
     base = Path(root).resolve()
     if ignored is None:   # one rule set for every question (each .gitignore read once)
@@ -377,21 +377,14 @@ def resolve_workspace_path(root: str | os.PathLike | None, path: str, *, max_byt
     if st.st_size > max_bytes:
         raise too_large
     try:
-        fd, opened, st = open_file(full)
+        opened, st, data = read_opened(full, max_bytes + 1)
     except FileNotFoundError:
         raise not_found from None
     except OSError as e:
         raise ApplyPathError(f"cannot read {path!r}: {e.strerror}", status=400, code="unreadable") from None
-    try:
-        # checked again as opened (a folder on the way may be a symlink by now), then read from it
-        refuse(opened, st)
-        if not stat.S_ISREG(st.st_mode):
-            raise not_found
-        data = read_fd(fd, max_bytes + 1)
-    except OSError as e:
-        raise ApplyPathError(f"cannot read {path!r}: {e.strerror}", status=400, code="unreadable") from None
-    finally:
-        os.close(fd)
+    refuse(opened, st)   # checked again as opened and read (a folder on the way may be a symlink by now)
+    if data is None:
+        raise not_found
     if len(data) > max_bytes:  # grew since the stat
         raise too_large
     try:

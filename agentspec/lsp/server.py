@@ -273,37 +273,33 @@ class AgentSpecLanguageServer(LanguageServer):
                     break
         if doc is not None:
             return doc.source, doc.version
-        import stat
+        from ..workspace.scan import read_opened
 
-        from ..workspace.scan import open_file, read_fd
-
-        # opened once, checked again as opened and read from that descriptor: a folder on the way
-        # swapped for a symlink since path_of checked it cannot bring in another file (the config)
+        # opened once and read, then checked as opened: a folder on the way swapped for a symlink
+        # since path_of checked it cannot bring in another file (the config)
         missing = JsonRpcInvalidParams(f"{uri}: no such file (and no open buffer)")
         real = Path(os.path.realpath(path))
         if not real.is_file():   # (a FIFO is never opened)
             raise missing
         try:
-            fd, opened, st = open_file(real)
+            opened, st, data = read_opened(real)
         except FileNotFoundError:
             raise missing from None
         except OSError as e:
             raise JsonRpcInvalidParams(f"{uri}: cannot read it as UTF-8 text ({e})") from None
+        if data is None:
+            raise missing
+        if self.root not in opened.parents:
+            raise JsonRpcInvalidParams(f"{uri} is outside the workspace {from_fs_path(str(self.root))}")
+        ws = self.overlays.workspace
+        rule = ws.owned_rule(opened, st=st) if ws is not None else None
+        refused = f"one of the server's own files ({rule})" if rule else self._refusal(opened, opened)
+        if refused:
+            raise JsonRpcInvalidParams(f"{uri} is {refused}: agentspec rewrites only files the workspace indexes")
         try:
-            if not stat.S_ISREG(st.st_mode):
-                raise missing
-            if self.root not in opened.parents:
-                raise JsonRpcInvalidParams(f"{uri} is outside the workspace {from_fs_path(str(self.root))}")
-            ws = self.overlays.workspace
-            rule = ws.owned_rule(opened, st=st) if ws is not None else None
-            refused = f"one of the server's own files ({rule})" if rule else self._refusal(opened, opened)
-            if refused:
-                raise JsonRpcInvalidParams(f"{uri} is {refused}: agentspec rewrites only files the workspace indexes")
-            return read_fd(fd).decode("utf-8"), None
-        except (OSError, UnicodeDecodeError) as e:
+            return data.decode("utf-8"), None
+        except UnicodeDecodeError as e:
             raise JsonRpcInvalidParams(f"{uri}: cannot read it as UTF-8 text ({e})") from None
-        finally:
-            os.close(fd)
 
     async def start_backend(self) -> None:
         """Connect to the server, or load the embedded engine and index the workspace."""
@@ -665,14 +661,11 @@ class _TcpListener:
         self.token = token
         self.session: AgentSpecLanguageServer | None = None
         self._ended: asyncio.Event | None = None
-        self._pending = 0
         self._waiting: set[int] = set()   # id() of the connections' servers not let in yet
 
     def let_in(self, ls: AgentSpecLanguageServer) -> None:
         """``ls``'s connection no longer counts as pending (let in, or gone)."""
-        if id(ls) in self._waiting:
-            self._waiting.discard(id(ls))
-            self._pending -= 1
+        self._waiting.discard(id(ls))
 
     async def serve(self, host: str, port: int) -> None:
         self._ended = asyncio.Event()
@@ -685,10 +678,9 @@ class _TcpListener:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # a peer that connects and never initializes costs a language server: at most MAX_PENDING
         # such at a time, each for at most ADMIT_TIMEOUT_S, so idle peers cannot pile up
-        if self._pending >= self.MAX_PENDING:
+        if len(self._waiting) >= self.MAX_PENDING:
             writer.close()
             return
-        self._pending += 1
         ls = build_server(self.defaults)
         ls.token, ls.listener = self.token, self
         self._waiting.add(id(ls))

@@ -8,7 +8,7 @@ vanished, or leading where the rules refuse). Skips go to a callback, ``skip(rel
 workspace counts them.
 
 Checking a path and then opening it by name again is a race: a folder on the way can become a
-symlink in between. So a file is opened once (``open_file``), what was opened is checked (its real
+symlink in between. So a file is opened once (``read_opened``), what was opened is checked (its real
 path per the descriptor, its identity) and the text is read from that descriptor.
 """
 
@@ -89,13 +89,14 @@ def walk_under(root: Path, folder: Path, rules: IgnoreRules) -> Iterator[tuple[s
                 yield rel, base / name
 
 
-def open_file(path: Path) -> tuple[int, Path, os.stat_result]:
-    """Open ``path`` (resolved: no symlink in it) for reading, once, and say what was opened: the
-    descriptor, the file's real path per the descriptor (``/proc/self/fd``; ``path`` itself where
-    there is none) and its stat. A final component that became a symlink is not followed (ELOOP);
-    a folder on the way that did is seen in the real path, so the caller checks that path and
-    stat, then reads from the descriptor (``read_fd``) and closes it. Non-blocking: a FIFO opens at
-    once (and is no regular file). OSError as ``os.open``."""
+def read_opened(path: Path, limit: int | None = None) -> tuple[Path, os.stat_result, bytes | None]:
+    """Open ``path`` (resolved: no symlink in it) once and read it from that descriptor: what was
+    opened (its real path per the descriptor, ``/proc/self/fd``, or ``path`` itself where there is
+    none), its stat, and up to ``limit`` bytes (None: all; None for data when it is no regular file,
+    which is not read). A final component that became a symlink is not followed (ELOOP); a folder
+    on the way that did shows in the real path, which the caller checks before using the bytes.
+    Non-blocking: a FIFO opens at once. FileNotFoundError when the file vanished meanwhile; other
+    OSErrors as ``os.open`` / ``os.read``."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
     fd = os.open(path, flags)
     try:
@@ -106,22 +107,18 @@ def open_file(path: Path) -> tuple[int, Path, os.stat_result]:
             real = path
         if real.name.endswith(" (deleted)") and os.fstat(fd).st_nlink == 0:
             raise FileNotFoundError(errno.ENOENT, "vanished while it was opened", str(path))
-        return fd, real, st
-    except BaseException:
+        if not stat.S_ISREG(st.st_mode):
+            return real, st, None
+        parts, got = [], 0
+        while limit is None or got < limit:
+            b = os.read(fd, 1 << 20 if limit is None else min(limit - got, 1 << 20))
+            if not b:
+                break
+            parts.append(b)
+            got += len(b)
+        return real, st, b"".join(parts)
+    finally:
         os.close(fd)
-        raise
-
-
-def read_fd(fd: int, limit: int | None = None) -> bytes:
-    """Up to ``limit`` bytes (None: all) from the descriptor ``fd``, fewer only at the end of the file."""
-    parts, got = [], 0
-    while limit is None or got < limit:
-        b = os.read(fd, 1 << 20 if limit is None else min(limit - got, 1 << 20))
-        if not b:
-            break
-        parts.append(b)
-        got += len(b)
-    return b"".join(parts)
 
 
 def read_text(rel: str, path: Path, *, rules: IgnoreRules, max_bytes: int,
@@ -153,28 +150,21 @@ def read_text(rel: str, path: Path, *, rules: IgnoreRules, max_bytes: int,
         skip(rel, f"over {max_bytes} bytes")
         return None
     try:
-        fd, opened, st = open_file(real)
+        opened, st, data = read_opened(real, max_bytes + 1)
     except FileNotFoundError:
         skip(rel, "vanished before it was read")
         return None
     except OSError as e:
         skip(rel, f"unreadable: {e.strerror or e}")
         return None
-    try:
-        # what was opened, which is what is read: a folder on the way may have become a link since
-        refused = (rules.file_refusal(opened) if opened != real else None) or rules.identity_refusal(opened, st)
-        if refused:
-            skip(rel, refused)
-            return None
-        if not stat.S_ISREG(st.st_mode):
-            skip(rel, "not a regular file")
-            return None
-        data = read_fd(fd, max_bytes + 1)
-    except OSError as e:
-        skip(rel, f"unreadable: {e.strerror or e}")
+    # what was opened is what was read: a folder on the way may have become a link since the checks
+    refused = (rules.file_refusal(opened) if opened != real else None) or rules.identity_refusal(opened, st)
+    if refused:
+        skip(rel, refused)
         return None
-    finally:
-        os.close(fd)
+    if data is None:
+        skip(rel, "not a regular file")
+        return None
     if b"\0" in data[:SNIFF_BYTES]:
         skip(rel, "binary")
         return None
