@@ -33,6 +33,8 @@ from .routing import Route, UnknownRouteError
 from ..text import TextStream
 from .jobs import Job
 from .limits import LimitExceeded
+from ..chat import CallArgs, CallStart, Conversation, Message, Text, Tool, ToolCall
+from .turns import render_turn
 from .protocol import (
     APIError,
     ApplyRequest,
@@ -49,16 +51,16 @@ if TYPE_CHECKING:
     from .state import ServerState, Tenant
 
 __all__ = ["GENERATION_PATHS", "Call", "Prepared", "StreamShaper", "create_session", "health", "model_card",
-           "outcome", "prepare", "session_detail", "shutting_down", "submit"]
+           "outcome", "prepare", "session_detail", "shutting_down", "submit", "wire_of"]
 
 
 # ---- parsing and resolving -------------------------------------------------------------------------------
 
 def check_model(state: ServerState, model: str | None) -> str:
-    if model is None or model == state.model_id:
-        return state.model_id
-    raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_id!r}",
-                   type="not_found_error", param="model", code="model_not_found")
+    """The model a request runs on: the one served, whatever name the client gives (agents name
+    models the server does not have: Claude Code's background calls name a small one). Responses
+    carry the served model's id, so a client can see which answered."""
+    return state.model_id
 
 
 def _text(content) -> str:
@@ -66,7 +68,7 @@ def _text(content) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.text for part in content)
+    return "".join(part.text or "" for part in content)
 
 
 def _session_error(e: Exception, param: str) -> APIError:
@@ -112,6 +114,7 @@ class Call:
     model: str
     t0: float                           # monotonic time the request arrived
     created: int = field(default_factory=lambda: int(time.time()))
+    grammar_param: str | None = None    # the request field its grammar came from (a grammar error names it)
 
     @property
     def request_id(self) -> str:
@@ -141,7 +144,7 @@ def _prediction_text(req: Any, max_context: int) -> str | None:
     if req.prediction is None:
         return None
     content = req.prediction.content
-    size = len(content) if isinstance(content, str) else sum(len(part.text) for part in content)
+    size = len(content) if isinstance(content, str) else sum(len(part.text or "") for part in content)
     if size > _CHARS_PER_TOKEN * max_context:
         raise _prediction_too_long(f"{size} characters", max_context)
     return _text(content)
@@ -149,7 +152,8 @@ def _prediction_text(req: Any, max_context: int) -> str | None:
 
 def _resolve(state: ServerState, body: Any, *, endpoint: str, tenant: Tenant, model: str, ids: list[int],
              max_tokens: int | None, prediction: str | list[int] | None, session: str | None, t0: float,
-             prefix: str, include_usage: bool, want_stats: bool) -> Call:
+             prefix: str, include_usage: bool, want_stats: bool, grammar: str | None = None,
+             grammar_param: str | None = None) -> Call:
     """The ``Call`` of a decoded request ``body`` (its sampling fields, ``speculation``, ``stream``
     and ``route``; what an endpoint lacks takes its default): the route resolved, the default
     ``max_tokens`` filled in, the prediction tokenized."""
@@ -171,6 +175,8 @@ def _resolve(state: ServerState, body: Any, *, endpoint: str, tenant: Tenant, mo
                        else "prompt", code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(state.config.server.default_max_tokens, room)
+    else:   # clients ask for more than the model holds (32000 from Claude Code, opencode): the room left
+        max_tokens = min(max_tokens, room)
     pred_ids = backend.encode_text(prediction) if isinstance(prediction, str) and prediction else (
         prediction or None)
     if pred_ids is not None and len(pred_ids) > backend.max_context:
@@ -181,10 +187,10 @@ def _resolve(state: ServerState, body: Any, *, endpoint: str, tenant: Tenant, mo
         prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=1.0 if top_p is None else top_p,
         top_k=max(top_k or 0, 0), seed=getattr(body, "seed", None), stop=[stop] if isinstance(stop, str) else list(stop or []),
         spec=route.spec, drafters=route.drafters, tenant=tenant.name, request_id=f"{prefix}-{secrets.token_hex(12)}",
-        prediction_ids=pred_ids)
+        prediction_ids=pred_ids, grammar=grammar)
     return Call(endpoint=endpoint, tenant=tenant, request=request, route=route, spec_reason=route.reason,
                 session=session, stream=getattr(body, "stream", False), include_usage=include_usage,
-                want_stats=want_stats, model=model, t0=t0)
+                want_stats=want_stats, model=model, t0=t0, grammar_param=grammar_param)
 
 
 # ---- response shapes ----------------------------------------------------------------------------------
@@ -236,61 +242,136 @@ def _final_chunks(call: Call, gen, head: dict, choice: dict) -> list[dict]:
 @dataclass
 class Prepared:
     """A resolved call and its response shapes: ``respond(gen)`` the whole body; for a stream,
-    ``opening`` (chunks before any text), ``chunk(delta)`` per text delta, ``final(gen, tail)``
-    the closing chunks; ``progress`` (apply): committed tokens and steps so far, on every chunk."""
+    ``opening`` (chunks before any text), ``chunk(delta)`` the chunks (events) of a text delta,
+    ``final(gen, tail)`` the closing chunks; ``progress`` (apply): committed tokens and steps so
+    far, on every chunk. ``wire``: the protocol that frames them (``agentspec.server.app``:
+    OpenAI's ``data:`` lines and ``[DONE]``, or named ``event:`` lines), ``error_chunks(e)`` what
+    a stream sends when it fails after it started."""
 
     call: Call
     respond: Callable[[Any], dict]
-    chunk: Callable[[str], dict]
+    chunk: Callable[[str], list[dict]]
     final: Callable[[Any, str], list[dict]]
     opening: list[dict] = field(default_factory=list)
     progress: dict | None = None
+    wire: str = "openai"
+    error_chunks: Callable[[APIError], list[dict]] | None = None
+
+
+def openai_conversation(req: ChatCompletionRequest) -> Conversation:
+    """An OpenAI Chat Completions body as the conversation inside (``agentspec.chat``)."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        role = "system" if m.role == "developer" else m.role
+        calls = [ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in m.tool_calls or ()]
+        if role == "tool" and not m.tool_call_id:
+            raise APIError(400, f"messages[{i}] is a tool result without `tool_call_id`",
+                           param=f"messages[{i}].tool_call_id", code="invalid_value")
+        # a message's name goes to the chat template, as OpenAI-compatible servers pass it (clients such as
+        # AutoGen send one on every message); the bundled and Qwen templates do not show it
+        messages.append(Message(role=role, content=_text(m.content), tool_calls=calls, tool_call_id=m.tool_call_id,
+                                name=m.name))
+    tools = [Tool(name=t.function.name, description=t.function.description, parameters=t.function.parameters or {},
+                  strict=bool(t.function.strict)) for t in req.tools or ()]
+    choice, forced = "auto", None
+    tc = req.tool_choice
+    if isinstance(tc, str):
+        choice = tc
+    elif tc is not None:
+        choice, forced = "function", tc.function.name
+    if not tools and choice == "auto":
+        choice = "auto"
+    schema, strict = None, False
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        schema = {"type": "object"}
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs `json_schema` ({name, schema, strict})",
+                           param="response_format.json_schema", code="invalid_value")
+        schema = rf.json_schema.schema if rf.json_schema.schema is not None else {}
+        strict = bool(rf.json_schema.strict)
+    return Conversation(messages=messages, tools=tools, tool_choice=choice, forced_tool=forced,
+                        parallel_tool_calls=req.parallel_tool_calls is not False, response_schema=schema,
+                        response_strict=strict)
+
+
+def _openai_call(call_id: str, name: str, arguments: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _chat(state: ServerState, tenant: Tenant, req: ChatCompletionRequest, model: str, session: str | None,
           t0: float) -> Prepared:
-    # a message's name goes to the chat template, as OpenAI-compatible servers pass it (clients such as
-    # AutoGen send one on every message); the bundled and Qwen templates do not show it
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content),
-                 **({"name": m.name} if m.name is not None else {})} for m in req.messages]
+    conv = openai_conversation(req)
     prediction = _prediction_text(req, state.backend.max_context)
-    # Morph/Relace-style fast apply in a chat message: the original code is the draft source
-    messages, apply_code = chat_fast_apply(messages)
-    if apply_code is not None and prediction is None:
-        prediction = apply_code
-    try:
-        ids = state.backend.encode_chat(messages)
-    except InvalidRequestError as e:
-        raise APIError(400, str(e), param="messages", code="invalid_value") from None
-    call = _resolve(state, req, endpoint="chat.completions", tenant=tenant, model=model, ids=ids,
+    if not conv.tools and conv.response_schema is None:
+        # Morph/Relace-style fast apply in a chat message: the original code is the draft source
+        plain = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name is not None else {})}
+                 for m in conv.messages]
+        if all(not m.tool_calls and m.role != "tool" for m in conv.messages):
+            plain, apply_code = chat_fast_apply(plain)
+            if apply_code is not None and prediction is None:
+                prediction = apply_code
+            if apply_code is not None:   # its merge instructions, as the system message
+                conv.messages = [Message(role=p["role"], content=p["content"], name=p.get("name")) for p in plain]
+    turn = render_turn(state, conv)
+    call = _resolve(state, req, endpoint="chat.completions", tenant=tenant, model=model, ids=turn.ids,
                     max_tokens=req.max_completion_tokens or req.max_tokens, prediction=prediction, session=session,
                     t0=t0, prefix="chatcmpl", include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                    want_stats=req.spec_stats)
+                    want_stats=req.spec_stats, grammar=turn.grammar, grammar_param=turn.grammar_param)
     base = {"id": call.request_id, "created": call.created, "model": model}
+    parser = turn.parser("call_")   # the stream's (a whole answer gets its own)
+
+    def finish_reason(gen, p) -> str:
+        if p.calls and not p.incomplete:
+            return "tool_calls"
+        return _finish_reason(gen.finish_reason)
 
     def respond(gen) -> dict:
+        p = turn.parser("call_")
+        p.push(gen.text)
+        p.finish()
+        text = "".join(p.content)
+        message: dict[str, Any] = {"role": "assistant", "content": (text.strip() or None) if p.calls else text}
+        if p.calls:
+            message["tool_calls"] = [_openai_call(c.id, c.name, c.arguments) for c in p.calls]
         body = {**base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
-                             "logprobs": None, "finish_reason": _finish_reason(gen.finish_reason)}],
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": finish_reason(gen, p)}],
                 "usage": usage(call, gen.token_ids, gen.stats)}
         if call.want_stats:
             body["spec"] = spec_info(call, gen.stats)
         return body
 
-    def chunk(delta: str, *, role: bool = False) -> dict:
+    def delta_chunk(delta: dict) -> dict:
         c = {**base, "object": "chat.completion.chunk",
-             "choices": [{"index": 0, "delta": ({"role": "assistant", "content": delta} if role
-                                                 else {"content": delta}), "logprobs": None, "finish_reason": None}]}
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
         if call.include_usage:
             c["usage"] = None
         return c
 
-    def final(gen, tail: str) -> list[dict]:
-        return _final_chunks(call, gen, {**base, "object": "chat.completion.chunk"},
-                             {"index": 0, "delta": {"content": tail} if tail else {}, "logprobs": None,
-                              "finish_reason": _finish_reason(gen.finish_reason)})
+    def shape(events) -> list[dict]:
+        out = []
+        for ev in events:
+            if isinstance(ev, Text):
+                out.append(delta_chunk({"content": ev.text}))
+            elif isinstance(ev, CallStart):
+                out.append(delta_chunk({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
+                                                        "function": {"name": ev.name, "arguments": ""}}]}))
+            elif isinstance(ev, CallArgs):
+                out.append(delta_chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.delta}}]}))
+        return out
 
-    return Prepared(call, respond, chunk, final, opening=[chunk("", role=True)])
+    def chunk(delta: str) -> list[dict]:
+        return shape(parser.push(delta))
+
+    def final(gen, tail: str) -> list[dict]:
+        out = shape(parser.push(tail) + parser.finish())
+        return out + _final_chunks(call, gen, {**base, "object": "chat.completion.chunk"},
+                                   {"index": 0, "delta": {}, "logprobs": None,
+                                    "finish_reason": finish_reason(gen, parser)})
+
+    return Prepared(call, respond, chunk, final, opening=[delta_chunk({"role": "assistant", "content": ""})])
 
 
 def _completion(state: ServerState, tenant: Tenant, req: CompletionRequest, model: str, session: str | None,
@@ -325,11 +406,11 @@ def _completion(state: ServerState, tenant: Tenant, req: CompletionRequest, mode
             body["spec"] = spec_info(call, gen.stats)
         return body
 
-    def chunk(delta: str) -> dict:
+    def chunk(delta: str) -> list[dict]:
         c = {**base, "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": None}]}
         if call.include_usage:
             c["usage"] = None
-        return c
+        return [c]
 
     def final(gen, tail: str) -> list[dict]:
         return _final_chunks(call, gen, base, {"index": 0, "text": tail, "logprobs": None,
@@ -381,8 +462,8 @@ def _apply(state: ServerState, tenant: Tenant, req: ApplyRequest, model: str, se
 
     progress = {"completion_tokens": 0, "steps": 0}   # on every chunk: an editor's progress bar and MAT so far
 
-    def chunk(delta: str) -> dict:
-        return {**base, "object": "apply.chunk", "delta": delta, **progress}
+    def chunk(delta: str) -> list[dict]:
+        return [{**base, "object": "apply.chunk", "delta": delta, **progress}]
 
     def final(gen, tail: str) -> list[dict]:
         return [{**respond(gen), "object": "apply.chunk", "delta": tail}]
@@ -396,6 +477,22 @@ GENERATION_PATHS: dict[str, tuple[Any, Callable[..., Prepared]]] = {
     "/v1/completions": (CompletionRequest, _completion),
     "/v1/apply": (ApplyRequest, _apply),
 }
+
+
+def wire_of(path: str) -> str:
+    """The wire protocol a path speaks (its errors' envelope, its stream's framing)."""
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    if path.startswith("/v1/responses"):
+        return "responses"
+    return "openai"
+
+
+def _register_adapters() -> None:
+    from . import anthropic, responses
+
+    GENERATION_PATHS["/v1/messages"] = (anthropic.MessagesRequest, anthropic.prepare_messages)
+    GENERATION_PATHS["/v1/responses"] = (responses.ResponsesRequest, responses.prepare_responses)
 
 
 def prepare(state: ServerState, path: str, tenant: Tenant, body: bytes, *, t0: float | None = None,
@@ -489,10 +586,12 @@ def submit(state: ServerState, call: Call, emit: Callable[[str, Any], None], *,
         if limited:
             state.limits.release(tenant)
         state.metrics.request_finished(tenant)
+        param = call.grammar_param if e.__class__ is InvalidRequestError and getattr(e, "param", None) == "grammar" \
+            else _PARAMS.get(getattr(e, "param", None), getattr(e, "param", None))
         if isinstance(e, ContextLengthError):
-            raise APIError(400, str(e), param=_PARAMS.get(e.param, e.param), code="context_length_exceeded") from None
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         if isinstance(e, InvalidRequestError):
-            raise APIError(400, str(e), param=_PARAMS.get(e.param, e.param), code="invalid_value") from None
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
         if isinstance(e, QueueFullError):
             raise APIError(503, f"server overloaded: {e}", type="server_error", code="overloaded") from None
         if isinstance(e, BackendClosedError):
@@ -572,7 +671,7 @@ class StreamShaper:
                 p.progress["completion_tokens"] += len(value)
                 p.progress["steps"] += 1
             delta = self.text.push(value)
-            return ([p.chunk(delta)] if delta else []), None, False
+            return (p.chunk(delta) if delta else []), None, False
         if kind == "done" and not (value.finish_reason == "cancelled" and (job.timed_out or job.shutdown)):
             return list(p.final(value, self.text.finish(value.text))), None, True
         # an error, a cancellation, or a timeout after the stream started
@@ -617,3 +716,6 @@ def health(state: ServerState) -> dict:
     logs = {"logs": getattr(state.sink, "status", "ok"), "log_write_errors": getattr(state.sink, "failed", 0)}
     return {**h, "status": h.get("status", "ok"), "model": state.model_id,
             "uptime_s": round(time.time() - state.started, 1), **sizes, **logs}
+
+
+_register_adapters()

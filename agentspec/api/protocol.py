@@ -16,7 +16,7 @@ from ..backends.protocol import GREEDY_BELOW, MAX_TEMPERATURE
 from ..config import unknown_field
 
 __all__ = ["GREEDY_BELOW", "APIError", "ApplyRequest", "ChatCompletionRequest", "CompletionRequest",
-           "SessionCreateRequest", "error_body", "sampling_temperature"]
+           "SessionCreateRequest", "check_parts", "error_body", "sampling_temperature"]
 
 
 class APIError(Exception):
@@ -46,14 +46,69 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 
 class ContentPart(_Strict):
-    type: Literal["text"]
-    text: str
+    type: Literal["text", "image_url", "input_audio", "file", "refusal"]
+    text: str | None = None
+    image_url: Any = None        # refused by name (check_parts): the models served read text only
+    input_audio: Any = None
+    file: Any = None
+    refusal: str | None = None
+
+
+class FunctionCallParam(_Strict):
+    name: str
+    arguments: str = ""          # a JSON object, as a string (OpenAI's shape)
+
+
+class ToolCallParam(_Strict):
+    id: str
+    function: FunctionCallParam
+    type: Literal["function"] = "function"
 
 
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None   # an assistant turn's calls
+    tool_call_id: str | None = None                 # a tool result: the call it answers
+    refusal: str | None = None                      # echoed back by some clients; null only
+
+
+ToolName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_.\-]{1,128}$")]
+
+
+class FunctionDef(_Strict):
+    name: ToolName
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolParam(_Strict):
+    type: Literal["function", "custom"]
+    function: FunctionDef | None = None
+    custom: Any = None           # refused by name (a freeform tool)
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    schema: dict | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class Prediction(_Strict):
@@ -134,9 +189,24 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     top_logprobs: int | None = None
     parallel_tool_calls: bool | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: str | None = None   # a hint: the models served do not reason in a separate channel
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        for i, m in enumerate(self.messages):
+            if m.refusal is not None:
+                raise APIError(400, f"messages[{i}].refusal is not supported (send the text as content)",
+                               param=f"messages[{i}].refusal", code="unsupported_parameter")
+            if isinstance(m.content, list):
+                check_parts(m.content, f"messages[{i}].content")
+        for i, t in enumerate(self.tools or ()):
+            if t.type != "function" or t.function is None:
+                raise APIError(400, f"tools[{i}]: only function tools are supported, got type {t.type!r} (a "
+                                    "freeform custom tool needs a grammar of its own)", param=f"tools[{i}].type",
+                               code="unsupported_parameter")
         if self.top_logprobs not in (None, 0):
             raise APIError(400, f"top_logprobs is not supported (logprobs are not computed), got {self.top_logprobs}",
                            param="top_logprobs", code="unsupported_parameter")
@@ -187,9 +257,19 @@ class SessionCreateRequest(_Strict, kw_only=True):
 # OpenAI request fields this server does not implement: refused by name as unsupported, not as
 # unknown (what the OpenAI API takes and is implemented here is a field of the structs above)
 OPENAI_UNSUPPORTED = frozenset({
-    "audio", "function_call", "functions", "logit_bias", "modalities", "reasoning_effort", "response_format",
-    "safety_identifier", "tool_choice", "tools", "verbosity", "web_search_options",
+    "audio", "function_call", "functions", "logit_bias", "modalities", "safety_identifier", "verbosity",
+    "web_search_options",
 })
+
+
+def check_parts(parts: list[ContentPart], where: str) -> None:
+    """Text parts only: an image, audio or file part is refused by name (the models served read text)."""
+    for j, part in enumerate(parts):
+        if part.type != "text":
+            raise APIError(400, f"{where}[{j}] is a {part.type!r} part: this server's model reads text only; "
+                                "send text parts", param=f"{where}[{j}].type", code="unsupported_content")
+        if part.text is None:
+            raise APIError(400, f"{where}[{j}] needs `text`", param=f"{where}[{j}].text", code="invalid_value")
 
 
 def decode_body(body: bytes, type: Any) -> Any:

@@ -108,6 +108,10 @@ class Tokenizer:
         if token_types is not None:
             control = [t for t, ty in zip(tokens, token_types) if ty == 3]  # 3 = CONTROL
             backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+            # 4 = USER_DEFINED: added tokens that are text, not control (Qwen's <tool_call>, </tool_call>):
+            # one token wherever the text holds them, as the Hugging Face tokenizer and llama.cpp encode them
+            user = [t for t, ty in zip(tokens, token_types) if ty == 4]
+            backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
         eos = [t for t in (eos_token_id, eot_token_id, eom_token_id) if t is not None]
         end_of_text = vocab.get("<|endoftext|>")
         if end_of_text is not None and end_of_text not in eos:
@@ -191,8 +195,10 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
-        """Render ``[{"role", "content"}, ...]`` with the model's template (as transformers does)."""
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                            tools: Sequence[dict] | None = None) -> str:
+        """Render ``[{"role", "content"}, ...]`` (and ``tools``, OpenAI function tools) with the
+        model's template (as transformers does)."""
         if self.chat_template is None:
             # no template: a plain transcript, so that a base model still gets something sensible
             body = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
@@ -205,7 +211,8 @@ class Tokenizer:
         variables = {"bos_token": bos or "", "eos_token": (self.token_text(eos_id) if eos_id is not None else "") or "",
                      **self.special_tokens}
         try:
-            return self._template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+            return self._template.render(messages=[dict(m) for m in messages], tools=list(tools) if tools else None,
+                                         documents=None,
                                          add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from None

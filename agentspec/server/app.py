@@ -35,7 +35,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HTTPRoute
 
-from ..api import handling
+from ..api import anthropic, handling
+from ..api.errors import error_envelope
 from ..api.handling import Prepared, StreamShaper
 from ..api.jobs import Job
 from ..api.protocol import APIError
@@ -50,20 +51,25 @@ PREPARE_PER_TENANT = 4   # a tenant's requests being parsed and tokenized at onc
 
 # ---- helpers ------------------------------------------------------------------------------------
 
-def _error(e: APIError) -> JSONResponse:
+def _error(e: APIError, wire: str = "openai") -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
     headers.update(e.headers or {})
-    return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
+    return JSONResponse(error_envelope(e, wire), status_code=e.status, headers=headers or None)
 
 
 def _authenticate(state: ServerState, request: Request) -> Tenant:
+    """The tenant a request's key names: ``Authorization: Bearer <key>`` or Anthropic's
+    ``x-api-key: <key>`` (the same keys, the same tenants)."""
     if not state.require_key:
         return state.default_tenant
     auth = request.headers.get("authorization", "")
+    x_key = request.headers.get("x-api-key", "").strip()
+    if not auth and x_key:
+        auth = "Bearer " + x_key
     scheme, _, key = auth.partition(" ")
     if not auth:
-        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", type="authentication_error",
-                       code="invalid_api_key")
+        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                       type="authentication_error", code="invalid_api_key")
     if scheme.lower() != "bearer" or not key.strip():
         raise APIError(401, "malformed Authorization header: expected 'Bearer <key>'", type="authentication_error",
                        code="invalid_api_key")
@@ -133,8 +139,12 @@ def _check_host(state: ServerState, request: Request) -> None:
 
 # ---- generation ------------------------------------------------------------------------------------
 
-def _sse(obj: Any) -> bytes:
-    return b"data: " + _json.encode(obj) + b"\n\n"
+def _sse(obj: Any, wire: str = "openai") -> bytes:
+    """One server-sent event: OpenAI's ``data:`` line, or a named ``event:`` line first (Anthropic
+    Messages, OpenAI Responses: the event's name is its ``type``)."""
+    if wire == "openai":
+        return b"data: " + _json.encode(obj) + b"\n\n"
+    return b"event: " + str(obj.get("type", "message")).encode() + b"\ndata: " + _json.encode(obj) + b"\n\n"
 
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -175,18 +185,21 @@ async def _stream(state: ServerState, prepared: Prepared, job: Job, events: asyn
     """SSE bytes for a job: the opening chunks, a chunk per text delta, the final chunks (or
     the error) and ``[DONE]``."""
     shaper = StreamShaper(prepared, state.backend.tokenizer)
+    wire = prepared.wire
     try:
         for c in prepared.opening:
-            yield _sse(c)
+            yield _sse(c, wire)
         while True:
             kind, value = await events.get()
             chunks, err, done = shaper.events(job, kind, value)
             for c in chunks:
-                yield _sse(c)
+                yield _sse(c, wire)
             if err is not None:
-                yield _sse(err.body())
+                for c in (prepared.error_chunks(err) if prepared.error_chunks is not None else [err.body()]):
+                    yield _sse(c, wire)
             if done:
-                yield b"data: [DONE]\n\n"
+                if wire == "openai":
+                    yield b"data: [DONE]\n\n"
                 return
     finally:
         job.cancel()  # client gone (task cancelled) or done: either way the engine may stop
@@ -231,8 +244,22 @@ async def models(request: Request) -> Response:
 async def model_detail(request: Request) -> Response:
     state: ServerState = request.app.state.agentspec
     _authenticate(state, request)
-    handling.check_model(state, request.path_params["model"])
+    name = request.path_params["model"]
+    if name != state.model_id:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {state.model_id!r} (a "
+                            "generation request may name any model: the served one answers)",
+                       type="not_found_error", param="model", code="model_not_found")
     return JSONResponse(handling.model_card(state))
+
+
+async def count_tokens(request: Request) -> Response:
+    """``POST /v1/messages/count_tokens`` (Anthropic): the prompt's tokens as the model sees them."""
+    state: ServerState = request.app.state.agentspec
+    tenant = _authenticate(state, request)
+    body = await _read_body(request, state.config.server.max_body_bytes)
+    async with _prepare_slot(request.app, tenant.name):
+        out = await run_in_threadpool(anthropic.count_tokens, state, body)
+    return JSONResponse(out)
 
 
 async def create_session(request: Request) -> Response:
@@ -293,18 +320,18 @@ def create_app(state: ServerState) -> Starlette:
     scheduler runs on the thread that calls ``backend.run()`` (``serve``) or, without one, on a
     thread of its own from the first request (``EmbeddedBackend(background=True)``)."""
 
-    def wrap(handler):
+    def wrap(handler, wire: str = "openai"):
         async def endpoint(request: Request) -> Response:
             try:
                 _check_host(state, request)
                 return await handler(request)
             except APIError as e:
-                return _error(e)
+                return _error(e, wire)
         return endpoint
 
     async def not_found(request: Request, exc) -> Response:
         return _error(APIError(404, f"no route {request.method} {request.url.path}", type="not_found_error",
-                               code="not_found"))
+                               code="not_found"), handling.wire_of(request.url.path))
 
     async def method_not_allowed(request: Request, exc) -> Response:
         return _error(APIError(405, f"method {request.method} not allowed on {request.url.path}",
@@ -331,7 +358,9 @@ def create_app(state: ServerState) -> Starlette:
         HTTPRoute("/openapi.json", wrap(openapi_endpoint), methods=["GET"]),   # public, static
         HTTPRoute("/v1/models", wrap(models), methods=["GET"]),
         HTTPRoute("/v1/models/{model:path}", wrap(model_detail), methods=["GET"]),
-        *(HTTPRoute(path, wrap(_generation(path)), methods=["POST"]) for path in handling.GENERATION_PATHS),
+        HTTPRoute("/v1/messages/count_tokens", wrap(count_tokens, "anthropic"), methods=["POST"]),
+        *(HTTPRoute(path, wrap(_generation(path), handling.wire_of(path)), methods=["POST"])
+          for path in handling.GENERATION_PATHS),
         HTTPRoute("/v1/sessions", wrap(create_session), methods=["POST"]),
         HTTPRoute("/v1/sessions/{session:path}", wrap(session_detail), methods=["GET"]),
     ]

@@ -57,6 +57,11 @@ MISTRAL_TEMPLATE = (
 
 LLAMA3_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
+# Qwen2.5-Coder-Instruct's own chat template, as its GGUF files carry it (Apache-2.0, Qwen): tools in
+# the system turn, calls as <tool_call>{json}</tool_call>, results as <tool_response> in a user turn
+QWEN25_TOOLS_TEMPLATE = '{%- if tools %}\n    {{- \'<|im_start|>system\\n\' }}\n    {%- if messages[0][\'role\'] == \'system\' %}\n        {{- messages[0][\'content\'] }}\n    {%- else %}\n        {{- \'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.\' }}\n    {%- endif %}\n    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n    {%- for tool in tools %}\n        {{- "\\n" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n{%- else %}\n    {%- if messages[0][\'role\'] == \'system\' %}\n        {{- \'<|im_start|>system\\n\' + messages[0][\'content\'] + \'<|im_end|>\\n\' }}\n    {%- else %}\n        {{- \'<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n\' }}\n    {%- endif %}\n{%- endif %}\n{%- for message in messages %}\n    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}\n        {{- \'<|im_start|>\' + message.role + \'\\n\' + message.content + \'<|im_end|>\' + \'\\n\' }}\n    {%- elif message.role == "assistant" %}\n        {{- \'<|im_start|>\' + message.role }}\n        {%- if message.content %}\n            {{- \'\\n\' + message.content }}\n        {%- endif %}\n        {%- for tool_call in message.tool_calls %}\n            {%- if tool_call.function is defined %}\n                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n            {{- \'\\n<tool_call>\\n{"name": "\' }}\n            {{- tool_call.name }}\n            {{- \'", "arguments": \' }}\n            {{- tool_call.arguments | tojson }}\n            {{- \'}\\n</tool_call>\' }}\n        {%- endfor %}\n        {{- \'<|im_end|>\\n\' }}\n    {%- elif message.role == "tool" %}\n        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n            {{- \'<|im_start|>user\' }}\n        {%- endif %}\n        {{- \'\\n<tool_response>\\n\' }}\n        {{- message.content }}\n        {{- \'\\n</tool_response>\' }}\n        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n            {{- \'<|im_end|>\\n\' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- \'<|im_start|>assistant\\n\' }}\n{%- endif %}\n'
+QWEN25_TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
+
 # family -> (transformers config class, config overrides, chat template, added special tokens)
 FAMILIES = {
     # Llama 3.1: llama3 rope scaling, rope_theta 500000, tied embeddings (as the 1B / 3B are)
@@ -72,6 +77,9 @@ FAMILIES = {
     # Qwen3: per-head q/k norms, an explicit head_dim that is not hidden_size / heads
     "qwen3": ("Qwen3Config", dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
               QWEN_TEMPLATE, []),
+    # Qwen2.5 with its real chat template and tool-call tokens: the tool-call tests' model
+    "qwen2-tools": ("Qwen2Config", dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                                        tie_word_embeddings=True), QWEN25_TOOLS_TEMPLATE, QWEN25_TOOL_TOKENS),
 }
 
 
@@ -84,7 +92,7 @@ def bundled_tokenizer_json() -> str:
 
 # the pre-tokenizer each family's real tokenizer.json has (GGUF: tokenizer.ggml.pre); transformers
 # 5 rebuilds Qwen's and Llama's from the model type, so the fixture must carry the family's own
-PRE = {"llama": "llama-bpe", "mistral": "smollm", "qwen2": "qwen2", "qwen3": "qwen2"}
+PRE = {"llama": "llama-bpe", "mistral": "smollm", "qwen2": "qwen2", "qwen3": "qwen2", "qwen2-tools": "qwen2"}
 
 
 def write_tokenizer(folder: Path, template: str, added: list[str], eos: str, family: str = "mistral",

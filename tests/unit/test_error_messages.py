@@ -86,7 +86,7 @@ def test_unknown_body_field_is_a_400_naming_it_and_listing_the_valid_fields(body
 
 
 def test_openai_options_not_implemented_are_unsupported_not_unknown():
-    for field, value in (("tools", "[]"), ("response_format", '{"type": "text"}'), ("tool_choice", '"none"')):
+    for field, value in (("functions", "[]"), ("function_call", '"auto"'), ("logit_bias", '{"1": 2}')):
         with pytest.raises(APIError) as info:
             decode_body(b'{"messages": [{"role": "user", "content": "a"}], "%s": %s}' % (field.encode(), value.encode()),
                         ChatCompletionRequest)

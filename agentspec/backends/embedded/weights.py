@@ -40,7 +40,7 @@ from ..tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "bundled_model_path", "cache_root", "load_checkpoint"]
 
-CONVERT_VERSION = 2  # bump when the cached layout changes
+CONVERT_VERSION = 3  # bump when the cached layout changes (3: the tokenizer keeps GGUF user-defined tokens)
 
 
 class Checkpoint:

@@ -1,0 +1,166 @@
+"""Tool-call formats: one row per model family, like the kernel table.
+
+A row says how a call starts and ends in the model's output, under which key its arguments go,
+whether several calls fit in one turn, and how the grammar that makes a call well formed is
+written. Rendering tools and past calls into the prompt is the model's own chat template's job
+(``Tokenizer.apply_chat_template(tools=...)``, as transformers does); the row only has to agree
+with it, so that a call the model wrote, parsed and sent back by the client, renders to the
+text the model produced.
+
+The row is chosen from the chat template and the vocabulary, as llama.cpp's ``common/chat.cpp``
+does, never from the checkpoint's architecture (every ``llama`` architecture file -- Llama 3,
+Mistral, SmolLM2 -- shares one):
+
+| row | families | a call in the output | several a turn |
+|---|---|---|---|
+| ``hermes`` | Qwen2.5, Qwen2.5-Coder, Qwen3 | ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` | yes |
+| ``llama3`` | Llama 3.1 / 3.2 / 3.3 | ``{"name": ..., "parameters": {...}}`` (``<|python_tag|>`` first, optionally) | no |
+| ``mistral`` | Mistral (v3 tokenizer and later) | ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` | yes |
+
+A template none of these recognise has no row: a request with ``tools`` is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .conversation import Conversation, Tool
+
+__all__ = ["FORMATS", "ToolFormat", "detect_format"]
+
+# JSON as ``json.dumps`` (and so the templates' ``tojson``) writes it: a call made under the grammar
+# re-renders, when the client sends it back, as the very text the model wrote
+_DUMPS_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """One family's tool-call format (see the module's table)."""
+
+    name: str
+    start: str                 # what opens a call (or the list of calls) in the output; "" : a bare JSON object
+    end: str                   # what closes one call; "" : nothing
+    args_key: str              # the arguments' key in the call object
+    multiple: bool             # several calls in one turn
+    list_form: bool = False    # the calls come as one JSON list after ``start`` (Mistral)
+    separator: str = ""        # between two calls (Hermes: a newline)
+    head: str = ""             # between ``start`` and the call's JSON (Hermes: a newline)
+    tail: str = ""             # between the call's JSON and ``end``
+    dumps_style: bool = True   # the template writes calls with json.dumps' separators
+
+    # ---- grammars (llguidance's Lark; ``agentspec.decode.constraint`` runs them) -------------
+
+    def grammar(self, conv: Conversation, token_id: Callable[[str], int | None]) -> str | None:
+        """The grammar for ``conv``'s output, or None where the output is free text: a call
+        forced (``required``, a named tool), calls held to their tools' schemas once one starts
+        (``auto``; lazily, from the start marker on), no call at all (``none``), the answer held
+        to ``response_schema``. ``token_id(text)``: the id of a marker that is one token."""
+        tools = conv.tools if conv.tool_choice != "none" else []
+        if conv.tool_choice == "function":
+            tools = [t for t in conv.tools if t.name == conv.forced_tool]
+        answer = None
+        if conv.response_schema is not None:
+            answer = "%json " + json.dumps(_schema_with(conv.response_schema, lenient=not conv.response_strict))
+        if not tools:
+            if conv.tool_choice == "none" and conv.tools:
+                # no call: the text may not hold the call marker (a special token is outside TEXT anyway)
+                body = answer or "TEXT"
+                return _lark(f"start: {body}", self._text_rule(token_id))
+            return _lark(f"start: {answer}", "") if answer else None
+        multiple = self.multiple and conv.parallel_tool_calls and conv.tool_choice != "function"
+        calls, rules = self._calls_rule(tools, multiple, token_id)
+        if conv.tool_choice in ("required", "function"):
+            return _lark("start: calls", rules + f"calls: {calls}\n")
+        # auto: free text (or the schema's answer), or calls once the marker starts them
+        marker = self._marker(token_id)
+        if marker is None:   # a bare-JSON format: no marker to trigger on; the parser still finds calls
+            return _lark(f"start: {answer}", "") if answer else None
+        if answer is not None:
+            return _lark("start: ANSWER | calls", rules + f"calls: {calls}\nANSWER: {answer}\n")
+        # TEXT then calls: the marker (a special token, or lazy text) switches the grammar on
+        return _lark("start: TEXT | TEXT calls TEXT", rules + f"calls: {calls}\n" + self._text_rule(token_id))
+
+    def _marker(self, token_id: Callable[[str], int | None]) -> str | None:
+        if not self.start:
+            return None
+        tid = token_id(self.start)
+        return f"<[{tid}]>" if tid is not None else json.dumps(self.start)
+
+    def _text_rule(self, token_id: Callable[[str], int | None]) -> str:
+        if self.start and token_id(self.start) is None:   # the marker is text: keep it out of TEXT
+            pat = _regex_literal(self.start)
+            return f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{pat}(.|\\n)*/\n"
+        return "TEXT: /(.|\\n)*/\n"
+
+    def _calls_rule(self, tools: Sequence[Tool], multiple: bool,
+                    token_id: Callable[[str], int | None]) -> tuple[str, str]:
+        """(the ``calls`` rule's body, the rules it needs)."""
+        call_schema = self.call_schema(tools)
+        rules = f"call_json: %json {json.dumps(call_schema)}\n"
+        marker = self._marker(token_id)
+        end = token_id(self.end) if self.end else None
+        end_s = f"<[{end}]>" if end is not None else (json.dumps(self.end) if self.end else "")
+        q = lambda s: json.dumps(s) if s else ""   # noqa: E731
+        if self.list_form:
+            item = "call_json"
+            many = f'"[" {item} (", " {item})* "]"' if multiple else f'"[" {item} "]"'
+            return f"{marker or ''} {many}", rules
+        one = f"{marker or ''} {q(self.head)} call_json {q(self.tail)} {end_s}".strip()
+        rules += f"call: {one}\n"
+        return ("call (" + q(self.separator) + " call)*" if multiple else "call"), rules
+
+    def call_schema(self, tools: Sequence[Tool]) -> dict:
+        """The JSON schema of one call object: ``{"name": <a tool>, <args_key>: <its parameters>}``,
+        in that key order (the order the templates render)."""
+        options = []
+        for t in tools:
+            params = t.parameters or {"type": "object"}
+            options.append({"type": "object", "properties": {"name": {"const": t.name}, self.args_key: params},
+                            "required": ["name", self.args_key], "additionalProperties": False})
+        schema: dict = options[0] if len(options) == 1 else {"anyOf": options}
+        lenient = not all(t.strict for t in tools)
+        style = dict(_DUMPS_STYLE) if self.dumps_style else {}
+        return {**schema, "x-guidance": {**style, "lenient": lenient}}
+
+
+def _schema_with(schema: dict, *, lenient: bool) -> dict:
+    guidance = dict(schema.get("x-guidance") or {}) if isinstance(schema.get("x-guidance"), dict) else {}
+    guidance.setdefault("lenient", lenient)
+    for k, v in _DUMPS_STYLE.items():   # JSON as json.dumps writes it: no runs of whitespace between values
+        guidance.setdefault(k, v)
+    return {**schema, "x-guidance": guidance}
+
+
+def _lark(start: str, rules: str) -> str:
+    return "%llguidance {}\n" + start + "\n" + rules
+
+
+def _regex_literal(text: str) -> str:
+    out = []
+    for ch in text:
+        out.append("\\" + ch if ch in r"\.^$|?*+()[]{}/" else ch)
+    return "".join(out)
+
+
+FORMATS = {
+    "hermes": ToolFormat("hermes", start="<tool_call>", end="</tool_call>", args_key="arguments", multiple=True,
+                         separator="\n", head="\n", tail="\n"),
+    "llama3": ToolFormat("llama3", start="", end="", args_key="parameters", multiple=False),
+    "mistral": ToolFormat("mistral", start="[TOOL_CALLS]", end="", args_key="arguments", multiple=True,
+                          list_form=True, dumps_style=False),
+}
+
+
+def detect_format(template: str | None) -> ToolFormat | None:
+    """The tool-call row for a chat template (None: the template renders no tools)."""
+    if not template or "tools" not in template:
+        return None
+    if "<tool_call>" in template:
+        return FORMATS["hermes"]
+    if "[TOOL_CALLS]" in template:
+        return FORMATS["mistral"]
+    if "<|python_tag|>" in template or ("<|start_header_id|>" in template and '"parameters"' in template):
+        return FORMATS["llama3"]
+    return None
