@@ -64,6 +64,9 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     ``request_id``: the id ``cancel`` takes ("" : the backend assigns one and ``submit`` returns
     it). ``prediction_ids``: tokens the client predicts the output to contain; the backend makes
     them a draft source for this request only (within its tenant) and drops them at its end.
+    ``grammar``: constrain the output to an llguidance grammar (what ``llguidance.LLMatcher.
+    grammar_from_json_schema`` / ``grammar_from_lark`` return, or Lark text): every token is the
+    one plain decoding picks among the tokens the grammar allows, with speculation or without.
 
     A backend checks a request once, where it is submitted (``check_request``), and hands the
     checked one on: nothing behind ``submit`` checks it again."""
@@ -80,6 +83,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     tenant: str = "default"
     request_id: str = ""
     prediction_ids: list[int] | None = None
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -347,6 +351,9 @@ def check_request(request: Any, *, vocab_size: int, max_context: int,
     v = check_sampling(max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
                        top_k=request.top_k, seed=request.seed, stop=request.stop, spec=request.spec)
     drafters = request_drafters(request)
+    if request.grammar is not None and (not isinstance(request.grammar, str) or not request.grammar.strip()):
+        raise InvalidRequestError(f"grammar must be a non-empty string (an llguidance grammar), got "
+                                  f"{request.grammar!r:.80}", param="grammar")
     prediction = None
     if request.prediction_ids is not None:
         prediction = check_token_ids(request.prediction_ids, vocab_size=vocab_size, name="prediction_ids",

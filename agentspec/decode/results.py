@@ -32,6 +32,7 @@ class GenerationStats(msgspec.Struct, kw_only=True):
     prefill_seconds: float = 0.0   # time to first token
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0     # time inside the drafter (propose + extend)
+    grammar_seconds: float = 0.0   # a request with a grammar: time in it (compile, masks, draft pruning)
     seconds: float = 0.0
 
     @property

@@ -11,6 +11,8 @@ A step (DESIGN.md section 4), for one request or a batch:
 4. verification: greedy (the target's argmax) or seeded sampling (the target's token at each
    position drawn by Gumbel-max from noise keyed by (seed, position), see ``verify.seeded_target``);
    a draft token is accepted iff it is the target's token, so output never depends on the drafts;
+   a request with a grammar (``constraint.Constraint``) takes each row's target under the mask
+   plain decoding would apply there (the grammar state after the path to that row);
 5. commit: the accepted path stays in the KV cache; counts go to the request's stats.
 
 ``EmbeddedEngine`` (one request at a time), ``BatchEngine`` (continuous batching) and the
@@ -42,6 +44,7 @@ from .verify import greedy_verify, seeded_target
 if TYPE_CHECKING:   # the embedded engine's model runs the step's forwards; the step does not import it
     from ..backends.embedded.model import KVCache
     from ..backends.protocol import GenerationRequest
+    from .constraint import Constraint
 
 # canonical prefix-cache chunks per prefill forward where prefill rows are split-invariant (8:
 # 2048 rows, a 1.5k-token prompt in one forward; ~5% faster prefill than 4 on the AMX path: fewer
@@ -93,6 +96,7 @@ class SeqState:
     key_len: int = 0                     # deterministic mode: fixed key length
     hidden_layers: tuple[int, ...] = ()  # target layers the drafter wants (HiddenStateDrafter)
     started: bool = False                # the drafter has started this request (stop it at the end)
+    constraint: Constraint | None = None  # the request's grammar, in the state after its committed tokens
 
     @property
     def remaining(self) -> int:
@@ -115,12 +119,16 @@ class Decoder:
     # ---- a request's life ---------------------------------------------------------------------
 
     def sequence(self, request: GenerationRequest, *, drafter: Drafter | None, off_reason: str | None = None,
-                 note: str = "") -> SeqState:
+                 note: str = "", constraint: Constraint | None = None) -> SeqState:
         """A request's state, from the request its backend checked (``check_request``): nothing is
         checked again here. ``drafter``: what it drafts with (None: nothing); ``off_reason``: turn
         speculation off for this reason (a caller's policy); ``note``: appended to the reason it
-        is on."""
+        is on; ``constraint``: the request's grammar compiled (``EmbeddedEngine.constraint_for``)
+        where the caller compiled it already, else it is compiled here (InvalidRequestError,
+        param "grammar", for a grammar llguidance refuses)."""
         e = self.engine
+        if constraint is None and request.grammar is not None:
+            constraint = e.constraint_for(request.grammar)
         spec, greedy = request.spec, request.greedy
         on, reason = spec_decision(spec, greedy)
         if on and off_reason:
@@ -140,7 +148,7 @@ class Decoder:
         return SeqState(ids=ids, max_tokens=request.max_tokens, greedy=greedy, temperature=request.temperature,
                         top_p=request.top_p, top_k=request.top_k, seed=key or 0, stops=list(request.stop),
                         spec_on=on, policy=policy, drafter=drafter if on else None, tenant=request.tenant,
-                        width=width, hidden_layers=layers,
+                        width=width, hidden_layers=layers, constraint=constraint,
                         stats=GenerationStats(prompt_tokens=len(ids), spec_enabled=on, spec_reason=reason,
                                               seed=key))
 
@@ -199,6 +207,8 @@ class Decoder:
             store = self.engine.prefix_cache_dtype
             pc.insert(seq.tenant, ids, len(ids) // C, lambda j: _chunk(seq.cache, j * C, (j + 1) * C, store))
         first = self._target(seq, logits[0], len(ids))
+        if seq.constraint is not None:
+            seq.constraint.consume([first])
         seq.stats.prefill_seconds = time.perf_counter() - seq.t_start
         return [first]
 
@@ -221,6 +231,8 @@ class Decoder:
             if len(out) >= seq.max_tokens:
                 seq.finish, done = "length", True
                 break
+        if not done and seq.constraint is not None and seq.constraint.stopped:
+            seq.finish, done = "stop", True   # the grammar is complete: only EOS may follow
         seq.new = added
         return added, done
 
@@ -248,9 +260,12 @@ class Decoder:
                 d.validate(b)
                 drafts[i] = d
         share = (time.perf_counter() - td) / max(sum(len(v) for v in groups.values()), 1)
-        for s, d in zip(seqs, drafts):
+        for i, (s, d) in enumerate(zip(seqs, drafts)):
             if s.spec_on:
                 s.stats.draft_seconds += share
+            if s.constraint is not None and d.token_ids:
+                # the grammar-legal part only: an illegal token never equals a masked target
+                drafts[i] = s.constraint.legal(d)
         return [s.policy.shape(d, trust=s.tracker.trust, cost_cut=cost_cut) for s, d in zip(seqs, drafts)]
 
     def release(self, seq: SeqState) -> None:
@@ -265,6 +280,8 @@ class Decoder:
         """The Generation of a finished request: totals in its stats, text cut at a stop string."""
         stats = seq.stats
         stats.completion_tokens = len(seq.out)
+        if seq.constraint is not None:
+            stats.grammar_seconds = seq.constraint.seconds
         stats.seconds = time.perf_counter() - seq.t_start
         stats.decode_seconds = stats.seconds - stats.prefill_seconds
         if stats.steps:
@@ -343,6 +360,8 @@ class Decoder:
             start = s.cache.length
             if id(s) in verified:
                 path, bonus = verified[id(s)]
+            elif s.constraint is not None:
+                path, bonus = self._verify_constrained(s, tokens, parents, depths, lg, start)
             elif not s.greedy:
                 targets = _LazyTargets(lambda i, lg=lg, s=s, start=start, depths=depths:
                                        self._target(s, lg[i], start + depths[i] + 1))
@@ -374,12 +393,45 @@ class Decoder:
         seq.drafter.observe_hidden(seq.req_id, tokens, {k: hidden[k % n] if rows is None else hidden[k % n][rows]
                                                         for k in seq.hidden_layers})
 
-    def _target(self, seq: SeqState, logits: torch.Tensor, position: int) -> int:
-        """The target's token at ``position`` from the logits of the row before it."""
+    def _target(self, seq: SeqState, logits: torch.Tensor, position: int, top: int | None = None) -> int:
+        """The target's token at ``position`` from the logits of the row before it (``top``: their
+        argmax where the caller has it). With a grammar, among the tokens it allows in its current
+        state: greedy, the row's argmax when the grammar allows it (then it is the masked argmax
+        too: masking only removes tokens, and the first index of the maximum stays the first),
+        else the argmax of the masked logits; sampled, the seeded draw from the masked logits
+        (the mask first, then temperature, top-k, top-p, as vLLM applies its bitmask)."""
+        c = seq.constraint
+        if c is not None and c.stopped:
+            return c.end_token   # the grammar is complete: EOS alone is legal (the output ends here)
         if seq.greedy:
-            return int(logits.argmax())
+            t = int(logits.argmax()) if top is None else top
+            if c is None or c.allows(t):
+                return t
+            return c.masked_argmax(logits)
+        if c is not None:
+            logits = c.masked(logits)
         return seeded_target(logits, seed=seq.seed, position=position, temperature=seq.temperature,
                              top_p=seq.top_p, top_k=seq.top_k)
+
+    def _verify_constrained(self, seq: SeqState, tokens: list[int], parents: list[int], depths: list[int],
+                            lg: torch.Tensor, start: int) -> tuple[list[int], int]:
+        """The walk over a draft tree for a request with a grammar (greedy or sampled; ``lg``:
+        [T, vocab] its rows' logits). ``greedy_verify`` asks for the target of node i only after
+        i matched its parent's target, in path order: the matcher consumes node i's token then,
+        so each target is taken in the grammar state after root..i, as plain decoding takes it
+        there. The bonus token is consumed too: the matcher ends the step after every committed
+        token."""
+        c = seq.constraint
+        top = argmax_rows(lg).tolist() if seq.greedy else None   # [T]: the rows' unmasked argmaxes
+
+        def target(i: int) -> int:
+            if i:
+                c.consume([tokens[i]])   # the walk accepted node i
+            return self._target(seq, lg[i], start + depths[i] + 1, None if top is None else top[i])
+
+        path, bonus = greedy_verify(tokens, parents, _LazyTargets(target))
+        c.consume([bonus])
+        return path, bonus
 
     @staticmethod
     def _count(seq: SeqState, draft: Draft, depths: list[int], path: list[int]) -> None:
@@ -418,7 +470,8 @@ class Decoder:
         """Greedy requests verified at once with ``agentspec.kernels`` (Triton on CUDA, the torch
         reference elsewhere): one device-to-host copy per step. Sampled requests walk their
         accepted path row by row (``seeded_target`` per row on the path)."""
-        group = [(s, sg, lay) for s, sg, lay in zip(seqs, segs, layout) if s.greedy]
+        # (a request with a grammar walks its tree with masked targets: ``_verify_constrained``)
+        group = [(s, sg, lay) for s, sg, lay in zip(seqs, segs, layout) if s.greedy and s.constraint is None]
         if not group:
             return {}
         dev = logits.device

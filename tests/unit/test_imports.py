@@ -147,3 +147,19 @@ def test_no_package_level_import_cycle():
 
     cycles = sorted({tuple(sorted((a, b))) for a, outs in graph.items() for b in outs if reaches(b, a)})
     assert not cycles, f"subpackages that import each other: {cycles}"
+
+
+def test_llguidance_loads_only_with_a_grammar():
+    """The engine, the decode step and the request checks import no llguidance: only compiling a
+    request's grammar (``EmbeddedEngine.constraint_for``) loads it."""
+    r = _run("""
+        import json, sys
+        import agentspec
+        import agentspec.backends.embedded.engine, agentspec.backends.embedded.backend
+        import agentspec.decode.step, agentspec.decode.constraint
+        from agentspec.backends.protocol import GenerationRequest, check_request
+        check_request(GenerationRequest(prompt_ids=[1], max_tokens=1, grammar='start: "a"'), vocab_size=10,
+                      max_context=10)
+        print(json.dumps({"mods": sorted(sys.modules)}))
+    """)
+    assert "llguidance" not in r["mods"]

@@ -143,8 +143,10 @@ class EmbeddedBackend:
     def submit(self, request: GenerationRequest, *, on_tokens: OnTokens, on_done: OnDone,
                should_stop: Callable[[], bool] | None = None) -> str:
         """Queue ``request``; its id. Raises InvalidRequestError / ContextLengthError (bad input,
-        ``param`` naming it) or QueueFullError (``max_queue`` requests already wait)."""
+        ``param`` naming it: a grammar llguidance refuses is compiled here, before it is queued,
+        and named "grammar") or QueueFullError (``max_queue`` requests already wait)."""
         request = check_request(request, vocab_size=self.vocab_size, max_context=self.max_context)
+        constraint = None if request.grammar is None else self.engine.constraint_for(request.grammar)
         # the request's own spec.drafters, when set, over its route's list; a request that does
         # not speculate builds nothing (its route's draft head is not loaded for it)
         drafter = self.drafter_for(request.drafters or DEFAULT_DRAFTERS) if request.spec is not None else None
@@ -177,7 +179,7 @@ class EmbeddedBackend:
             self._active[rid] = cancelled
             try:
                 self._batch.submit_request(request, drafter=drafter, on_tokens=on_tokens, on_done=done,
-                                           should_stop=stop)
+                                           should_stop=stop, constraint=constraint)
             except BaseException:
                 self._release(rid, doc)
                 raise

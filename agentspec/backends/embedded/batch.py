@@ -247,28 +247,32 @@ class BatchEngine:
                drafter: Drafter | None = None, tenant: str = "default",
                on_tokens: Callable[[list[int]], None] = lambda t: None,
                on_done: Callable[[Any, Any], None] = lambda g, e: None,
-               should_stop: Callable[[], bool] | None = None) -> None:
+               should_stop: Callable[[], bool] | None = None, grammar: str | None = None) -> None:
         """Queue a request given as the engine's API takes one (``prompt``: text, messages or
-        token ids), checked now (``check_request``: bad input raises here). ``on_tokens(new)``
+        token ids), checked now (``check_request``: bad input raises here; ``grammar``, an
+        llguidance grammar the output follows, is compiled here too). ``on_tokens(new)``
         is called from the scheduler thread after each step that committed tokens;
         ``on_done(generation, error)`` once at the end. The drafter: ``drafter`` when given,
         else what ``spec.drafters`` names (built once per list by the engine,
         ``EmbeddedEngine.drafter_for``), else the engine's own."""
         e = self.engine
         request = e.check(e.encode(prompt), max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                          seed=seed, stop=stop, spec=spec, tenant=tenant)
+                          seed=seed, stop=stop, spec=spec, tenant=tenant, grammar=grammar)
         self.submit_request(request, drafter=e.request_drafter(drafter, spec), on_tokens=on_tokens,
                             on_done=on_done, should_stop=should_stop)
 
     def submit_request(self, request: GenerationRequest, *, drafter: Drafter | None,
                        on_tokens: Callable[[list[int]], None] = lambda t: None,
                        on_done: Callable[[Any, Any], None] = lambda g, e: None,
-                       should_stop: Callable[[], bool] | None = None) -> None:
+                       should_stop: Callable[[], bool] | None = None, constraint: Any = None) -> None:
         """Queue a request its backend checked (``check_request``), drafting with ``drafter``
-        (None: nothing). Nothing is checked again here."""
+        (None: nothing). Nothing is checked again here. ``constraint``: the request's grammar as
+        the caller compiled it (``EmbeddedEngine.constraint_for``); None with a grammar compiles
+        it now (InvalidRequestError, param "grammar", raised here)."""
         e = self.engine
         off = "batch budget policy 'off'" if self.budget_policy == "off" else getattr(e, "spec_off_reason", None)
-        seq = self.decoder.sequence(request, drafter=drafter, off_reason=off, note=f", batched ({self.budget_policy})")
+        seq = self.decoder.sequence(request, drafter=drafter, off_reason=off, note=f", batched ({self.budget_policy})",
+                                    constraint=constraint)
         req = _Request(seq=seq, on_tokens=on_tokens, on_done=on_done, should_stop=should_stop)
         with self._cv:
             if self._closed:

@@ -46,6 +46,7 @@ class GenerateOptions(TypedDict, total=False):
     drafter: Drafter | None         # default: what spec.drafters names, else the engine's drafter
     tenant: str                     # whose history and workspace drafts come from
     should_stop: Callable[[], bool] | None
+    grammar: str | None             # an llguidance grammar the output must follow (``GenerationRequest.grammar``)
 
 
 class EmbeddedEngine:
@@ -203,6 +204,7 @@ class EmbeddedEngine:
         # (SpecConfig.drafters, id(index)) -> built once (the index lives as long as its drafter)
         self._named_drafters: dict[tuple[tuple[str, ...], int], Drafter] = {}
         self._named_lock = threading.Lock()
+        self._constraints: Any = None   # the grammar compiler (``constraint_for``), built on the first grammar
         # the step-cost profile (step_profile): its row cost now, the rest of its grid in the
         # batch scheduler's idle time
         self.step_profile = StepProfile(self, base=1 if self.model.row_invariant(self.new_cache(256)) else 2)
@@ -373,6 +375,26 @@ class EmbeddedEngine:
         return self.tokenizer.decode(ids)
 
     # ------------------------------------------------------------------------------------------
+    # grammars
+
+    @property
+    def constraints(self) -> Any:
+        """The grammar compiler for this model (``agentspec.decode.constraint.ConstraintFactory``:
+        the llguidance tokenizer, built once on the first grammar, over the logits' width)."""
+        if self._constraints is None:
+            from ...decode.constraint import ConstraintFactory
+
+            with self._named_lock:
+                if self._constraints is None:
+                    self._constraints = ConstraintFactory(self.tokenizer, vocab=self.vocab_size)
+        return self._constraints
+
+    def constraint_for(self, grammar: str) -> Any:
+        """A new ``Constraint`` (one request's grammar state) for ``grammar``; a grammar llguidance
+        refuses raises InvalidRequestError (param "grammar") with its reason."""
+        return self.constraints.compile(grammar)
+
+    # ------------------------------------------------------------------------------------------
     # generation
 
     def generate(self, prompt: str | Sequence[int] | Sequence[dict], *, max_tokens: int = 256,
@@ -409,16 +431,21 @@ class EmbeddedEngine:
         drafter: Drafter | None = None,
         tenant: str = "default",
         should_stop: Callable[[], bool] | None = None,
+        grammar: str | None = None,
     ) -> Iterator[list[int]]:
         """Yield the newly committed token ids after every step; return the ``Generation``.
 
-        Validation happens here, before the first ``next()``: bad input raises at once.
-        ``should_stop`` is called before every step; when it returns True the generation ends
-        with finish_reason "cancelled" (a server uses it for disconnects and timeouts).
+        Validation happens here, before the first ``next()``: bad input raises at once (a
+        grammar is compiled here too). ``should_stop`` is called before every step; when it
+        returns True the generation ends with finish_reason "cancelled" (a server uses it for
+        disconnects and timeouts). ``grammar``: an llguidance grammar the output follows
+        (``GenerationRequest.grammar``).
         """
         request = self.check(self.encode(prompt), max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                             top_k=top_k, seed=seed, stop=stop, spec=spec, tenant=tenant)
-        return self._run(request, drafter=self.request_drafter(drafter, spec), should_stop=should_stop)
+                             top_k=top_k, seed=seed, stop=stop, spec=spec, tenant=tenant, grammar=grammar)
+        constraint = None if request.grammar is None else self.constraint_for(request.grammar)
+        return self._run(request, drafter=self.request_drafter(drafter, spec), should_stop=should_stop,
+                         constraint=constraint)
 
     # ------------------------------------------------------------------------------------------
     # drafters named by a request
@@ -460,21 +487,22 @@ class EmbeddedEngine:
         return d
 
     def check(self, ids: Sequence[int], *, max_tokens: Any, temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0,
-              seed: Any = None, stop: Any = None, spec: Any = DEFAULT_SPEC, tenant: str = "default") -> GenerationRequest:
+              seed: Any = None, stop: Any = None, spec: Any = DEFAULT_SPEC, tenant: str = "default",
+              grammar: Any = None) -> GenerationRequest:
         """The engine API's arguments as a checked ``GenerationRequest`` (``check_request``, the
         one check every backend runs: InvalidRequestError / ContextLengthError naming the bad
         value)."""
         try:
             request = GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                         top_k=top_k, seed=seed, stop=[stop] if isinstance(stop, str) else stop or [],
-                                        spec=spec, tenant=tenant)
+                                        spec=spec, tenant=tenant, grammar=grammar)
         except TypeError as e:   # a value msgspec.Struct cannot take (not type-checked at construction)
             raise InvalidRequestError(str(e), param="request") from None
         return check_request(request, vocab_size=self.vocab_size, max_context=self.max_context)
 
     def _run(self, request: GenerationRequest, *, drafter: Drafter | None,
-             should_stop: Callable[[], bool] | None = None) -> Iterator[list[int]]:
-        seq = self.decoder.sequence(request, drafter=drafter, off_reason=self.spec_off_reason)
+             should_stop: Callable[[], bool] | None = None, constraint: Any = None) -> Iterator[list[int]]:
+        seq = self.decoder.sequence(request, drafter=drafter, off_reason=self.spec_off_reason, constraint=constraint)
         with self._lock:
             need = self.decoder.cache_need(seq)
             seq.cache = self._ensure_cache(need)
