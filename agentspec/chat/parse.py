@@ -171,8 +171,12 @@ class OutputParser:
             body = self._call_text + self._buf
             if self.fmt is not None and self.fmt.end and body.rstrip().endswith(self.fmt.end):
                 body = body.rstrip()[:-len(self.fmt.end)]
+            many = self._parse_loose(body) if self._open is None and self.fmt.list_form else None
             parsed = self._parse_call_body(body)
-            if parsed is not None and (self._open is None or parsed[0] == self._open.name):
+            if many:
+                for name, args in many:
+                    self._emit_whole(out, name, args)
+            elif parsed is not None and (self._open is None or parsed[0] == self._open.name):
                 self._complete(out, *parsed)
             else:
                 self.incomplete = True
