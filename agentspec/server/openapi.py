@@ -19,7 +19,9 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..api.anthropic import MessagesRequest, _CountRequest
 from ..api.protocol import ApplyRequest, ChatCompletionRequest, CompletionRequest, SessionCreateRequest
+from ..api.responses import ResponsesRequest
 
 __all__ = ["build_openapi", "openapi_bytes", "openapi_endpoint"]
 
@@ -47,15 +49,27 @@ class Usage(msgspec.Struct):
     total_tokens: int
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
     index: int
     message: ChatMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(msgspec.Struct):
@@ -99,6 +113,47 @@ class ApplyResponse(msgspec.Struct):
     spec: dict[str, Any]
 
 
+class AnthropicErrorDetail(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicError(msgspec.Struct):
+    """Anthropic's error envelope: every 4xx/5xx of ``/v1/messages``."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class AnthropicMessage(msgspec.Struct):
+    """Non-streamed ``/v1/messages``: ``text`` and ``tool_use`` content blocks."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: dict[str, int]
+
+
+class TokenCount(msgspec.Struct):
+    input_tokens: int
+
+
+class ResponseObject(msgspec.Struct):
+    """Non-streamed ``/v1/responses``: ``message`` and ``function_call`` output items."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "failed"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+
+
 class Model(msgspec.Struct):
     id: str
     object: Literal["model"]
@@ -126,8 +181,10 @@ class Health(msgspec.Struct):
     uptime_s: float
 
 
-_REQUESTS = (ChatCompletionRequest, CompletionRequest, ApplyRequest, SessionCreateRequest)
-_RESPONSES = (ErrorResponse, ChatCompletion, Completion, ApplyResponse, ModelList, Model, Session, Health)
+_REQUESTS = (ChatCompletionRequest, CompletionRequest, ApplyRequest, SessionCreateRequest, MessagesRequest,
+             ResponsesRequest, _CountRequest)
+_RESPONSES = (ErrorResponse, ChatCompletion, Completion, ApplyResponse, ModelList, Model, Session, Health,
+              AnthropicError, AnthropicMessage, TokenCount, ResponseObject)
 
 
 # ---- the document ----------------------------------------------------------------------------------
@@ -159,11 +216,17 @@ _ERRORS = {
 }
 
 
-def _errors(*codes: str) -> dict:
-    return {c: {"description": _ERRORS[c], "content": _json("ErrorResponse")} for c in codes}
+def _errors(*codes: str, envelope: str = "ErrorResponse") -> dict:
+    return {c: {"description": _ERRORS[c], "content": _json(envelope)} for c in codes}
 
 
-def _generation(summary: str, description: str, request: str, ok: str, op_id: str) -> dict:
+_NAMED_SSE = {"text/event-stream": {"schema": {
+    "type": "string",
+    "description": "Server-sent events as `event: <type>` and `data: <JSON>` lines (no `[DONE]`)."}}}
+
+
+def _generation(summary: str, description: str, request: str, ok: str, op_id: str, *,
+                envelope: str = "ErrorResponse", sse: dict = _SSE) -> dict:
     return {"post": {
         "operationId": op_id,
         "summary": summary,
@@ -171,8 +234,8 @@ def _generation(summary: str, description: str, request: str, ok: str, op_id: st
         "requestBody": {"required": True, "content": _json(request)},
         "responses": {
             "200": {"description": f"{ok} (`stream: true`: server-sent events)",
-                    "content": {**_json(ok), **_SSE}},
-            **_errors("400", "401", "403", "404", "413", "415", "429", "5XX"),
+                    "content": {**_json(ok), **sse}},
+            **_errors("400", "401", "403", "404", "413", "415", "429", "5XX", envelope=envelope),
         },
     }}
 
@@ -207,6 +270,19 @@ def build_openapi() -> dict:
                 "`route` (a configured route by name), `top_k`; `prediction` (Predicted Outputs) is the draft "
                 "source.",
                 "ChatCompletionRequest", "ChatCompletion", "createChatCompletion"),
+            "/v1/messages": _generation(
+                "Anthropic Messages", "Anthropic's Messages API: text, tool_use and tool_result blocks, tools, "
+                "tool_choice; keys as `x-api-key` or bearer.", "MessagesRequest", "AnthropicMessage",
+                "createMessage", envelope="AnthropicError", sse=_NAMED_SSE),
+            "/v1/messages/count_tokens": {"post": {
+                "operationId": "countMessageTokens", "summary": "Tokens of a Messages request as the model sees them",
+                "requestBody": {"required": True, "content": _json("_CountRequest")},
+                "responses": {"200": {"description": "The count", "content": _json("TokenCount")},
+                              **_errors("400", "401", "413", "415", envelope="AnthropicError")}}},
+            "/v1/responses": _generation(
+                "Responses", "OpenAI's Responses API, stateless: input items, function tools, text.format; the "
+                "stream's events carry sequence numbers and end with response.completed or response.failed.",
+                "ResponsesRequest", "ResponseObject", "createResponse", sse=_NAMED_SSE),
             "/v1/completions": _generation(
                 "Completion", "A raw prompt (no chat template) or token ids.",
                 "CompletionRequest", "Completion", "createCompletion"),

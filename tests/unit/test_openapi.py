@@ -21,8 +21,9 @@ from agentspec.api.protocol import (
 PATHS = {
     "/v1/chat/completions": "post", "/v1/completions": "post", "/v1/apply": "post", "/v1/models": "get",
     "/v1/models/{model}": "get", "/v1/sessions": "post", "/v1/sessions/{id}": "get", "/health": "get",
-    "/metrics": "get",
+    "/metrics": "get", "/v1/messages": "post", "/v1/messages/count_tokens": "post", "/v1/responses": "post",
 }
+ANTHROPIC = {"/v1/messages", "/v1/messages/count_tokens"}
 
 
 def test_valid_openapi_31():
@@ -43,9 +44,10 @@ def test_paths_security_and_errors():
     for path, method in PATHS.items():
         op = doc["paths"][path][method]
         for status, resp in op["responses"].items():
-            if status[0] in "45":   # every 4xx/5xx is the OpenAI error envelope
+            if status[0] in "45":   # every 4xx/5xx is the OpenAI error envelope (Anthropic's on its paths)
+                envelope = "AnthropicError" if path in ANTHROPIC else "ErrorResponse"
                 assert resp["content"]["application/json"]["schema"] == {
-                    "$ref": "#/components/schemas/ErrorResponse"}, (path, status)
+                    "$ref": f"#/components/schemas/{envelope}"}, (path, status)
     assert doc["components"]["securitySchemes"]["bearerAuth"] == {
         "type": "http", "scheme": "bearer", "description": "A tenant's API key from the server's config"}
     assert doc["security"] == [{"bearerAuth": []}]
@@ -75,7 +77,10 @@ BODIES = [
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, True),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "max_token": 4}, False),
     (ChatCompletionRequest, {"messages": []}, False),
-    (ChatCompletionRequest, {"messages": [{"role": "tool", "content": "x"}]}, False),
+    (ChatCompletionRequest, {"messages": [{"role": "critic", "content": "x"}]}, False),
+    (ChatCompletionRequest, {"messages": [{"role": "tool", "content": "x", "tool_call_id": "call_1"}],
+                             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                             "tool_choice": {"type": "function", "function": {"name": "f"}}}, True),
     (ChatCompletionRequest, {"messages": [{"role": "user"}], "temperature": 2.5}, False),
     (CompletionRequest, {"prompt": [1, 2, 3], "stream": True, "stream_options": {"include_usage": True}}, True),
     (CompletionRequest, {"prompt": "x", "max_tokens": 0}, False),

@@ -112,9 +112,15 @@ class EmbeddedBackend:
         """The ``BatchEngine`` (for tests and benchmarks; the server does not use it)."""
         return self._batch
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    supports_grammar = True   # GenerationRequest.grammar: constrained decoding, exact with speculation
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None
+                    ) -> list[int]:
         items = check_messages(messages)
         try:
+            if tools:
+                tok = self.engine.tokenizer
+                return tok.encode(tok.apply_chat_template(items, tools=list(tools)))
             return self.engine.encode(items)
         except ValueError as e:  # InvalidRequestError, or the chat template's raise_exception
             raise InvalidRequestError(str(e), param="messages") from None
