@@ -118,25 +118,32 @@ class Constraint:
         """``logits`` as float32 with every token the grammar refuses at -inf (a new tensor): what
         a sampled row draws from (``verify.seeded_target``)."""
         t0 = time.perf_counter()
-        x = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
-        refused = torch.from_numpy(np.flatnonzero(~self._mask_bits())).to(x.device)
-        x[refused] = float("-inf")
+        if logits.device.type == "cpu":
+            x = _float_row(logits)
+            x[~self._mask_bits()] = -np.inf
+            out = torch.from_numpy(x)
+        else:
+            out = logits.float().masked_fill(~self.mask().to(logits.device), float("-inf"))
         self.seconds += time.perf_counter() - t0
-        return x
+        return out
 
     def masked_argmax(self, logits: torch.Tensor) -> int:   # logits: [V]
         """``logits.masked_fill(~mask, -inf).argmax()``: the first index of the maximum among the
-        allowed tokens, read from the allowed ones alone when they are few."""
+        allowed tokens. On CPU in numpy (one thread: a row is too small for torch's parallel
+        kernels, which cost 0.2 ms and far more on a busy machine), reading only the allowed
+        tokens when they are at most half of them."""
         t0 = time.perf_counter()
         ids = self._allowed_ids()
         if ids.size == 0:   # (nothing allowed: llguidance stops the matcher; the output ends)
             best = self.end_token
+        elif logits.device.type != "cpu":
+            best = int(logits.masked_fill(~self.mask().to(logits.device), float("-inf")).argmax())
         elif ids.size <= self.vocab // 2:
-            best = int(ids[int(logits[torch.from_numpy(ids).to(logits.device)].argmax())])
+            best = int(ids[int(np.argmax(_float_row(logits, ids)))])
         else:
-            x = logits.clone()
-            x[torch.from_numpy(np.flatnonzero(~self._bits)).to(x.device)] = float("-inf")
-            best = int(x.argmax())
+            x = _float_row(logits)
+            x[~self._bits] = -np.inf
+            best = int(np.argmax(x))
         self.seconds += time.perf_counter() - t0
         return best
 
@@ -252,6 +259,18 @@ class ConstraintFactory:
         c = Constraint(matcher, vocab=self.vocab, eos=self.tokenizer.eos_token_ids)
         c.seconds = time.perf_counter() - t0
         return c
+
+
+def _float_row(logits: torch.Tensor, ids: np.ndarray | None = None) -> np.ndarray:
+    """A CPU row of logits ``[V]`` (or its entries ``ids``) as a new float32 numpy array, the
+    same values ``logits.float()`` gives (bfloat16 widened bit for bit)."""
+    row = logits.detach()
+    if row.dtype == torch.bfloat16:
+        a = row.contiguous().view(torch.int16).numpy().view(np.uint16)
+        a = a if ids is None else a[ids]
+        return (a.astype(np.uint32) << 16).view(np.float32)   # a bfloat16 is a float32's upper half
+    a = row.numpy()
+    return (a if ids is None else a[ids]).astype(np.float32)   # (a copy either way)
 
 
 def _llguidance():

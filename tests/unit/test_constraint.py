@@ -266,3 +266,26 @@ def test_one_llguidance_tokenizer_per_factory(tok):
     mask = c.mask()
     assert mask.shape == (VOCAB + 64,) and not mask[VOCAB:].any()
     assert c.seconds >= 0 and c.matcher is not None
+
+
+def test_masked_rows_keep_the_allowed_logits_bit_for_bit(factory, tok):
+    """``masked`` and ``masked_argmax`` read the logits in numpy: the allowed entries are the
+    very float32 values ``logits.float()`` gives, for each dtype a model's head returns
+    (infinities, NaN and -0.0 included), and the argmax is torch's masked one."""
+    c = factory.compile(json_grammar())
+    c.consume(_ids(tok, '{"name": "Al'))   # inside a string: nearly every token allowed
+    mask = c.mask()
+    assert mask.sum() > VOCAB // 2
+    x = torch.randn(VOCAB, generator=torch.Generator().manual_seed(1)) * 50
+    allowed = mask.nonzero().flatten()
+    x[allowed[:4]] = torch.tensor([float("inf"), float("-inf"), -0.0, 3e38])
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        logits = x.to(dtype)
+        m = c.masked(logits)
+        assert torch.equal(m[mask].view(torch.int32), logits.float()[mask].view(torch.int32)), dtype
+        assert c.masked_argmax(logits) == int(logits.masked_fill(~mask, float("-inf")).argmax()), dtype
+        if dtype != torch.float32:
+            assert logits.dtype == dtype   # the caller's row is left as it was
+    nan = x.clone()
+    nan[allowed[10]] = float("nan")
+    assert c.masked_argmax(nan) == int(nan.masked_fill(~mask, float("-inf")).argmax())
