@@ -303,8 +303,25 @@ def test_fused_attention_matches_float_attention_and_keeps_packed_copies(monkeyp
     assert torch.equal(caches[True].k[0, :, :310], caches[False].k[0, :, :310])
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+# torch's own bfloat16 GEMM (oneDNN) is row-invariant only where the CPU multiplies bfloat16 natively
+# (AVX512-BF16, AMX); on an AVX-512 CPU without it a row's bits depend on the other rows of the GEMM.
+# The engine's native linears (every GGUF file, ``packed_linears``) do not have this limit.
+_TORCH_BF16_NOT_ROW_INVARIANT = sys.platform.startswith("linux") and bool(_cpu_flags()) and not (
+    {"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
 # the packed linears' decode kernels: "vector" everywhere, "amx" where the tiles run (else it is "vector" again)
-LINEAR_CASES = [(False, "vector"), (True, "vector"), (True, "amx")]
+LINEAR_CASES = [pytest.param(False, "vector", marks=pytest.mark.xfail(
+                    _TORCH_BF16_NOT_ROW_INVARIANT, reason="torch's bfloat16 GEMM is not row-invariant on a CPU "
+                    "without AVX512-BF16 / AMX (the native packed linears are)", strict=False)),
+                (True, "vector"), (True, "amx")]
 
 
 @pytest.mark.parametrize("packed_linears,decode_linears", LINEAR_CASES)
