@@ -109,15 +109,29 @@ def _adjust(case, path: str, reach_engine: bool) -> None:
     body = case.body
     if not isinstance(body, dict):
         return
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         v = body.get(name)
         if isinstance(v, int) and not isinstance(v, bool) and v > MAX_TOKENS:
             body[name] = MAX_TOKENS
     if path in ("/v1/completions", "/v1/apply") and "max_tokens" not in body:
         body["max_tokens"] = MAX_TOKENS   # their defaults (16; the whole file) ignore default_max_tokens
+    if path in ("/v1/messages", "/v1/responses") and not isinstance(body.get("max_output_tokens" if path ==
+                                                                          "/v1/responses" else "max_tokens"), int):
+        body["max_output_tokens" if path == "/v1/responses" else "max_tokens"] = MAX_TOKENS
     if not reach_engine:
         return
     body.pop("model", None)
+    # the bundled model's chat template renders no tools; grammars and tool choices need them
+    for name in ("tools", "tool_choice", "response_format", "text", "output_config", "previous_response_id",
+                 "conversation", "prompt", "background", "max_tool_calls", "top_logprobs", "container",
+                 "mcp_servers", "context_management"):
+        body.pop(name, None)
+    if path == "/v1/responses":
+        body["input"] = "def add(a, b):"
+    if path == "/v1/chat/completions":   # (random roles, tool calls and parts are mostly refused)
+        body["messages"] = [{"role": "user", "content": "def add(a, b):"}]
+    if path in ("/v1/messages", "/v1/messages/count_tokens"):
+        body["messages"] = [{"role": "user", "content": "def add(a, b):"}]
     if path == "/v1/completions" and not (isinstance(body.get("prompt"), str) and body["prompt"]):
         body["prompt"] = "def add(a, b):"
     if path == "/v1/apply":
