@@ -119,6 +119,9 @@ def _engine_args(p: argparse.ArgumentParser, *, deterministic: bool = True) -> N
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16"],
                    help="KV cache dtype (default float32; bfloat16 halves the cache's memory and the bytes a "
                         "long-context step reads, exact with the native CPU attention)")
+    p.add_argument("--max-context", type=_positive_int("--max-context"), metavar="TOKENS",
+                   help="context window in tokens, up to the model's own (default: the model's, capped at 8192; "
+                        "agent CLIs' prompts run 8k-20k tokens: Qwen2.5-Coder takes 32768)")
     if deterministic:
         p.add_argument("--deterministic", action="store_true",
                        help="fixed-shape decode steps: greedy identity with plain decoding by construction")
@@ -338,7 +341,8 @@ def _serve_backend_options(args) -> dict | None:
                               "and drafts with the routes' drafters)")
         return None
     given = [flag for flag, value in (("--threads", args.threads), ("--cpu-isa", args.cpu_isa),
-                                      ("--kv-dtype", args.kv_dtype), ("--no-eagle3-gate", args.no_eagle3_gate)) if value]
+                                      ("--kv-dtype", args.kv_dtype), ("--no-eagle3-gate", args.no_eagle3_gate),
+                                      ("--max-context", args.max_context)) if value]
     if given:
         raise ConfigError(f"{', '.join(given)} {'are options' if len(given) > 1 else 'is an option'} of the embedded "
                           "engine, not of --backend sglang "
@@ -390,6 +394,7 @@ def cmd_serve(args) -> int:
             state = build_state(config, repo=args.repo, config_path=args.config,
                                 engine_options={"model": args.model or config.server.model, "device": args.device or "cpu",
                                                 "dtype": args.dtype, "kv_dtype": args.kv_dtype, "threads": args.threads,
+                                                "max_context": args.max_context,
                                                 "cpu_isa": args.cpu_isa, "eagle3": args.eagle3,
                                                 "eagle3_gate": False if args.no_eagle3_gate else None})
         serve(state, host=args.host, port=args.port, log_level=args.log_level, sock=sock, started=started)
@@ -557,7 +562,7 @@ def _make_engine(args):
     from . import Engine
 
     return Engine.embedded(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                           deterministic=args.deterministic,
+                           deterministic=args.deterministic, max_context=args.max_context,
                            threads=args.threads, cpu_isa=args.cpu_isa, eagle3=args.eagle3,
                            eagle3_gate=False if args.no_eagle3_gate else None)
 

@@ -4,10 +4,13 @@ In: a Messages body becomes the conversation inside (``agentspec.chat.Conversati
 (text or text blocks), content blocks (``text``; ``tool_use`` with its ``toolu_`` id as an
 assistant turn's call; ``tool_result`` as text or text blocks, ``is_error`` said in the text, as a
 tool message; thinking blocks of earlier turns dropped: the models served have no separate
-reasoning channel), ``tools`` with ``input_schema``, ``tool_choice``, ``stop_sequences``.
+reasoning channel), system turns among the messages (rendered where they stand), ``tools`` with
+``input_schema`` (a ``defer_loading`` tool left out: it is not in the model's context until a tool
+search loads it), ``tool_choice``, ``stop_sequences``.
 Images and documents are refused by name, and so are server tools (``web_search``, ``bash``, ...)
-and options that would change the output if ignored. Hints (``cache_control``, ``metadata``,
-``thinking``, ``service_tier: auto``) are accepted and ignored.
+and options that would change the output if ignored (``context_management`` edits other than
+clearing thinking). Hints (``cache_control``, ``metadata``, ``thinking``, ``service_tier: auto``,
+``clear_thinking`` edits) are accepted and ignored.
 
 Out: the message (``content`` blocks, ``stop_reason`` ``end_turn`` / ``max_tokens`` /
 ``stop_sequence`` / ``tool_use``, ``usage`` with ``cache_read_input_tokens`` from the prefix cache)
@@ -91,7 +94,9 @@ Block = TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock 
 
 
 class MessageParam(_Strict):
-    role: Literal["user", "assistant"]
+    # "system": a system turn in the middle of the conversation (Claude Code sends its environment
+    # that way); text only, rendered where it stands (Qwen's template has a branch for it)
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -103,7 +108,7 @@ class ToolDef(_Strict):
     cache_control: Any = None          # hints, as on blocks
     strict: bool | None = None
     eager_input_streaming: bool | None = None   # arguments stream as they are written anyway
-    defer_loading: bool | None = None
+    defer_loading: bool | None = None   # true: not in the model's context (the API's tool search loads it)
     input_examples: list[dict] | None = None
     allowed_callers: Any = None
 
@@ -172,9 +177,7 @@ class MessagesRequest(_Strict, kw_only=True):
             if getattr(self, name) is not None:
                 raise APIError(400, f"`{name}` is not supported by this server (it runs no server-side tools)",
                                param=name, code="unsupported_parameter")
-        if self.context_management is not None:
-            raise APIError(400, "`context_management` is not supported: this server does not edit the context; "
-                                "leave it out", param="context_management", code="unsupported_parameter")
+        _check_context_management(self.context_management)
         for i, t in enumerate(self.tools or ()):
             if t.type not in (None, "custom"):
                 raise APIError(400, f"tools[{i}] is a server tool ({t.type!r}): this server runs none; offer it as "
@@ -188,6 +191,25 @@ class MessagesRequest(_Strict, kw_only=True):
                         _check_block(inner, f"messages[{i}].content[{j}].content[{k}]", m.role)
 
 
+def _check_context_management(cm: Any) -> None:
+    """``context_management``: only edits that clear thinking blocks (Claude Code sends
+    ``clear_thinking_20251015`` on every request) are taken, as no-ops: earlier turns' thinking is
+    dropped here anyway. Any other edit (clearing tool results) would change the prompt: refused."""
+    if cm is None:
+        return
+    edits = cm.get("edits") if isinstance(cm, dict) else None
+    if not isinstance(cm, dict) or set(cm) - {"edits"} or not isinstance(edits, list):
+        raise APIError(400, "`context_management` takes `edits` (a list) only", param="context_management",
+                       code="invalid_value")
+    for i, e in enumerate(edits):
+        kind = e.get("type") if isinstance(e, dict) else None
+        if not isinstance(kind, str) or not kind.startswith("clear_thinking_"):
+            raise APIError(400, f"context_management.edits[{i}] ({kind!r}) is not supported: this server does not "
+                                "edit the context (clear_thinking edits are taken: earlier thinking is dropped "
+                                "anyway); leave it out", param=f"context_management.edits[{i}].type",
+                           code="unsupported_parameter")
+
+
 def _check_block(b: Any, where: str, role: str) -> None:
     if isinstance(b, (ImageBlock, DocumentBlock)):
         kind = "an image" if isinstance(b, ImageBlock) else "a document"
@@ -195,6 +217,8 @@ def _check_block(b: Any, where: str, role: str) -> None:
                        param=f"{where}.type", code="unsupported_content")
     if isinstance(b, ToolUseBlock) and role != "assistant":
         raise APIError(400, f"{where}: tool_use blocks belong in assistant turns", param=where, code="invalid_value")
+    if isinstance(b, (ToolUseBlock, ToolResultBlock)) and role == "system":
+        raise APIError(400, f"{where}: a system turn holds text only", param=where, code="invalid_value")
     if isinstance(b, ToolResultBlock) and role != "user":
         raise APIError(400, f"{where}: tool_result blocks belong in user turns", param=where, code="invalid_value")
 
@@ -216,6 +240,9 @@ def conversation(req: MessagesRequest) -> Conversation:
         if isinstance(m.content, str):
             messages.append(Message(role=m.role, content=m.content))
             continue
+        if m.role == "system":
+            messages.append(Message(role="system", content=_block_text(m.content)))
+            continue
         if m.role == "assistant":
             text = "".join(b.text for b in m.content if isinstance(b, TextBlock))
             calls = [ToolCall(id=b.id, name=b.name, arguments=json.dumps(b.input if b.input is not None else {},
@@ -234,8 +261,9 @@ def conversation(req: MessagesRequest) -> Conversation:
                 text.append(b.text)
         if text or not any(isinstance(b, ToolResultBlock) for b in m.content):
             messages.append(Message(role="user", content="".join(text)))
+    # a deferred tool is not in the model's context until a tool search loads it: not rendered, not callable
     tools = [Tool(name=t.name, description=t.description, parameters=t.input_schema or {}, strict=bool(t.strict))
-             for t in req.tools or ()]
+             for t in req.tools or () if not t.defer_loading]
     choice, forced, parallel = "auto", None, True
     tc = req.tool_choice
     if tc is not None:

@@ -171,8 +171,9 @@ def _resolve(state: ServerState, body: Any, *, endpoint: str, tenant: Tenant, mo
     room = backend.max_context - len(ids)
     if room < 1:
         raise APIError(400, f"prompt of {len(ids)} tokens does not fit the context window of "
-                            f"{backend.max_context} tokens", param="messages" if endpoint == "chat.completions"
-                       else "prompt", code="context_length_exceeded")
+                            f"{backend.max_context} tokens",
+                       param={"chat.completions": "messages", "messages": "messages", "responses": "input"}.get(
+                           endpoint, "prompt"), code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(state.config.server.default_max_tokens, room)
     else:   # clients ask for more than the model holds (32000 from Claude Code, opencode): the room left

@@ -3,13 +3,18 @@
 In: ``input`` (text, or items: messages with ``input_text`` / ``output_text`` parts,
 ``function_call`` and ``function_call_output`` items; ``reasoning`` items of earlier turns
 dropped: the models served have no separate reasoning channel), ``instructions``, function
-``tools`` (``call_id`` distinct from the item ``id``), ``tool_choice``, ``parallel_tool_calls``,
+``tools`` (``call_id`` distinct from the item ``id``) and ``namespace`` tools (their functions
+offered as ``namespace.name``; a call to one comes back with ``namespace`` and its bare ``name``),
+``tool_choice``, ``parallel_tool_calls``,
 ``text.format`` (``json_schema`` / ``json_object``), ``max_output_tokens``. Nothing is stored
 (``store`` is accepted; there is no stored state to return): ``previous_response_id`` and
 ``conversation`` are refused by name, and so are freeform ``custom`` tools (Codex's
-``apply_patch`` in its freeform form: Codex falls back to its JSON function form), hosted tools,
-images and files. Hints (``reasoning``, ``include``, ``metadata``, ``user``, ``truncation``,
-``prompt_cache_key`` -- a session, as on Chat Completions) are accepted.
+``apply_patch`` in its freeform form: Codex falls back to its JSON function form), hosted tools
+other than web search, images and files. The hosted ``web_search`` tool (Codex offers it by default)
+is accepted and not offered to the model: an offered tool is a permission, and the answer is one
+a model that chose not to search gives. Hints (``reasoning``, ``include``, ``metadata``,
+``client_metadata``, ``user``, ``truncation``, ``prompt_cache_key`` -- a session, as on Chat
+Completions) are accepted.
 
 Out: the response object (``output`` items: a ``message`` with ``output_text``, ``function_call``
 items) or its stream, every event with its ``sequence_number``: ``response.created``,
@@ -53,6 +58,12 @@ class FunctionTool(_Strict):
     parameters: dict | None = None
     strict: bool | None = None
     format: Any = None             # a custom tool's grammar (refused with the tool)
+    tools: list[FunctionTool] | None = None   # a ``namespace`` tool's function tools
+    # a hosted web search's options (the tool itself is accepted and not offered: ``_WEB_SEARCH``)
+    external_web_access: bool | None = None
+    search_context_size: str | None = None
+    user_location: Any = None
+    filters: Any = None
 
 
 class NamedChoice(_Strict):
@@ -109,6 +120,7 @@ class ResponsesRequest(_Strict, kw_only=True):
     prompt: Any = None
     top_logprobs: int | None = None
     stream_options: Any = None
+    client_metadata: dict | None = None   # a hint: the client's own ids (Codex's turn metadata)
     # agentspec extensions (as on the other endpoints)
     seed: int | None = None
     speculation: bool | None = None
@@ -134,19 +146,57 @@ class ResponsesRequest(_Strict, kw_only=True):
             raise APIError(400, "max_tool_calls is not supported; leave it out", param="max_tool_calls",
                            code="unsupported_parameter")
         for i, t in enumerate(self.tools or ()):
-            if t.type == "custom":
-                raise APIError(400, f"tools[{i}] is a freeform custom tool ({t.name!r}): custom tools are not "
-                                    "supported; offer it as a function tool with a JSON schema",
-                               param=f"tools[{i}].type", code="unsupported_parameter")
-            if t.type != "function":
-                raise APIError(400, f"tools[{i}] is a hosted tool ({t.type!r}): this server runs none; offer a "
-                                    "function tool", param=f"tools[{i}].type", code="unsupported_parameter")
-            if not t.name:
-                raise APIError(400, f"tools[{i}] needs `name`", param=f"tools[{i}].name", code="invalid_value")
+            _check_tool(t, f"tools[{i}]", top=True)
         tc = self.tool_choice
         if tc is not None and not isinstance(tc, str) and tc.type != "function":
             raise APIError(400, f"tool_choice of type {tc.type!r} is not supported (auto, none, required or a "
                                 "function by name)", param="tool_choice", code="unsupported_parameter")
+
+
+# the hosted web search (Codex offers it by default): accepted and not offered to the model, which
+# answers as a model that chose not to search does; an offered tool is a permission, not an order
+_WEB_SEARCH = frozenset({"web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11"})
+_WEB_FIELDS = ("external_web_access", "search_context_size", "user_location", "filters")
+
+
+def _check_tool(t: FunctionTool, where: str, *, top: bool) -> None:
+    if top and t.type in _WEB_SEARCH:
+        return
+    if top and t.type == "namespace":
+        if not t.name:
+            raise APIError(400, f"{where} needs `name`", param=f"{where}.name", code="invalid_value")
+        if not t.tools:
+            raise APIError(400, f"{where}: a namespace needs `tools`", param=f"{where}.tools", code="invalid_value")
+        for j, member in enumerate(t.tools):
+            _check_tool(member, f"{where}.tools[{j}]", top=False)
+        return
+    if t.type == "custom":
+        raise APIError(400, f"{where} is a freeform custom tool ({t.name!r}): custom tools are not "
+                            "supported; offer it as a function tool with a JSON schema",
+                       param=f"{where}.type", code="unsupported_parameter")
+    if t.type != "function":
+        raise APIError(400, f"{where} is a hosted tool ({t.type!r}): this server runs none; offer a "
+                            "function tool", param=f"{where}.type", code="unsupported_parameter")
+    if not t.name:
+        raise APIError(400, f"{where} needs `name`", param=f"{where}.name", code="invalid_value")
+    for name in ("tools", *_WEB_FIELDS):
+        if getattr(t, name) is not None:
+            raise APIError(400, f"unknown field `{name}` in `{where}` (a function tool)", param=f"{where}.{name}",
+                           code="unknown_field")
+
+
+def function_tools(req: ResponsesRequest) -> dict[str, tuple[str | None, FunctionTool]]:
+    """The function tools offered, by the name the model sees: a namespace's tools as
+    ``namespace.name`` (their calls go back with ``namespace`` and the bare ``name``), each with
+    its namespace (None at the top level); hosted web search left out."""
+    out: dict[str, tuple[str | None, FunctionTool]] = {}
+    for t in req.tools or ():
+        if t.type == "namespace":
+            for member in t.tools or ():
+                out[f"{t.name}.{member.name}"] = (t.name, member)
+        elif t.type not in _WEB_SEARCH:
+            out[t.name or ""] = (None, t)
+    return out
 
 
 _MESSAGE_ROLES = {"user", "assistant", "system", "developer"}
@@ -189,6 +239,7 @@ def conversation(req: ResponsesRequest) -> Conversation:
     messages: list[Message] = []
     if req.instructions:
         messages.append(Message(role="system", content=req.instructions))
+    offered = function_tools(req)
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     if not items:
         raise APIError(400, "input must not be empty", param="input", code="invalid_value")
@@ -209,7 +260,10 @@ def conversation(req: ResponsesRequest) -> Conversation:
                 continue
             messages.append(Message(role=role, content=text))
         elif kind == "function_call":
-            call = ToolCall(id=_string(item, "call_id", where), name=_string(item, "name", where),
+            name, ns = _string(item, "name", where), item.get("namespace")
+            if isinstance(ns, str) and f"{ns}.{name}" in offered:   # a namespace's tool, by the name the model saw
+                name = f"{ns}.{name}"
+            call = ToolCall(id=_string(item, "call_id", where), name=name,
                             arguments=item.get("arguments") if isinstance(item.get("arguments"), str) else "{}")
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":
@@ -231,8 +285,8 @@ def conversation(req: ResponsesRequest) -> Conversation:
         else:
             raise APIError(400, f"{where} has an unknown or unsupported type {kind!r} (message, function_call, "
                                 "function_call_output, reasoning)", param=f"{where}.type", code="invalid_value")
-    tools = [Tool(name=t.name or "", description=t.description, parameters=t.parameters or {},
-                  strict=bool(t.strict)) for t in req.tools or ()]
+    tools = [Tool(name=name, description=t.description, parameters=t.parameters or {}, strict=bool(t.strict))
+             for name, (_, t) in offered.items()]
     choice, forced = "auto", None
     tc = req.tool_choice
     if isinstance(tc, str):
@@ -304,9 +358,14 @@ def prepare_responses(state: ServerState, tenant: Tenant, req: ResponsesRequest,
         return {"type": "message", "id": item_id, "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
+    namespaced = {name: ns for name, (ns, _) in function_tools(req).items() if ns is not None}
+
     def call_item(item_id: str, c_id: str, name: str, args: str, status: str = "completed") -> dict:
-        return {"type": "function_call", "id": item_id, "call_id": c_id, "name": name, "arguments": args,
+        item = {"type": "function_call", "id": item_id, "call_id": c_id, "name": name, "arguments": args,
                 "status": status}
+        if name in namespaced:   # a namespace's tool: its bare name and the namespace
+            item["name"], item["namespace"] = name[len(namespaced[name]) + 1:], namespaced[name]
+        return item
 
     def respond(gen) -> dict:
         p = turn.parser("call_")

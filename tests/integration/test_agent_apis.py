@@ -37,6 +37,7 @@ ANTHROPIC_TOOLS = [{"name": "Write", "description": "Write a file", "input_schem
 RESPONSES_TOOLS = [{"type": "function", "name": "Write", "description": "Write a file", "parameters": WRITE_SCHEMA},
                    {"type": "function", "name": "Read", "description": "Read a file", "parameters": READ_SCHEMA}]
 ASK = [{"role": "user", "content": "Create hello.py that prints hello."}]
+CONTEXT = 12288
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,8 @@ def server(tmp_path_factory):
 name = "agent"
 api_keys = ["{KEY}"]
 """
-    srv = Server(root, config=config, args=["--model", str(model)])
+    # agent CLIs' prompts run past the default 8192 tokens: the window the model allows, asked for
+    srv = Server(root, config=config, args=["--model", str(model), "--max-context", str(CONTEXT)])
     yield srv
     srv.stop()
 
@@ -268,3 +270,90 @@ def test_responses_function_call(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.responses.create(model="x", input="hi", tools=[{"type": "custom", "name": "apply_patch"}])
     assert "custom" in e.value.body["message"]
+
+
+# ---- what real agent CLIs send by default ------------------------------------------------------
+
+def test_max_context_flag_and_context_errors_name_each_wires_field(oai, claude, server):
+    """``--max-context`` widens the window past the default 8192 (Codex's prompt is ~9k tokens, Claude
+    Code's ~12k); a prompt past it is refused naming the field that holds it on each wire."""
+    assert httpx.get(server.base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()[
+        "data"][0]["max_model_len"] == CONTEXT
+    r = oai.chat.completions.create(model="x", messages=[{"role": "user", "content": "hello " * 9000}], max_tokens=1)
+    assert r.usage.prompt_tokens > 8192
+    long = "hello " * (CONTEXT + 100)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model="x", input=long, max_output_tokens=1)
+    assert (e.value.body["param"], e.value.body["code"]) == ("input", "context_length_exceeded")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="x", max_tokens=1, messages=[{"role": "user", "content": long}])
+    assert "context window" in e.value.body["error"]["message"]
+
+
+def test_messages_as_claude_code_sends_them(claude):
+    """Claude Code's defaults: a system turn after the user's (its environment), ``context_management``
+    clearing thinking (a no-op: earlier thinking is dropped anyway), ``thinking`` adaptive with
+    ``display``, ``output_config.effort``, a ``defer_loading`` tool (not in the model's context)."""
+    kw = dict(model="claude-sonnet-4-5", max_tokens=80, system=[{"type": "text", "text": "You are a coding agent."}],
+              messages=ASK + [{"role": "system", "content": [{"type": "text", "text": "# Environment\ncwd: /tmp",
+                                                               "cache_control": {"type": "ephemeral"}}]}],
+              tools=ANTHROPIC_TOOLS + [{"name": "Placeholder", "description": "deferred", "defer_loading": True,
+                                        "input_schema": {"type": "object"}}],
+              tool_choice={"type": "any", "disable_parallel_tool_use": True},
+              extra_body={"temperature": 0, "context_management": {
+                  "edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+                  "thinking": {"type": "adaptive", "display": "omitted"}, "output_config": {"effort": "high"}})
+    m = claude.messages.create(**kw)
+    assert m.stop_reason == "tool_use"
+    (block,) = [b for b in m.content if b.type == "tool_use"]
+    assert block.name in ("Write", "Read")   # never the deferred tool: it is not offered
+    # the system turn is rendered (more tokens than without it); the deferred tool is not
+    without = claude.messages.count_tokens(model="x", messages=ASK, system=kw["system"], tools=ANTHROPIC_TOOLS)
+    n = claude.messages.count_tokens(model="x", messages=kw["messages"], system=kw["system"], tools=kw["tools"])
+    assert n.input_tokens > without.input_tokens
+    assert claude.messages.count_tokens(model="x", messages=ASK, system=kw["system"],
+                                        tools=kw["tools"]).input_tokens == without.input_tokens
+    # an edit that would change the prompt is refused by name
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(**{**kw, "extra_body": {"context_management": {
+            "edits": [{"type": "clear_tool_uses_20250919"}]}}})
+    assert "clear_tool_uses_20250919" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as e:   # a system turn holds text only
+        claude.messages.create(**{**kw, "messages": ASK + [{"role": "system", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "x"}]}]})
+    assert "system turn" in e.value.body["error"]["message"]
+
+
+def test_responses_as_codex_sends_them(oai):
+    """Codex's defaults: a ``namespace`` tool (its sub-agent tools), the hosted ``web_search`` (accepted,
+    not offered), ``client_metadata``, ``include`` and ``reasoning`` hints. A namespace's tool is
+    offered as ``namespace.name`` and its call comes back with ``namespace`` and the bare name."""
+    tools = [{"type": "namespace", "name": "files", "description": "File tools.",
+              "tools": [{**t, "strict": False} for t in RESPONSES_TOOLS]},
+             {"type": "web_search", "external_web_access": False}]
+    kw = dict(model="gpt-5-codex", input=[{"type": "message", "role": "developer",
+                                           "content": [{"type": "input_text", "text": "You are a coding agent."}]},
+                                          {"type": "message", "role": "user",
+                                           "content": [{"type": "input_text", "text": "Create hello.py."}]}],
+              tools=tools, tool_choice="required", parallel_tool_calls=False, max_output_tokens=80, temperature=0,
+              store=False, include=["reasoning.encrypted_content"], reasoning={"summary": "auto"},
+              extra_body={"client_metadata": {"x-codex-turn-metadata": "{}"}})
+    r = oai.responses.create(**kw)
+    (item,) = [o for o in r.output if o.type == "function_call"]
+    assert item.name in ("Write", "Read") and item.namespace == "files"
+    assert [t["name"] for t in r.model_dump()["tools"]] == ["files.Write", "files.Read"]
+    events = list(oai.responses.create(**kw, stream=True))
+    (done,) = [e.item for e in events if e.type == "response.output_item.done"]
+    assert (done.name, done.namespace, done.arguments) == (item.name, "files", item.arguments)
+    # the call goes back with its namespace: rendered as the call the model made
+    follow = oai.responses.create(**{**kw, "input": kw["input"] + [
+        {"type": "function_call", "call_id": item.call_id, "namespace": "files", "name": item.name,
+         "arguments": item.arguments},
+        {"type": "function_call_output", "call_id": item.call_id, "output": "ok"}]})
+    assert follow.status in ("completed", "incomplete")
+    with pytest.raises(openai.BadRequestError) as e:   # other hosted tools are still refused by name
+        oai.responses.create(model="x", input="hi", tools=[{"type": "image_generation"}])
+    assert e.value.body["param"] == "tools[0].type"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model="x", input="hi", tools=[{"type": "function", "name": "f", "tools": []}])
+    assert e.value.body["param"] == "tools[0].tools"

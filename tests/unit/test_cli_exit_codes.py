@@ -67,6 +67,8 @@ USAGE = [
     (["stats", "--plot", "p.png", "--by", "session"], "", ["--plot", "--by session"]),
     (["serve", "--host", "0.0.0.0"], "", ["'0.0.0.0'", "--insecure-no-auth"]),
     (["serve", "--tp", "2"], "", ["--tp", "--backend sglang"]),
+    (["serve", "--max-context", "0"], "", ["--max-context must be > 0, got 0"]),
+    (["serve", "--backend", "sglang", "--max-context", "4096"], "", ["--max-context is an option of the embedded"]),
     (["serve", "--port", "0"], "", ["--port must be in 1..65535"]),
     (["lsp", "--tcp", "x"], "", ["--tcp", "'x'"]),
     (["lsp", "--tcp", "0.0.0.0:9257"], "", ["--tcp 0.0.0.0:9257", "AGENTSPEC_LSP_TOKEN", "127.0.0.1"]),
