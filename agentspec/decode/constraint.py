@@ -117,10 +117,11 @@ class Constraint:
     def masked(self, logits: torch.Tensor) -> torch.Tensor:   # [V] -> [V] float32, refused tokens -inf
         """``logits`` as float32 with every token the grammar refuses at -inf (a new tensor): what
         a sampled row draws from (``verify.seeded_target``)."""
+        bits = self._mask_bits()
         t0 = time.perf_counter()
         if logits.device.type == "cpu":
             x = _float_row(logits)
-            x[~self._mask_bits()] = -np.inf
+            x[~bits] = -np.inf
             out = torch.from_numpy(x)
         else:
             out = logits.float().masked_fill(~self.mask().to(logits.device), float("-inf"))
@@ -132,8 +133,8 @@ class Constraint:
         allowed tokens. On CPU in numpy (one thread: a row is too small for torch's parallel
         kernels, which cost 0.2 ms and far more on a busy machine), reading only the allowed
         tokens when they are at most half of them."""
-        t0 = time.perf_counter()
         ids = self._allowed_ids()
+        t0 = time.perf_counter()
         if ids.size == 0:   # (nothing allowed: llguidance stops the matcher; the output ends)
             best = self.end_token
         elif logits.device.type != "cpu":
