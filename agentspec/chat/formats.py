@@ -49,6 +49,7 @@ class ToolFormat:
     head: str = ""             # between ``start`` and the call's JSON (Hermes: a newline)
     tail: str = ""             # between the call's JSON and ``end``
     dumps_style: bool = True   # the template writes calls with json.dumps' separators
+    bare_calls: bool = False   # the family's small models also write a call as bare or fenced JSON (Qwen coders)
 
     # ---- grammars (llguidance's Lark; ``agentspec.decode.constraint`` runs them) -------------
 
@@ -78,9 +79,23 @@ class ToolFormat:
         if marker is None:   # a bare-JSON format: no marker to trigger on; the parser still finds calls
             return _lark(f"start: {answer}", "") if answer else None
         if answer is not None:
-            return _lark("start: ANSWER | calls", rules + f"calls: {calls}\nANSWER: {answer}\n")
-        # TEXT then calls: the marker (a special token, or lazy text) switches the grammar on
-        return _lark("start: TEXT | TEXT calls TEXT", rules + f"calls: {calls}\n" + self._text_rule(token_id))
+            return _lark("start: answer | calls", rules + f"calls: {calls}\nanswer: {answer}\n")
+        # free text with calls among it, each started by the marker: a special token (outside TEXT), or
+        # text, taken as a lazy trigger (the text up to the marker is one lexeme, ended the moment the
+        # marker appears: llguidance's lexer does not split a lexeme afterwards). Where the family's
+        # small models write a call as bare or fenced JSON, an answer that starts like a call
+        # ({"name": "...) is one too, held to the tools' schemas: free text may not start that way
+        text_marker = token_id(self.start) is None
+        rules += f"body: {self._call_body(token_id)}\n" + self._text_rule(token_id, bare=self.bare_calls)
+        if text_marker:
+            rules += f"tag_trig[lazy]: TEXT {json.dumps(self.start)}\ntag: tag_trig body\n"
+        else:
+            rules += f"tag: TEXT {marker} body\n"
+        start = "start: tag* TEXT" if multiple else "start: TEXT | tag TEXT"
+        if self.bare_calls:
+            start += ' | bare_trig bare_rest bare_more | fence_trig bare_rest "\\n```"'
+            rules += self._bare_rules(tools, multiple)
+        return _lark(start, rules)
 
     def _marker(self, token_id: Callable[[str], int | None]) -> str | None:
         if not self.start:
@@ -88,11 +103,37 @@ class ToolFormat:
         tid = token_id(self.start)
         return f"<[{tid}]>" if tid is not None else json.dumps(self.start)
 
-    def _text_rule(self, token_id: Callable[[str], int | None]) -> str:
+    def _call_body(self, token_id: Callable[[str], int | None]) -> str:
+        """What follows the marker in one call: its JSON and its end."""
+        end = token_id(self.end) if self.end else None
+        end_s = f"<[{end}]>" if end is not None else (json.dumps(self.end) if self.end else "")
+        q = lambda s: json.dumps(s) if s else ""   # noqa: E731
+        return f"{q(self.head)} call_json {q(self.tail)} {end_s}".strip()
+
+    def _bare_rules(self, tools: Sequence[Tool], multiple: bool) -> str:
+        """A call as bare (or fenced) JSON, ``{"name": "<tool>", "arguments": {...}}``: its start is a
+        lazy trigger (the grammar takes over the moment an answer starts like a call), then the
+        name of an offered tool and its arguments held to that tool's schema."""
+        style = dict(_DUMPS_STYLE) if self.dumps_style else {}
+        lenient = not all(t.strict for t in tools)
+        out = ['bare_trig[lazy]: /[ \\n]*\\{"name": "/\n', 'fence_trig[lazy]: /[ \\n]*```json\\n\\{"name": "/\n']
+        alts = []
+        for i, t in enumerate(tools):
+            params = {**(t.parameters or {"type": "object"}), "x-guidance": {**style, "lenient": lenient}}
+            out.append(f"bare_args_{i}: %json {json.dumps(params)}\n")
+            alts.append(f'{json.dumps(t.name + chr(34) + ", " + chr(34) + self.args_key + chr(34) + ": ")} '
+                        f'bare_args_{i} "}}"')
+        out.append("bare_rest: " + " | ".join(alts) + "\n")
+        out.append('bare_more: ("\\n{\\"name\\": \\"" bare_rest)*\n' if multiple else 'bare_more: ""\n')
+        return "".join(out)
+
+    def _text_rule(self, token_id: Callable[[str], int | None], *, bare: bool = False) -> str:
+        rule = "TEXT: /(.|\\n)*/"
         if self.start and token_id(self.start) is None:   # the marker is text: keep it out of TEXT
-            pat = _regex_literal(self.start)
-            return f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{pat}(.|\\n)*/\n"
-        return "TEXT: /(.|\\n)*/\n"
+            rule += f" & ~/(.|\\n)*{_regex_literal(self.start)}(.|\\n)*/"
+        if bare:   # free text does not start like a bare or fenced call
+            rule += ' & ~/[ \\n]*(```json\\n)?\\{"name": "(.|\\n)*/'
+        return rule + "\n"
 
     def _calls_rule(self, tools: Sequence[Tool], multiple: bool,
                     token_id: Callable[[str], int | None]) -> tuple[str, str]:
@@ -146,7 +187,7 @@ def _regex_literal(text: str) -> str:
 
 FORMATS = {
     "hermes": ToolFormat("hermes", start="<tool_call>", end="</tool_call>", args_key="arguments", multiple=True,
-                         separator="\n", head="\n", tail="\n"),
+                         separator="\n", head="\n", tail="\n", bare_calls=True),
     "llama3": ToolFormat("llama3", start="", end="", args_key="parameters", multiple=False),
     "mistral": ToolFormat("mistral", start="[TOOL_CALLS]", end="", args_key="arguments", multiple=True,
                           list_form=True, dumps_style=False),

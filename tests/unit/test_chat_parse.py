@@ -138,9 +138,40 @@ def test_grammars_per_tool_choice():
     named = HERMES.grammar(_conv("function", forced_tool="Read"), special)
     assert '"const": "Read"' in named and '"const": "Write"' not in named
     auto = HERMES.grammar(_conv("auto"), special)
-    assert "TEXT calls TEXT" in auto
+    assert "start: tag* TEXT" in auto and "tag: TEXT <[7]> body" in auto and "bare_trig" in auto
     # a marker that is not one token: kept out of free text by the grammar itself
     none = HERMES.grammar(_conv("none"), lambda s: None)
     assert "& ~/" in none and "tool_call" in none
     # the call's JSON as json.dumps writes it (the template's tojson): re-rendered, the same text
     assert '"item_separator": ", "' in forced and '"whitespace_flexible": false' in forced
+
+
+def test_auto_grammar_holds_a_bare_or_fenced_call_to_its_tool():
+    """On a real tokenizer (the bundled model's: its vocabulary has no <tool_call> token, so the
+    marker is text, kept out of free text by the grammar): free text passes; an answer that starts
+    like a call must name an offered tool and follow its schema, bare or in a json fence."""
+    from agentspec.decode.constraint import ConstraintFactory
+    from helpers.grammars import bundled_tokenizer
+
+    tok = bundled_tokenizer()
+    factory = ConstraintFactory(tok, vocab=49152)
+    tools = [Tool(name="Write", parameters={"type": "object", "properties": {"p": {"type": "string"}},
+                                            "required": ["p"], "additionalProperties": False})]
+    conv = Conversation(messages=[Message(role="user", content="hi")], tools=tools, parallel_tool_calls=False)
+    grammar = HERMES.grammar(conv, lambda s: tok.backend.token_to_id(s))
+
+    def legal(text: str) -> tuple[bool, bool]:
+        c = factory.compile(grammar)
+        ids = tok.encode(text)
+        n = c.legal_prefix(ids)
+        c.consume(ids[:n])
+        return n == len(ids), c.stopped
+
+    assert legal("Sure, here it is.") == (True, False)
+    assert legal('{"a": 1}') == (True, False)                    # JSON that is no call stays text
+    assert legal('{"name": "Write", "arguments": {"p": "x"}}') == (True, True)   # one call, then the end
+    assert legal('```json\n{"name": "Write", "arguments": {"p": "x"}}\n```') == (True, True)
+    assert legal('{"name": "Delete", "arguments": {}}')[0] is False   # not an offered tool
+    assert legal('{"name": "Write", "arguments": {"q": 1}}')[0] is False   # not its schema
+    assert legal('Ok.\n<tool_call>\n{"name": "Write", "arguments": {"p": "x"}}\n</tool_call>')[0]
+    assert legal("Ok. <tool_call> free text")[0] is False            # the marker starts a call
