@@ -126,6 +126,8 @@ class OutputParser:
         self._args_from = 0              # where its arguments start in _call_text (streaming)
         self._args_sent = 0
         self._open: CallStart | None = None
+        self._bare = False               # the open call is bare JSON (no marker, no end tag)
+        self._bare_fence = False         # ... inside a json fence
 
     # ---- state for the decode step and drafters ---------------------------------------------
 
@@ -171,6 +173,8 @@ class OutputParser:
             body = self._call_text + self._buf
             if self.fmt is not None and self.fmt.end and body.rstrip().endswith(self.fmt.end):
                 body = body.rstrip()[:-len(self.fmt.end)]
+            if self._bare and body.rstrip().endswith("```"):
+                body = body.rstrip()[:-3]
             many = self._parse_loose(body) if self._open is None and self.fmt.list_form else None
             parsed = self._parse_call_body(body)
             if many:
@@ -181,6 +185,8 @@ class OutputParser:
             else:
                 self.incomplete = True
             self._buf = ""
+        elif mode == "after_bare":
+            self._buf = ""   # whitespace (or a fence's end) after the last call
         elif self._buf:
             self._text(out, self._buf)
             self._buf = ""
@@ -230,10 +236,59 @@ class OutputParser:
                 self._mode = "text"
                 continue
             if mode == "held_json":
-                if not self._could_be_call(self._buf.lstrip()):
+                held = self._buf.lstrip()
+                if not self._could_be_call(held):
                     self._mode = "text"
                     continue
-                return   # decided at finish
+                fence = _FENCE.match(held) if held.startswith("`") else None
+                body = held[fence.end():] if fence is not None else held
+                m = _HEADER.match(body)
+                if m is not None and _unescape(m.group(1)) in self.tools:
+                    # a bare (or fenced) call to an offered tool: its arguments stream from here on
+                    self._bare, self._bare_fence = True, fence is not None
+                    self._open = CallStart(len(self.calls), new_call_id(self.id_prefix), _unescape(m.group(1)))
+                    out.append(self._open)
+                    self._call_text = body[:m.end()]
+                    self._args_from = self._args_sent = m.end()
+                    self.json = JsonState()
+                    self._buf = body[m.end():]
+                    self._mode = "args"
+                    continue
+                return   # decided when it grows, or at finish (a list of calls)
+            if mode == "call_tail" and self._bare:
+                rest = self._buf.lstrip()
+                if not rest:
+                    return
+                if rest[0] != "}":   # not the object's end: the whole text decides at finish
+                    self._call_text += self._buf
+                    self._buf = ""
+                    return
+                self._call_text += self._buf[:len(self._buf) - len(rest) + 1]
+                self._buf = rest[1:]
+                parsed = self._parse_call_body(self._call_text)
+                if parsed is None or parsed[0] != self._open.name:
+                    return
+                out.append(CallEnd(self._open.index))
+                self._record(self._open, parsed[1])
+                self._open, self._call_text, self._bare = None, "", False
+                self._mode = "after_bare"
+                continue
+            if mode == "after_bare":
+                rest = self._buf.lstrip()
+                if self._bare_fence:
+                    if not rest or (len(rest) < 3 and "```".startswith(rest)):
+                        return
+                    if rest.startswith("```"):
+                        self._buf, self._bare_fence = rest[3:], False
+                        continue
+                if not rest:
+                    return
+                if rest[0] in "{`":   # another call
+                    self._buf = rest
+                    self._mode = "held_json"
+                    continue
+                self._mode = "text"
+                continue
             if mode == "call":
                 if fmt.list_form:
                     self._mode = "call_raw"

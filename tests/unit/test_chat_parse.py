@@ -55,6 +55,7 @@ def test_tagged_calls_whatever_the_deltas(cuts):
     '```json\n{"name": "Write", "arguments": {"path": "x"}}\n```',
     '  \n{"name": "Write", "parameters": {"path": "x"}}',
     '[{"name": "Write", "arguments": {"path": "x"}}]',
+    '```json\n{"name": "Write", "arguments": {"path": "x"}}',   # a fence the turn did not close
 ])
 def test_bare_and_fenced_json_is_a_call_when_it_names_a_declared_tool(text):
     p, events = run(text, [3, 9, 20])
@@ -66,7 +67,6 @@ def test_bare_and_fenced_json_is_a_call_when_it_names_a_declared_tool(text):
     '{"name": "Delete", "arguments": {"path": "x"}}',        # not a declared tool
     '{"answer": 42}',
     '```python\nprint(1)\n```',
-    '```json\n{"name": "Write", "arguments": {"path": "x"}}',  # an open fence
     'Use <tool_ carefully',
 ])
 def test_text_that_only_looks_like_a_call_is_text(text):
@@ -175,3 +175,21 @@ def test_auto_grammar_holds_a_bare_or_fenced_call_to_its_tool():
     assert legal('{"name": "Write", "arguments": {"q": 1}}')[0] is False   # not its schema
     assert legal('Ok.\n<tool_call>\n{"name": "Write", "arguments": {"p": "x"}}\n</tool_call>')[0]
     assert legal("Ok. <tool_call> free text")[0] is False            # the marker starts a call
+
+
+BARE_TWO = ('```json\n{"name": "Write", "arguments": {"path": "a.py", "content": "x = {\\"k\\": 1}\\n"}}\n```\n'
+            '{"name": "Read", "arguments": {"path": "b"}}')
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, len(BARE_TWO)), max_size=12))
+def test_bare_calls_stream_their_arguments(cuts):
+    p, events = run(BARE_TWO, sorted(cuts))
+    assert [(c.name, json.loads(c.arguments)) for c in p.calls] == [
+        ("Write", {"path": "a.py", "content": 'x = {"k": 1}\n'}), ("Read", {"path": "b"})]
+    assert not any(isinstance(e, Text) for e in events) and not p.incomplete
+    assert [_args_of(events, i) for i in (0, 1)] == [c.arguments for c in p.calls]
+    # streamed: the first call's start and some of its arguments come before the turn ends
+    q = OutputParser(HERMES, TOOLS)
+    early = q.push(BARE_TWO[:60])
+    assert isinstance(early[0], CallStart) and early[0].name == "Write" and any(isinstance(e, CallArgs) for e in early)
