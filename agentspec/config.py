@@ -77,7 +77,7 @@ def check_drafters(names: object, what: str = "drafters") -> tuple[str, ...]:
 
 _NAME = r"^[A-Za-z0-9._-]{1,64}$"
 Name = Annotated[str, msgspec.Meta(pattern=_NAME)]
-ENDPOINTS = ("chat.completions", "completions", "apply")
+ENDPOINTS = ("chat.completions", "completions", "apply", "messages", "responses")
 DRAFTERS = drafter_names()   # the built-in drafters (agentspec.drafting.registry: the one list)
 
 
@@ -172,7 +172,8 @@ class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class RouteWhen(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A route's ``when``: every given condition must hold; a list matches any of its values."""
 
-    # the endpoint: "chat.completions", "completions" or "apply" (/v1/apply)
+    # the endpoint: "chat.completions", "completions", "apply" (/v1/apply), "messages" (Anthropic's
+    # /v1/messages) or "responses" (/v1/responses)
     endpoint: str | list[str] | None = None
     # the tenant's name (with tenants configured, one of theirs)
     tenant: str | list[str] | None = None

@@ -41,7 +41,7 @@ class AcceptanceRecord(msgspec.Struct, kw_only=True):
     request_id: str
     tenant: str
     route: str = "default"         # name of the matched route rule, or "default"
-    endpoint: str = "chat.completions"  # "chat.completions" | "completions" | "apply"
+    endpoint: str = "chat.completions"  # "chat.completions" | "completions" | "apply" | "messages" | "responses"
     session: str | None = None
     model: str = ""
     prompt_tokens: int = 0
