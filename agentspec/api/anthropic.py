@@ -413,7 +413,7 @@ def prepare_messages(state: ServerState, tenant: Tenant, req: MessagesRequest, m
                          "usage": {"input_tokens": len(call.ids), "output_tokens": 0,
                                    "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}}
     return Prepared(call, respond, chunk, final, opening=[start, {"type": "ping"}], wire="anthropic",
-                    error_chunks=error_chunks)
+                    error_chunks=error_chunks, heartbeat=lambda: [{"type": "ping"}])
 
 
 def new_tool_use_id() -> str:

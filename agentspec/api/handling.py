@@ -247,7 +247,8 @@ class Prepared:
     ``final(gen, tail)`` the closing chunks; ``progress`` (apply): committed tokens and steps so
     far, on every chunk. ``wire``: the protocol that frames them (``agentspec.server.app``:
     OpenAI's ``data:`` lines and ``[DONE]``, or named ``event:`` lines), ``error_chunks(e)`` what
-    a stream sends when it fails after it started."""
+    a stream sends when it fails after it started, ``heartbeat()`` what it sends after a quiet
+    while (None: an SSE comment)."""
 
     call: Call
     respond: Callable[[Any], dict]
@@ -257,6 +258,7 @@ class Prepared:
     progress: dict | None = None
     wire: str = "openai"
     error_chunks: Callable[[APIError], list[dict]] | None = None
+    heartbeat: Callable[[], list[dict]] | None = None
 
 
 def openai_conversation(req: ChatCompletionRequest) -> Conversation:

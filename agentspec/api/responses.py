@@ -464,7 +464,11 @@ def prepare_responses(state: ServerState, tenant: Tenant, req: ResponsesRequest,
 
     opening = [ev("response.created", response=response("in_progress", [])),
                ev("response.in_progress", response=response("in_progress", []))]
-    return Prepared(call, respond, chunk, final, opening=opening, wire="responses", error_chunks=error_chunks)
+    def heartbeat() -> list[dict]:   # Codex's idle timeout counts events: an SSE comment is not one
+        return [ev("response.in_progress", response=response("in_progress", list(st["output"])))]
+
+    return Prepared(call, respond, chunk, final, opening=opening, wire="responses", error_chunks=error_chunks,
+                    heartbeat=heartbeat)
 
 
 def _item_id(prefix: str) -> str:

@@ -149,6 +149,21 @@ def _sse(obj: Any, wire: str = "openai") -> bytes:
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
+# a stream quiet this long gets a heartbeat: agent CLIs drop a stream idle for 300 s (Node's fetch
+# body timeout: opencode, Claude Code, Qwen Code; Codex's stream_idle_timeout_ms) and retry it from
+# the start, while a CPU prefills an agent's 7k-19k-token prompt or a bare-JSON call is held back
+HEARTBEAT_S = 15.0
+_COMMENT = b": keep-alive\n\n"   # OpenAI's wire: an SSE comment, which every SSE parser skips
+
+
+async def _next_or_heartbeat(events: asyncio.Queue, interval: float):
+    """The next job event, or None after ``interval`` seconds without one (nothing is lost: an
+    event that arrives meanwhile stays queued)."""
+    try:
+        return await asyncio.wait_for(events.get(), interval)
+    except asyncio.TimeoutError:
+        return None
+
 
 def _submit(state: ServerState, prepared: Prepared) -> tuple[Job, asyncio.Queue]:
     """Submit on the backend; the job's events come back on this event loop's queue. (On the
@@ -190,7 +205,12 @@ async def _stream(state: ServerState, prepared: Prepared, job: Job, events: asyn
         for c in prepared.opening:
             yield _sse(c, wire)
         while True:
-            kind, value = await events.get()
+            event = await _next_or_heartbeat(events, HEARTBEAT_S)
+            if event is None:   # Anthropic's wire: its ping event; Responses: response.in_progress again
+                beat = prepared.heartbeat() if prepared.heartbeat is not None else None
+                yield _COMMENT if beat is None else b"".join(_sse(c, wire) for c in beat)
+                continue
+            kind, value = event
             chunks, err, done = shaper.events(job, kind, value)
             for c in chunks:
                 yield _sse(c, wire)

@@ -111,3 +111,41 @@ def test_merged_code_prediction_usage_and_apply_prompt():
     assert prediction_usage([], [1]) == (0, 0)
     p = apply_prompt("x = 1\n", "x = 2", "bump x", "a.py")
     assert "```python\nx = 1\n```" in p and "bump x" in p and "x = 2" in p
+
+
+@pytest.mark.parametrize("wire,heartbeat,beat", [
+    ("openai", None, b": keep-alive\n\n"),
+    ("anthropic", lambda: [{"type": "ping"}], b'event: ping\ndata: {"type":"ping"}\n\n'),
+])
+def test_a_quiet_stream_sends_heartbeats(monkeypatch, wire, heartbeat, beat):
+    """While a stream has nothing to send (a long prefill on a CPU, a held-back bare-JSON call),
+    a heartbeat goes out every HEARTBEAT_S: agent CLIs drop a stream idle for 300 s and retry it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from agentspec.server import app
+
+    class Shaper:
+        def __init__(self, prepared, tokenizer):
+            pass
+
+        def events(self, job, kind, value):
+            return ([{"type": "text", "text": value}] if kind == "tokens" else []), None, kind == "done"
+
+    monkeypatch.setattr(app, "StreamShaper", Shaper)
+    monkeypatch.setattr(app, "HEARTBEAT_S", 0.05)
+    prepared = SimpleNamespace(opening=[], wire=wire, heartbeat=heartbeat, error_chunks=None)
+    job = SimpleNamespace(cancel=lambda: None)
+    state = SimpleNamespace(backend=SimpleNamespace(tokenizer=None))
+
+    async def run() -> list[bytes]:
+        events: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.18, events.put_nowait, ("tokens", "hi"))
+        loop.call_later(0.2, events.put_nowait, ("done", None))
+        return [b async for b in app._stream(state, prepared, job, events)]
+
+    out = asyncio.run(run())
+    beats = [b for b in out if b == beat]
+    assert len(beats) >= 2 and out.index(beat) == 0, out
+    assert b"hi" in b"".join(out)   # no event lost to a heartbeat's timeout
