@@ -1,6 +1,6 @@
 # Quickstart: `make run` (set up what serving needs, then serve this repository) and `make test`
 # (set up everything, then run the tests). scripts/setup.sh says what each stage installs.
-.PHONY: setup setup-serve run test test-unit test-latest test-models bench test-sglang
+.PHONY: setup setup-serve run test test-unit test-latest test-models test-agents bench test-sglang
 
 # everything: the serving install, then the tests' and benchmarks' extras and tools
 setup:
@@ -48,6 +48,16 @@ test-unit: setup
 test-models: setup
 	.venv/bin/python scripts/fetch_model.py $${AGENTSPEC_TEST_MODEL:-qwen2.5-coder-0.5b}
 	AGENTSPEC_TEST_MODELS=1 .venv/bin/python -P -m pytest tests/models -q --durations=10
+
+# opt-in: real coding-agent CLIs (opencode, Codex CLI, Claude Code, Qwen Code; pinned npm versions into
+# .agents/ by scripts/setup_agents.sh, which needs npm) each create a file headless through their tool
+# calls against `agentspec serve` on the real Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.1 GB, fetched once;
+# AGENTSPEC_TEST_MODEL picks another). Minutes per CLI on a CPU; docs/agents.md has the settings
+test-agents: setup
+	bash scripts/setup_agents.sh
+	.venv/bin/python scripts/fetch_model.py $${AGENTSPEC_TEST_MODEL:-qwen2.5-coder-1.5b}
+	AGENTSPEC_TEST_MODELS=1 AGENTSPEC_TEST_MODEL=$${AGENTSPEC_TEST_MODEL:-qwen2.5-coder-1.5b} \
+	    .venv/bin/python -P -m pytest tests/models/test_agent_clis.py -v -rs --durations=10
 
 # the end-to-end benchmark on the small sample shipped in benchmarks/data;
 # `make bench BENCH_ARGS="--data DIR"` on a folder of the full recorded sets
