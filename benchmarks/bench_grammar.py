@@ -1,8 +1,8 @@
 """What a grammar costs a decode step: llguidance's masks against the model's step time.
 
 For a JSON schema (a tool's arguments: an edit with a path, an enum, strings that hold code) and
-a tool-call grammar (free text, then ``<tool_call>`` and one of three tools' JSON, lazily: the
-text trigger switches the grammar on), on ``--model`` (default the bundled SmolLM2-135M; a GGUF
+a tool-call grammar (free text, then ``<tool_call>`` and one of three tools' JSON: a lazy text
+trigger, or the special token where the tokenizer has one), on ``--model`` (default the bundled SmolLM2-135M; a GGUF
 such as Qwen2.5-Coder-1.5B with ``--model PATH``):
 
 - compile: ``LLMatcher`` construction per request (the grammar parsed and checked), the median
@@ -14,8 +14,9 @@ such as Qwen2.5-Coder-1.5B with ``--model PATH``):
   ``validate_tokens`` where the grammar forces no bytes);
 - per step: a one-row decode step (one mask, or one shortcut) and a 32-row verification step
   (32 masks, or 32 shortcuts, along 32 consecutive tokens, with the matcher consuming them as
-  the verification walk does), against the model's forward of 1 and 33 rows over ``--context``
-  cached tokens (``step_profile.profile``): the fractions are grammar time / forward time;
+  the verification walk does), against the engine's own decode steps without a grammar: a plain
+  step, and a step verifying a 32-token draft (``--steps`` steps a run, the fastest run of
+  ``--step-repeat``): the fractions are grammar time / step time;
 - pruning: ``Constraint.legal`` of a 32-node draft tree (the sample's next tokens, a decoy
   beside each);
 - end to end: one real request per grammar (greedy, ``--max-tokens``), without the grammar,
@@ -93,18 +94,34 @@ def end_to_end(engine, name: str, grammar: str, prompt, *, max_tokens: int) -> d
     """A real request with the grammar: plain and speculative (the same tokens), and without it;
     the grammar's share of the decode time (``GenerationStats.grammar_seconds``)."""
     from agentspec import SpecConfig
+    from agentspec.decode.constraint import Constraint
 
     ids = engine.encode(prompt)
     engine.generate(ids, max_tokens=4, spec=None, grammar=grammar)   # warm
     out = {}
+    counts = {"allows": 0, "refused": 0}
+    allows = Constraint.allows
+
+    def counted(self, token):   # the greedy shortcut: how often the row's argmax is allowed
+        ok = allows(self, token)
+        counts["allows"] += 1
+        counts["refused"] += not ok
+        return ok
+
     for mode, spec, g in (("free", None, None), ("plain", None, grammar), ("speculative", SpecConfig(), grammar)):
-        r = engine.generate(ids, max_tokens=max_tokens, spec=spec, grammar=g)
+        counts.update(allows=0, refused=0)
+        Constraint.allows = counted
+        try:
+            r = engine.generate(ids, max_tokens=max_tokens, spec=spec, grammar=g)
+        finally:
+            Constraint.allows = allows
         st = r.stats
         out[mode] = {"tokens": st.completion_tokens, "steps": st.steps, "finish": r.finish_reason,
                      "decode_ms_per_token": round(st.decode_seconds / max(st.completion_tokens - 1, 1) * 1e3, 3),
                      "grammar_ms": round(st.grammar_seconds * 1e3, 2),
                      "grammar_share_of_decode": round(st.grammar_seconds / st.decode_seconds, 4) if g and st.decode_seconds
-                     else None, "token_ids": r.token_ids}
+                     else None, "rows_checked": counts["allows"], "rows_needing_the_full_mask": counts["refused"],
+                     "token_ids": r.token_ids}
     out["speculative_equals_plain"] = out["speculative"]["token_ids"] == out["plain"]["token_ids"]
     text = engine.decode(out["plain"]["token_ids"])
     for v in out.values():
@@ -113,16 +130,64 @@ def end_to_end(engine, name: str, grammar: str, prompt, *, max_tokens: int) -> d
     return {"grammar": name, "text": text, **out}
 
 
-def tool_call_grammar() -> str:
-    """Free text; ``<tool_call>`` (a text trigger, lazy) switches on one of the tools' JSON
-    (``{"name": ..., "arguments": ...}``) up to ``</tool_call>``; then free text again."""
+class _Rejected:
+    """A drafter whose every draft is a chain of ``n`` tokens the model will not pick (the step
+    verifies n + 1 rows and commits one token): a verification step's time, by the engine's own
+    path."""
+
+    def __init__(self, n: int, token: int) -> None:
+        self.n, self.token = n, token
+
+    def start(self, req_id, prompt, *, tenant="default"):
+        pass
+
+    def extend(self, req_id, tokens):
+        pass
+
+    def stop(self, req_id):
+        pass
+
+    def propose(self, req_id, budget):
+        from agentspec import Draft
+
+        return Draft.chain([self.token] * min(self.n, budget), 0.9, source="rejected")
+
+
+def step_times(engine, ids: list[int], *, steps: int, repeat: int) -> dict[int, float]:
+    """Seconds per decode step of the engine without a grammar: {1: a plain step, 33: a step
+    verifying a 32-token draft}, each the fastest of ``repeat`` runs of ``steps`` steps (the
+    mean step of a run: ``decode_seconds / steps``)."""
+    from agentspec import SpecConfig
+
+    out = {}
+    for rows, spec, drafter in ((1, None, None), (33, SpecConfig(budget=32, row_cost=0.0), _Rejected(32, engine.vocab_size // 2 + 17))):
+        best = float("inf")
+        for _ in range(repeat + 1):   # (the first untimed)
+            g = engine.generate(ids, max_tokens=steps + 1, spec=spec, drafter=drafter)
+            if g.stats.steps:
+                best = min(best, g.stats.decode_seconds / g.stats.steps)
+        out[rows] = best
+    return out
+
+
+def tool_call_grammar(tokenizer) -> str:
+    """Free text, then tool calls: ``<tool_call>`` starts one of the tools' JSON (``{"name": ...,
+    "arguments": ...}``) up to ``</tool_call>``, then free text again. Where the tokenizer has
+    ``<tool_call>`` as a token of its own (Qwen2.5's added tokens), the grammar names those
+    special tokens (text never spells them); elsewhere (SmolLM2) the text is the trigger, a lazy
+    lexeme: any text until ``<tool_call>`` is written."""
     one_of = {"anyOf": [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
                          "required": ["name", "arguments"], "additionalProperties": False} for t in TOOLS]}
+    body = f"\"\\n\"? %json {json.dumps(one_of)} \"\\n\"?"
+    if len(tokenizer.encode("<tool_call>")) == 1 and len(tokenizer.encode("</tool_call>")) == 1:
+        return ("start: TEXT? ( call TEXT? )*\n"
+                "TEXT: /(.|\\n)+/\n"
+                f"call: <tool_call> {body} </tool_call>\n")
     return ("start: ( f_call )* f_end\n"
             "f_end: TEXT\n"
             "TEXT: /(.|\\n)*/\n"
             "f_call_hd[lazy]: TEXT \"<tool_call>\"\n"
-            f"f_call: f_call_hd \"\\n\"? %json {json.dumps(one_of)} \"\\n\"? \"</tool_call>\"\n")
+            f"f_call: f_call_hd {body} \"</tool_call>\"\n")
 
 
 def _median_us(fn, repeat: int) -> float:
@@ -227,30 +292,30 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a GGUF file or Hugging Face folder (default: the bundled model)")
     ap.add_argument("--repeat", type=int, default=20, help="compiles timed per grammar (the median is reported)")
-    ap.add_argument("--context", type=int, default=512, help="tokens cached under the timed forwards")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per timed run (a step's time: their mean)")
+    ap.add_argument("--step-repeat", type=int, default=5, help="timed runs per step kind (the fastest is used)")
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens per end-to-end request")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args(argv)
 
     import agentspec
     import llguidance
-    from agentspec.backends.embedded import step_profile
 
     engine = agentspec.Engine.embedded(model=args.model, quiet=True)
     log(f"model {engine.model_path}: vocab {engine.vocab_size}")
     t0 = time.perf_counter()
     engine.constraints.ll_tokenizer   # built once per engine
     tokenizer_s = time.perf_counter() - t0
-    forward = step_profile.profile(engine, grid=(1, 33), context=args.context, repeat=5)
-    log(f"forward: 1 row {forward[1] * 1e3:.2f} ms, 33 rows {forward[33] * 1e3:.2f} ms")
+    step_s = step_times(engine, engine.encode(EDIT_PROMPT), steps=args.steps, repeat=args.step_repeat)
+    log(f"decode step: 1 row {step_s[1] * 1e3:.2f} ms, 33 rows {step_s[33] * 1e3:.2f} ms")
     rng = random.Random(0)
     rows, e2e = [], []
     for name, grammar, sample, prompt in (
             ("json_schema", llguidance.LLMatcher.grammar_from_json_schema(EDIT_SCHEMA), json.dumps(EDIT_SAMPLE),
              EDIT_PROMPT),
-            ("tool_call_lazy", tool_call_grammar(), TOOL_SAMPLE, TOOL_PROMPT)):
+            ("tool_call", tool_call_grammar(engine.tokenizer), TOOL_SAMPLE, TOOL_PROMPT)):
         r = measure_grammar(engine, name, grammar, sample, repeat=args.repeat, rng=rng)
-        f1, f33 = forward[1] * 1e6, forward[33] * 1e6
+        f1, f33 = step_s[1] * 1e6, step_s[33] * 1e6
         r["fraction_of_1row_step"] = {"full_mask": round(r["full_mask_us"]["mean"] / f1, 4),
                                       "sampled_mask": round(r["sampled_mask_us"]["mean"] / f1, 4),
                                       "shortcut": round(r["shortcut_us"]["mean"] / f1, 5)}
@@ -264,8 +329,8 @@ def main(argv: list[str] | None = None) -> None:
     emit_report({
         "benchmark": "grammar", "model": str(engine.model_path), "vocab": engine.vocab_size,
         "llguidance": llguidance.__version__ if hasattr(llguidance, "__version__") else _version("llguidance"),
-        "machine": machine_record(engine), "context": args.context,
-        "forward_1row_ms": round(forward[1] * 1e3, 3), "forward_33row_ms": round(forward[33] * 1e3, 3),
+        "machine": machine_record(engine),
+        "step_1row_ms": round(step_s[1] * 1e3, 3), "step_33row_ms": round(step_s[33] * 1e3, 3),
         "ll_tokenizer_build_s": round(tokenizer_s, 3), "grammars": rows, "end_to_end": e2e,
     }, args.out, indent=1)
 
