@@ -167,7 +167,7 @@ def test_the_walk_masks_targets_even_without_pruning(engine, cases, plain, monke
     grammar refuses reach verification (the model's unconstrained choices) and the masked
     targets turn them down; the output is the same."""
     monkeypatch.setattr(Constraint, "legal", lambda self, draft: draft)
-    for name, ids, grammar in cases[::2]:   # the JSON schema and the lazy tool-call grammar
+    for name, ids, grammar in cases[:1]:   # the JSON schema
         ref, free = plain[name]
         drafter = ReferenceTreeDrafter(free.token_ids, vocab=engine.vocab_size, seed=9, extra=ref.token_ids)
         g = engine.generate(ids, max_tokens=MAX_TOKENS, spec=SpecConfig(budget=12, row_cost=0.0), grammar=grammar,
@@ -228,7 +228,7 @@ def test_with_the_kernels_capped_at_avx2(engine, cases, plain, restore_isa):
     cpu_isa.set_isa("avx2")
     name, ids, grammar = cases[1]
     ref = plain[name][0]
-    for spec in (None, SpecConfig(budget=16, row_cost=0.0)):
-        drafter = None if spec is None else ReferenceTreeDrafter(ref.token_ids, vocab=engine.vocab_size, seed=1)
-        g = engine.generate(ids, max_tokens=MAX_TOKENS, spec=spec, grammar=grammar, drafter=drafter)
-        assert g.token_ids == ref.token_ids
+    drafter = ReferenceTreeDrafter(ref.token_ids, vocab=engine.vocab_size, seed=1)
+    g = engine.generate(ids, max_tokens=MAX_TOKENS, spec=SpecConfig(budget=16, row_cost=0.0), grammar=grammar,
+                        drafter=drafter)
+    assert g.token_ids == ref.token_ids and g.stats.accepted_tokens > 0
