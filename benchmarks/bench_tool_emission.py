@@ -7,7 +7,7 @@ edit, bash, list), and decoded greedily with no grammar: what the model emits on
 what the server's lazy tool-call grammar sees before its trigger. The server's output parser
 (``agentspec.chat.parse``) then reads the same text: ``parsed`` is whether it returns a call.
 
-    .venv/bin/python -P -m benchmarks.bench_tool_emission --model ~/.cache/agentspec/gguf/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf
+    .venv/bin/python -m benchmarks.bench_tool_emission --model ~/.cache/agentspec/gguf/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf
 """
 
 from __future__ import annotations

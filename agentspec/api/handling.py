@@ -248,7 +248,7 @@ class Prepared:
     far, on every chunk. ``wire``: the protocol that frames them (``agentspec.server.app``:
     OpenAI's ``data:`` lines and ``[DONE]``, or named ``event:`` lines), ``error_chunks(e)`` what
     a stream sends when it fails after it started, ``heartbeat()`` what it sends after a quiet
-    while (None: an SSE comment)."""
+    while (None: an SSE comment; chat: a chunk with an empty delta)."""
 
     call: Call
     respond: Callable[[Any], dict]
@@ -374,7 +374,9 @@ def _chat(state: ServerState, tenant: Tenant, req: ChatCompletionRequest, model:
                                    {"index": 0, "delta": {}, "logprobs": None,
                                     "finish_reason": finish_reason(gen, parser)})
 
-    return Prepared(call, respond, chunk, final, opening=[delta_chunk({"role": "assistant", "content": ""})])
+    # a heartbeat is a chunk with an empty delta, not only an SSE comment: Qwen Code's idle guard counts chunks
+    return Prepared(call, respond, chunk, final, opening=[delta_chunk({"role": "assistant", "content": ""})],
+                    heartbeat=lambda: [delta_chunk({})])
 
 
 def _completion(state: ServerState, tenant: Tenant, req: CompletionRequest, model: str, session: str | None,

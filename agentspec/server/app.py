@@ -149,11 +149,12 @@ def _sse(obj: Any, wire: str = "openai") -> bytes:
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-# a stream quiet this long gets a heartbeat: agent CLIs drop a stream idle for 300 s (Node's fetch
-# body timeout: opencode, Claude Code, Qwen Code; Codex's stream_idle_timeout_ms) and retry it from
-# the start, while a CPU prefills an agent's 7k-19k-token prompt or a bare-JSON call is held back
+# a stream quiet this long gets a heartbeat: agent CLIs drop a stream idle for 240-300 s (Node's fetch
+# body timeout: opencode, Claude Code; Qwen Code's and Codex's own guards, which count events, not
+# bytes) and retry it from the start, while a CPU prefills an agent's 7k-19k-token prompt or a
+# bare-JSON call is held back
 HEARTBEAT_S = 15.0
-_COMMENT = b": keep-alive\n\n"   # OpenAI's wire: an SSE comment, which every SSE parser skips
+_COMMENT = b": keep-alive\n\n"   # where an endpoint has no heartbeat event: an SSE comment, which SSE parsers skip
 
 
 async def _next_or_heartbeat(events: asyncio.Queue, interval: float):
@@ -206,7 +207,7 @@ async def _stream(state: ServerState, prepared: Prepared, job: Job, events: asyn
             yield _sse(c, wire)
         while True:
             event = await _next_or_heartbeat(events, HEARTBEAT_S)
-            if event is None:   # Anthropic's wire: its ping event; Responses: response.in_progress again
+            if event is None:   # chat: an empty delta; Anthropic's wire: its ping; Responses: response.in_progress
                 beat = prepared.heartbeat() if prepared.heartbeat is not None else None
                 yield _COMMENT if beat is None else b"".join(_sse(c, wire) for c in beat)
                 continue
