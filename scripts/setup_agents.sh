@@ -2,8 +2,8 @@
 # The coding-agent CLIs that tests/models/test_agent_clis.py runs against `agentspec serve`, at pinned
 # versions, from the npm registry into .agents/ (ignored by git): opencode, Codex CLI, Claude Code and
 # Qwen Code. Nothing is installed globally; nothing is fetched at test time. Node.js and npm must be
-# on PATH (Debian: apt-get install nodejs npm). Install scripts are not run: the packages' binaries
-# come in their per-platform packages, and the scripts would only fetch or link them.
+# on PATH (Debian: apt-get install nodejs npm). The native binaries (opencode, Claude Code, Codex) come
+# in per-platform npm packages; opencode's and Claude Code's install scripts link them into place.
 #
 #     bash scripts/setup_agents.sh            # install (again, if a pin changed)
 #     AGENTS_DIR=/elsewhere bash scripts/setup_agents.sh
@@ -22,7 +22,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "${pins[*]}" ] && [ -x "$dir/node_mo
     exit 0
 fi
 mkdir -p "$dir"
-npm install --prefix "$dir" --no-fund --no-audit --ignore-scripts --loglevel=error "${pins[@]}"
+npm install --prefix "$dir" --no-fund --no-audit --loglevel=error "${pins[@]}"
 echo "${pins[*]}" > "$stamp"
 for bin in opencode codex claude qwen; do
     "$dir/node_modules/.bin/$bin" --version >/dev/null 2>&1 || echo "setup_agents: $bin does not start here" >&2

@@ -48,7 +48,8 @@ def server(tmp_path_factory):
     sys.modules["fetch_model"] = mod
     spec.loader.exec_module(mod)
     path = mod.fetch(MODEL)
-    srv = Server(tmp_path_factory.mktemp("agent-server"), config=None, timeout=600,
+    # a CPU may take longer than the default 600 s request timeout to prefill Claude Code's or Qwen Code's prompt
+    srv = Server(tmp_path_factory.mktemp("agent-server"), config="[server]\nrequest_timeout_s = 3600\n", timeout=600,
                  args=["--model", str(path), "--max-context", str(CONTEXT)])
     yield srv
     srv.stop()
@@ -163,6 +164,8 @@ def test_qwen_code(server, tmp_path):
         "privacy": {"usageStatisticsEnabled": False}, "telemetry": {"enabled": False},
         "general": {"disableAutoUpdate": True, "disableUpdateNag": True}}))
     env.update(OPENAI_BASE_URL=server.base + "/v1", OPENAI_API_KEY="none", OPENAI_MODEL="qwen",
-               QWEN_CODE_SUPPRESS_YOLO_WARNING="1")
+               QWEN_CODE_SUPPRESS_YOLO_WARNING="1",
+               # a stream may live 900 s by default: a CPU's prefill of Qwen Code's 16k-token prompt can take longer
+               QWEN_STREAM_MAX_LIFETIME_MS=str(int(TIMEOUT * 1000)))
     _run([qwen, "--auth-type", "openai", "--approval-mode", "yolo", "--max-session-turns", "6", TASK],
          repo, env, server, "chat.completions")
