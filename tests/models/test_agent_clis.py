@@ -165,7 +165,7 @@ def test_qwen_code(server, tmp_path):
         "general": {"disableAutoUpdate": True, "disableUpdateNag": True}}))
     env.update(OPENAI_BASE_URL=server.base + "/v1", OPENAI_API_KEY="none", OPENAI_MODEL="qwen",
                QWEN_CODE_SUPPRESS_YOLO_WARNING="1",
-               # a stream may live 900 s by default: a CPU's prefill of Qwen Code's 16k-token prompt can take longer
+               # a stream may live 900 s by default: a CPU's prefill of Qwen Code's 17k-token prompt can take longer
                QWEN_STREAM_MAX_LIFETIME_MS=str(int(TIMEOUT * 1000)))
     _run([qwen, "--auth-type", "openai", "--approval-mode", "yolo", "--max-session-turns", "6", TASK],
          repo, env, server, "chat.completions")
