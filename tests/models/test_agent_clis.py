@@ -31,7 +31,8 @@ TIMEOUT = float(os.environ.get("AGENTSPEC_AGENT_TIMEOUT", "1800"))
 CONTEXT = 32768   # Qwen2.5-Coder's window: the CLIs' prompts run past the default 8192
 TASK = "Create a file hello.py that prints hello world"
 
-pytestmark = pytest.mark.slow
+# the suite's per-test timeout is far shorter than a CLI's run (and the first test's includes the server's start)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT + 900)]
 
 
 def _needs(name: str):
@@ -72,7 +73,8 @@ def _repo(tmp_path: Path) -> tuple[Path, dict]:
     subprocess.run(git + ["commit", "-q", "-m", "init"], cwd=repo, check=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "ANTHROPIC_", "CLAUDE_", "CODEX_"))}
     env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_DATA_HOME=str(home / ".local/share"),
-               XDG_CACHE_HOME=str(home / ".cache"), XDG_STATE_HOME=str(home / ".local/state"), NO_COLOR="1")
+               XDG_CACHE_HOME=str(home / ".cache"), XDG_STATE_HOME=str(home / ".local/state"), NO_COLOR="1",
+               PWD=str(repo))   # opencode looks for its project config from $PWD, not the working directory
     return repo, env
 
 
