@@ -328,7 +328,7 @@ def prepare_messages(state: ServerState, tenant: Tenant, req: MessagesRequest, m
     call = _resolve(state, opts, endpoint="messages", tenant=tenant, model=model, ids=turn.ids,
                     max_tokens=req.max_tokens, prediction=None, session=session, t0=t0, prefix="msg",
                     include_usage=True, want_stats=req.spec_stats, grammar=turn.grammar,
-                    grammar_param=turn.grammar_param)
+                    grammar_param=turn.grammar_param, output=turn.output)
     msg_id = "msg_" + call.request_id.split("-", 1)[1]
     tokenizer = state.backend.tokenizer
     stops = list(req.stop_sequences or [])

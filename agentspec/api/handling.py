@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ..apply import ApplyPathError, build_apply, chat_fast_apply, prediction_usage, resolve_workspace_path
-from ..backends.protocol import GenerationRequest
+from ..backends.protocol import GenerationRequest, OutputFormat
 from ..errors import BackendClosedError, ContextLengthError, InvalidRequestError, QueueFullError
 from .routing import Route, UnknownRouteError
 from ..text import TextStream
@@ -153,7 +153,7 @@ def _prediction_text(req: Any, max_context: int) -> str | None:
 def _resolve(state: ServerState, body: Any, *, endpoint: str, tenant: Tenant, model: str, ids: list[int],
              max_tokens: int | None, prediction: str | list[int] | None, session: str | None, t0: float,
              prefix: str, include_usage: bool, want_stats: bool, grammar: str | None = None,
-             grammar_param: str | None = None) -> Call:
+             grammar_param: str | None = None, output: OutputFormat | None = None) -> Call:
     """The ``Call`` of a decoded request ``body`` (its sampling fields, ``speculation``, ``stream``
     and ``route``; what an endpoint lacks takes its default): the route resolved, the default
     ``max_tokens`` filled in, the prediction tokenized."""
@@ -188,7 +188,7 @@ def _resolve(state: ServerState, body: Any, *, endpoint: str, tenant: Tenant, mo
         prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=1.0 if top_p is None else top_p,
         top_k=max(top_k or 0, 0), seed=getattr(body, "seed", None), stop=[stop] if isinstance(stop, str) else list(stop or []),
         spec=route.spec, drafters=route.drafters, tenant=tenant.name, request_id=f"{prefix}-{secrets.token_hex(12)}",
-        prediction_ids=pred_ids, grammar=grammar)
+        prediction_ids=pred_ids, grammar=grammar, output=output)
     return Call(endpoint=endpoint, tenant=tenant, request=request, route=route, spec_reason=route.reason,
                 session=session, stream=getattr(body, "stream", False), include_usage=include_usage,
                 want_stats=want_stats, model=model, t0=t0, grammar_param=grammar_param)
@@ -321,7 +321,8 @@ def _chat(state: ServerState, tenant: Tenant, req: ChatCompletionRequest, model:
     call = _resolve(state, req, endpoint="chat.completions", tenant=tenant, model=model, ids=turn.ids,
                     max_tokens=req.max_completion_tokens or req.max_tokens, prediction=prediction, session=session,
                     t0=t0, prefix="chatcmpl", include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                    want_stats=req.spec_stats, grammar=turn.grammar, grammar_param=turn.grammar_param)
+                    want_stats=req.spec_stats, grammar=turn.grammar, grammar_param=turn.grammar_param,
+                    output=turn.output)
     base = {"id": call.request_id, "created": call.created, "model": model}
     parser = turn.parser("call_")   # the stream's (a whole answer gets its own)
 

@@ -316,7 +316,7 @@ def prepare_responses(state: ServerState, tenant: Tenant, req: ResponsesRequest,
     call = _resolve(state, opts, endpoint="responses", tenant=tenant, model=model, ids=turn.ids,
                     max_tokens=req.max_output_tokens, prediction=None, session=session, t0=t0, prefix="resp",
                     include_usage=True, want_stats=req.spec_stats, grammar=turn.grammar,
-                    grammar_param=turn.grammar_param)
+                    grammar_param=turn.grammar_param, output=turn.output)
     resp_id = "resp_" + call.request_id.split("-", 1)[1]
     created = int(time.time())
     echo = {

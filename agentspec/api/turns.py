@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..chat import Conversation, OutputParser, ToolFormat, detect_format
 from ..chat.conversation import template_messages, template_tools
+from ..backends.protocol import OutputFormat
 from ..errors import InvalidRequestError
 from .protocol import APIError
 
@@ -58,6 +59,16 @@ class Turn:
         if self.conv.tool_choice == "function":
             return [self.conv.forced_tool] if self.conv.forced_tool else []
         return [t.name for t in self.conv.tools]
+
+    @property
+    def output(self) -> OutputFormat | None:
+        """How the output reads, for the drafters (None: free text)."""
+        tools = self.tool_names
+        if (self.fmt is None or not tools) and self.conv.response_schema is None:
+            return None
+        return OutputFormat(tool_format=self.fmt.name if self.fmt is not None and tools else None,
+                            tools=tuple(tools), forced=self.conv.tool_choice in ("required", "function"),
+                            json=self.conv.response_schema is not None and not tools)
 
     def parser(self, id_prefix: str = "call_") -> OutputParser:
         return OutputParser(self.fmt, self.tool_names, id_prefix=id_prefix,

@@ -27,7 +27,7 @@ from ..config import SpecConfig
 from ..errors import ContextLengthError, InvalidRequestError, QueueFullError
 
 __all__ = ["MAX_TEMPERATURE", "Backend", "model_name_for", "ContextLengthError", "GenerationRequest", "InvalidRequestError", "OnDone",
-           "OnTokens", "QueueFullError", "Sampling", "TokenizerLike", "check_drafter_names", "check_float", "check_int",
+           "OnTokens", "OutputFormat", "QueueFullError", "Sampling", "TokenizerLike", "check_drafter_names", "check_float", "check_int",
            "check_messages", "check_request", "check_sampling", "check_token_ids", "collect", "request_drafters",
            "stream_via_submit"]
 
@@ -53,6 +53,19 @@ OnDone = Callable[[Any, Any], None]
 A cancelled request ends with a ``Generation`` whose finish_reason is "cancelled"."""
 
 
+class OutputFormat(msgspec.Struct, frozen=True, kw_only=True):
+    """How a request's output reads, for drafters that draft from its structure (a tool call's
+    JSON arguments): ``tool_format``, the model's tool-call row (``agentspec.chat.formats.FORMATS``
+    name; None: no tools offered), ``tools`` the names a call may take, ``forced`` a call is forced
+    (``tool_choice`` required or named), ``json`` the whole answer is one JSON value (a response
+    schema). It never changes what is generated: it only tells drafters where to look."""
+
+    tool_format: str | None = None
+    tools: tuple[str, ...] = ()
+    forced: bool = False
+    json: bool = False
+
+
 class GenerationRequest(msgspec.Struct, kw_only=True):
     """One generation, as the request layer (``agentspec.api``) hands it to a backend.
 
@@ -67,6 +80,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     ``grammar``: constrain the output to an llguidance grammar (what ``llguidance.LLMatcher.
     grammar_from_json_schema`` / ``grammar_from_lark`` return, or Lark text): every token is the
     one plain decoding picks among the tokens the grammar allows, with speculation or without.
+    ``output``: how the output reads (``OutputFormat``; None: free text), for drafters.
 
     A backend checks a request once, where it is submitted (``check_request``), and hands the
     checked one on: nothing behind ``submit`` checks it again."""
@@ -84,6 +98,7 @@ class GenerationRequest(msgspec.Struct, kw_only=True):
     request_id: str = ""
     prediction_ids: list[int] | None = None
     grammar: str | None = None
+    output: OutputFormat | None = None
 
     @property
     def greedy(self) -> bool:
@@ -357,6 +372,9 @@ def check_request(request: Any, *, vocab_size: int, max_context: int,
     if request.grammar is not None and (not isinstance(request.grammar, str) or not request.grammar.strip()):
         raise InvalidRequestError(f"grammar must be a non-empty string (an llguidance grammar), got "
                                   f"{request.grammar!r:.80}", param="grammar")
+    if request.output is not None and not isinstance(request.output, OutputFormat):
+        raise InvalidRequestError(f"output must be an OutputFormat, got {type(request.output).__name__}",
+                                  param="output")
     prediction = None
     if request.prediction_ids is not None:
         prediction = check_token_ids(request.prediction_ids, vocab_size=vocab_size, name="prediction_ids",

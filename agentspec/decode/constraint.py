@@ -183,6 +183,25 @@ class Constraint:
         self.seconds += time.perf_counter() - t0
         return n
 
+    def forced(self, limit: int) -> list[int]:
+        """The tokens the grammar forces next (it admits exactly one continuation: a fixed key, a
+        closing brace or tag), at most ``limit``, as llguidance tokenizes them; the state is left
+        as it is. A draft, not a commitment: the model may write the same text in other tokens,
+        and verification decides (``Decoder.propose_many`` proposes them)."""
+        if self.finished or limit <= 0 or self._m.is_stopped():
+            return []
+        t0 = time.perf_counter()
+        try:
+            toks = [int(t) for t in self._m.compute_ff_tokens()[:limit]]
+        finally:
+            self.seconds += time.perf_counter() - t0
+        out: list[int] = []
+        for t in toks:   # (EOS ends the output: it is never drafted)
+            if t >= self.vocab or t in self.eos:
+                break
+            out.append(t)
+        return out
+
     def legal(self, draft: Draft) -> Draft:
         """``draft`` cut to the nodes whose tokens root..node the grammar takes (a tree still:
         a kept node's parent is kept; probabilities and node sources go with their nodes). One

@@ -33,7 +33,7 @@ import torch
 from ..config import SpecConfig
 from ..drafting import EMPTY_DRAFT, Draft, Drafter
 from ..drafting.draft import AcceptanceTracker
-from ..drafting.protocols import hidden_wanted, propose_all, wants_hidden_states
+from ..drafting.protocols import hidden_wanted, propose_all, tell_output, wants_hidden_states
 from ..kernels.cpu_linear import argmax_rows
 from ..kernels.tree import greedy_verify_batch, tree_depths, tree_mask, with_root
 from ..text import stop_index
@@ -43,7 +43,7 @@ from .verify import greedy_verify, seeded_target
 
 if TYPE_CHECKING:   # the embedded engine's model runs the step's forwards; the step does not import it
     from ..backends.embedded.model import KVCache
-    from ..backends.protocol import GenerationRequest
+    from ..backends.protocol import GenerationRequest, OutputFormat
     from .constraint import Constraint
 
 # canonical prefix-cache chunks per prefill forward where prefill rows are split-invariant (8:
@@ -51,12 +51,43 @@ if TYPE_CHECKING:   # the embedded engine's model runs the step's forwards; the 
 # passes over the weights and fewer forwards' set-up)
 PREFILL_CHUNKS = 8
 
-__all__ = ["MAX_STEP_ROWS", "Decoder", "SeqState", "run_single", "spec_decision"]
+__all__ = ["MAX_STEP_ROWS", "Decoder", "SeqState", "run_single", "spec_decision", "with_forced"]
 
 
 
 
 _ids = itertools.count()
+
+
+def with_forced(forced: list[int], draft: Draft, budget: int) -> Draft:
+    """``forced`` (tokens the grammar admits alone next) as a chain of certain nodes, then the
+    nodes of ``draft`` whose path starts with them (re-rooted at the last forced token); at most
+    ``budget`` nodes. Node sources: "grammar" for the forced ones, the drafter's for the rest."""
+    forced = forced[:budget]
+    k = len(forced)
+    tokens, parents = list(forced), list(range(-1, k - 1))
+    probs, sources = [1.0] * k, ["grammar"] * k
+    if draft.token_ids and len(tokens) < budget:
+        paths: list[list[int]] = []
+        new_index: dict[int, int] = {}
+        for i, (t, p) in enumerate(zip(draft.token_ids, draft.parents)):
+            path = (paths[p] if p >= 0 else []) + [t]
+            paths.append(path)
+            if len(path) > k and path[:k] == forced and len(tokens) < budget:
+                par = k - 1 if len(path) == k + 1 else new_index.get(p)
+                if par is None:
+                    continue
+                new_index[i] = len(tokens)
+                tokens.append(t)
+                parents.append(par)
+                probs.append(draft.probs[i])
+                sources.append(draft.source_of(i))
+    surv, score = [], 0.0
+    for i, p in enumerate(parents):
+        surv.append(probs[i] * (surv[p] if p >= 0 else 1.0))
+        score += surv[-1]
+    return Draft(tokens, parents, probs, score, "grammar" if len(tokens) == k else f"grammar+{draft.source}",
+                 sources)
 
 
 def spec_decision(spec: SpecConfig | None, greedy: bool) -> tuple[bool, str]:
@@ -97,6 +128,7 @@ class SeqState:
     hidden_layers: tuple[int, ...] = ()  # target layers the drafter wants (HiddenStateDrafter)
     started: bool = False                # the drafter has started this request (stop it at the end)
     constraint: Constraint | None = None  # the request's grammar, in the state after its committed tokens
+    output: OutputFormat | None = None     # how the output reads (told to drafters that read it)
 
     @property
     def remaining(self) -> int:
@@ -148,7 +180,7 @@ class Decoder:
         return SeqState(ids=ids, max_tokens=request.max_tokens, greedy=greedy, temperature=request.temperature,
                         top_p=request.top_p, top_k=request.top_k, seed=key or 0, stops=list(request.stop),
                         spec_on=on, policy=policy, drafter=drafter if on else None, tenant=request.tenant,
-                        width=width, hidden_layers=layers, constraint=constraint,
+                        width=width, hidden_layers=layers, constraint=constraint, output=request.output,
                         stats=GenerationStats(prompt_tokens=len(ids), spec_enabled=on, spec_reason=reason,
                                               seed=key))
 
@@ -163,6 +195,7 @@ class Decoder:
             td = time.perf_counter()
             seq.drafter.start(seq.req_id, seq.ids, tenant=seq.tenant)
             seq.started = True
+            tell_output(seq.drafter, seq.req_id, seq.output)
             if seq.hidden_layers and not hidden_wanted(seq.drafter, seq.req_id):
                 seq.hidden_layers = ()   # a draft head sits this request out: gather nothing
             seq.stats.draft_seconds += time.perf_counter() - td
@@ -263,9 +296,13 @@ class Decoder:
         for i, (s, d) in enumerate(zip(seqs, drafts)):
             if s.spec_on:
                 s.stats.draft_seconds += share
-            if s.constraint is not None and d.token_ids:
+            if s.constraint is not None and s.spec_on:
                 # the grammar-legal part only: an illegal token never equals a masked target
-                drafts[i] = s.constraint.legal(d)
+                d = s.constraint.legal(d) if d.token_ids else d
+                # what the grammar forces next is a free draft, verified like any other
+                budget = s.policy.budget_for(s.remaining)
+                forced = s.constraint.forced(budget) if budget > 0 else []
+                drafts[i] = with_forced(forced, d, budget) if forced else d
         return [s.policy.shape(d, trust=s.tracker.trust, cost_cut=cost_cut) for s, d in zip(seqs, drafts)]
 
     def release(self, seq: SeqState) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from .draft import EMPTY_DRAFT, Draft, Drafter
-from .protocols import hidden_wanted, propose_all, wants_hidden_states
+from .protocols import hidden_wanted, propose_all, tell_output, wants_hidden_states
 
 __all__ = ["FallbackDrafter", "MergedDrafter", "merge_drafts"]
 
@@ -95,6 +95,10 @@ class _Composite:
             layers = wants_hidden_states(d)
             if layers:
                 d.observe_hidden(req_id, tokens, {k: hidden[k] for k in layers})
+
+    def output_format(self, req_id: str, output) -> None:
+        for d in self.drafters:
+            tell_output(d, req_id, output)
 
     def _stop_all(self, req_id: str) -> None:
         """Stop every part (all of them, even when one raises: the first error is re-raised)."""

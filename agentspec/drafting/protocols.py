@@ -19,7 +19,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from .draft import Draft
 
-__all__ = ["BatchDrafter", "HiddenStateDrafter", "hidden_wanted", "propose_all", "wants_hidden_states"]
+__all__ = ["BatchDrafter", "HiddenStateDrafter", "OutputDrafter", "hidden_wanted", "propose_all", "tell_output",
+           "wants_hidden_states"]
 
 
 @runtime_checkable
@@ -58,6 +59,25 @@ class BatchDrafter(Protocol):
     """
 
     def propose_batch(self, req_ids: Sequence[str], budgets: Sequence[int]) -> list[Draft]: ...
+
+
+@runtime_checkable
+class OutputDrafter(Protocol):
+    """A drafter that reads the output's structure (a tool call's JSON arguments).
+
+    ``output_format(req_id, output)`` is called once per request, after ``start`` and before the
+    first ``propose``, for a request whose output has a known shape: ``output`` is its
+    ``agentspec.backends.protocol.OutputFormat`` (the model's tool-call row, the tool names, a
+    JSON answer). A request without one never gets the call: its output is free text.
+    """
+
+    def output_format(self, req_id: str, output: Any) -> None: ...
+
+
+def tell_output(drafter: Any, req_id: str, output: Any) -> None:
+    """Hand ``output`` (an ``OutputFormat``) to ``drafter`` where it reads one."""
+    if output is not None and isinstance(drafter, OutputDrafter):
+        drafter.output_format(req_id, output)
 
 
 def hidden_wanted(drafter: Any, req_id: str) -> bool:

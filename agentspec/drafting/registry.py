@@ -2,10 +2,13 @@
 
 A route (``[[routes]] drafters = [...]`` in the server config) names its drafters here:
 
-- ``"suffix"``: the suffix index (request context, tenant outputs, tenant workspace); the
+- ``"suffix"``: the suffix index (request context, tenant outputs, tenant workspace); in the
   default. It drafts from the index the server shares between requests (tenants stay isolated).
 - ``"lookahead"``: the lookahead n-gram pool alone (the request's and its tenant's outputs).
 - ``"prompt_lookup"``: prompt lookup over the request's own context alone.
+- ``"json_copy"``: escape-aware copying into the JSON string a tool call is writing
+  (``json_copy``): the prompt's text, a ``Read`` result, the call's ``old_string``, unescaped for
+  the lookup and escaped back; with ``"suffix"``, the default.
 - ``"eagle3"``: the EAGLE-3 draft head (``eagle3_drafter``), gated per request by its
   break-even; beside other drafters it is their fallback (see ``build_drafter``).
 
@@ -181,6 +184,12 @@ def _prompt_lookup(index: Any = None, **options: Any) -> Drafter:
     return PromptLookupDrafter(**options)
 
 
+def _json_copy(index: Any = None, engine: Any = None, **options: Any) -> Drafter:
+    from .json_copy import JsonCopyDrafter
+
+    return JsonCopyDrafter(engine.tokenizer, **options)
+
+
 def _eagle3(index: Any = None, engine: Any = None, **options: Any) -> Drafter:
     from .eagle3_drafter import for_engine
 
@@ -193,7 +202,11 @@ register("lookahead", "lookahead n-gram pool of the request's and its tenant's g
 register("prompt_lookup", "prompt lookup: copies what followed the recent tokens in the request's own context",
          _prompt_lookup)
 
+register("json_copy", "text the server holds (the prompt, a Read result, the old_string just written) copied into "
+         "the tool-call argument string being written, JSON-escaped (requests with tools or a response schema)",
+         _json_copy, needs_engine=True)
 register("eagle3", "EAGLE-3 draft head over the target's hidden states (the fallback for text no index holds)",
          _eagle3, needs_engine=True, fallback=True)
 
-DEFAULT_DRAFTERS: tuple[str, ...] = ("suffix",)
+# json_copy drafts only inside a tool call's (or a JSON answer's) strings: for free text it proposes nothing
+DEFAULT_DRAFTERS: tuple[str, ...] = ("suffix", "json_copy")

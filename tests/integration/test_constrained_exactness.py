@@ -232,3 +232,23 @@ def test_with_the_kernels_capped_at_avx2(engine, cases, plain, restore_isa):
     g = engine.generate(ids, max_tokens=MAX_TOKENS, spec=SpecConfig(budget=16, row_cost=0.0), grammar=grammar,
                         drafter=drafter)
     assert g.token_ids == ref.token_ids and g.stats.accepted_tokens > 0
+
+
+def test_the_default_drafters_with_the_outputs_format_forced_tokens_included(engine, cases, plain):
+    """The server's default drafters (the suffix index and escape-aware copying) told how the
+    output reads, and the grammar's forced tokens proposed as drafts: the same tokens as plain
+    constrained decoding, and the forced stretches are accepted."""
+    from agentspec.backends.protocol import OutputFormat
+    from agentspec.drafting.registry import DEFAULT_DRAFTERS
+
+    drafter = engine.drafter_for(DEFAULT_DRAFTERS)
+    formats = {"json": OutputFormat(json=True), "lark": None,
+               "tool": OutputFormat(tool_format="hermes", tools=("read_file", "list_dir"))}
+    forced = 0
+    for name, ids, grammar in cases:
+        ref = plain[name][0]
+        g = engine.generate(ids, max_tokens=MAX_TOKENS, spec=SpecConfig(budget=16, row_cost=0.0), grammar=grammar,
+                            drafter=drafter, output=formats[name])
+        assert g.token_ids == ref.token_ids, name
+        forced += g.stats.source_accepted.get("grammar", 0)
+    assert forced > 0

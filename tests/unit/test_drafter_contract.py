@@ -91,7 +91,7 @@ def test_registry_is_the_one_list():
     assert set(names) >= {"suffix", "lookahead", "prompt_lookup"}
     assert DRAFTERS == names
     # a route that names no drafters leaves the backend's default (the embedded engine's DEFAULT_DRAFTERS)
-    assert DEFAULT_DRAFTERS == ("suffix",) and Router().resolve(endpoint="completions", tenant="t", model="m",
+    assert DEFAULT_DRAFTERS == ("suffix", "json_copy") and Router().resolve(endpoint="completions", tenant="t", model="m",
                                                                  temperature=0.0).drafters is None
     for e in registered():
         assert e.description and "\n" not in e.description

@@ -21,7 +21,7 @@ from ...drafting import Drafter, default_drafter
 from ...errors import ConfigError, InvalidRequestError, ModelLoadError
 from ...kernels import cpu_linear
 from ...kernels import cpu_isa as _cpu_isa
-from ..protocol import GenerationRequest, check_request
+from ..protocol import GenerationRequest, OutputFormat, check_request
 from ...decode.results import Generation
 from .model import KVCache, Transformer, round_up
 from .plan import KernelPlan, Settings
@@ -47,6 +47,7 @@ class GenerateOptions(TypedDict, total=False):
     tenant: str                     # whose history and workspace drafts come from
     should_stop: Callable[[], bool] | None
     grammar: str | None             # an llguidance grammar the output must follow (``GenerationRequest.grammar``)
+    output: OutputFormat | None     # how the output reads, for drafters (``GenerationRequest.output``)
 
 
 class EmbeddedEngine:
@@ -432,6 +433,7 @@ class EmbeddedEngine:
         tenant: str = "default",
         should_stop: Callable[[], bool] | None = None,
         grammar: str | None = None,
+        output: OutputFormat | None = None,
     ) -> Iterator[list[int]]:
         """Yield the newly committed token ids after every step; return the ``Generation``.
 
@@ -439,10 +441,12 @@ class EmbeddedEngine:
         grammar is compiled here too). ``should_stop`` is called before every step; when it
         returns True the generation ends with finish_reason "cancelled" (a server uses it for
         disconnects and timeouts). ``grammar``: an llguidance grammar the output follows
-        (``GenerationRequest.grammar``).
+        (``GenerationRequest.grammar``). ``output``: how the output reads (``GenerationRequest.output``:
+        a tool-call format and its tools, or a JSON answer), for drafters that draft from it.
         """
         request = self.check(self.encode(prompt), max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                             top_k=top_k, seed=seed, stop=stop, spec=spec, tenant=tenant, grammar=grammar)
+                             top_k=top_k, seed=seed, stop=stop, spec=spec, tenant=tenant, grammar=grammar,
+                             output=output)
         constraint = None if request.grammar is None else self.constraint_for(request.grammar)
         return self._run(request, drafter=self.request_drafter(drafter, spec), should_stop=should_stop,
                          constraint=constraint)
@@ -488,14 +492,14 @@ class EmbeddedEngine:
 
     def check(self, ids: Sequence[int], *, max_tokens: Any, temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0,
               seed: Any = None, stop: Any = None, spec: Any = DEFAULT_SPEC, tenant: str = "default",
-              grammar: Any = None) -> GenerationRequest:
+              grammar: Any = None, output: Any = None) -> GenerationRequest:
         """The engine API's arguments as a checked ``GenerationRequest`` (``check_request``, the
         one check every backend runs: InvalidRequestError / ContextLengthError naming the bad
         value)."""
         try:
             request = GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                         top_k=top_k, seed=seed, stop=[stop] if isinstance(stop, str) else stop or [],
-                                        spec=spec, tenant=tenant, grammar=grammar)
+                                        spec=spec, tenant=tenant, grammar=grammar, output=output)
         except TypeError as e:   # a value msgspec.Struct cannot take (not type-checked at construction)
             raise InvalidRequestError(str(e), param="request") from None
         return check_request(request, vocab_size=self.vocab_size, max_context=self.max_context)

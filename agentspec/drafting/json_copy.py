@@ -1,0 +1,299 @@
+"""Escape-aware drafting: text the server has, copied into the JSON string the model is writing.
+
+An agent's editing turn is mostly tool-call arguments (``Write(content=...)``, ``Edit(old_string,
+new_string)``, a heredoc in a ``bash`` command) that copy text the server already holds: the file a
+``Read`` returned, the ``old_string`` the model just wrote. Inside a JSON string that text arrives
+escaped (a newline as ``\\n``, a quote as ``\\"``, a backslash doubled), so a token-level index over
+the raw text matches only the stretches between escapes. This drafter works on text instead:
+
+1. the request's output is read by the tool-call format's ``OutputParser`` (the request's
+   ``OutputFormat``, told through ``OutputDrafter.output_format``), which says, token by token,
+   whether the output is inside a JSON string of a call's arguments and which argument;
+2. inside one, the string written so far is unescaped, and its tail (up to ``MAX_MATCH``
+   characters, at least ``MIN_MATCH``) is looked up in the *unescaped* sources: the string
+   values the output already holds (the ``old_string`` before a ``new_string``), the prompt's
+   text, and the prompt with line-number gutters stripped (``cat -n`` / ``Read`` results);
+3. what followed the match there is escaped as the model writes JSON (``json.dumps``, raw UTF-8
+   unless the output used ``\\u`` escapes) and tokenized with the target's tokenizer from the last
+   committed token's boundary: a chain draft, verified like any other (exactness never depends on
+   a draft).
+
+Edits: at the start of ``new_string`` (nothing written to match yet) the draft is the call's
+``old_string`` from its start (an edit changes a few lines of what it replaces). Where a copied
+string ends in the source (the end of ``old_string``), the draft closes the JSON string too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .draft import EMPTY_DRAFT, Draft
+
+__all__ = ["JsonCopyDrafter", "escape_json", "unescape_json"]
+
+MIN_MATCH = 8      # characters of the string's tail a copy must match
+MAX_MATCH = 64     # the longest tail looked up
+# a draft's per-token confidence by the length of the tail it matched
+_CONF = ((64, 0.95), (32, 0.9), (16, 0.8), (0, 0.6))
+_END = "\x00"      # between string values in the output's source: a copy stops there, closing the string
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", '"': '"', "\\": "\\", "/": "/"}
+_ESC = re.compile(r"\\(u[0-9a-fA-F]{4}|.)", re.S)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_STRING = re.compile(r'"((?:[^"\\]|\\.)*)"', re.S)
+# line-number gutters of a file shown to the model: `cat -n` ("     1\t"), Claude Code's Read
+# ("     1→"), opencode's ("00001| ")
+_GUTTER = re.compile(r"^ *\d+(?:\t|→|\| ?)", re.M)
+# a run of such lines: a file shown whole (its end is where a copy of it closes the string)
+_GUTTER_RUN = re.compile(r"(?:^ *\d+(?:\t|→|\| ?).*(?:\n|$))+", re.M)
+
+
+def unescape_json(s: str) -> str:
+    """The text a JSON string body (no quotes) stands for; an escape it cannot read stays as written."""
+    if "\\" not in s:
+        return s
+
+    def one(m: re.Match) -> str:
+        e = m.group(1)
+        if e[0] == "u" and len(e) == 5:
+            return chr(int(e[1:], 16))
+        return _ESCAPES.get(e, m.group(0))
+    out = _ESC.sub(one, s)
+    if _SURROGATE.search(out):   # a pair written as two \u escapes: one character
+        out = out.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return out
+
+
+def escape_json(s: str, *, ascii_only: bool = False) -> str:
+    """``s`` as a JSON string body, escaped as ``json.dumps`` writes it."""
+    return json.dumps(s, ensure_ascii=ascii_only)[1:-1]
+
+
+def _backslashes_before(text: str, i: int) -> int:
+    n = 0
+    while i - n - 1 >= 0 and text[i - n - 1] == "\\":
+        n += 1
+    return n
+
+
+def _last_open_quote(text: str, lo: int) -> int:
+    """The last unescaped ``"`` in ``text`` at or after ``lo`` (-1: none)."""
+    i = len(text)
+    while True:
+        i = text.rfind('"', lo, i)
+        if i < 0 or _backslashes_before(text, i) % 2 == 0:
+            return i
+
+
+@dataclass
+class _Req:
+    prompt_ids: list[int]
+    tenant: str
+    ids: list[int] = field(default_factory=list)
+    parser: Any = None                 # the output's OutputParser (None: no output format told)
+    json_state: Any = None             # a whole-JSON answer's JsonState (response schema)
+    text: str = ""                     # the output's text, as far as fed
+    open_at: int = -1                  # where the JSON string being written opens in ``text``
+    sources: list[str] | None = None   # the prompt's unescaped sources (built on first use)
+    out_source: str = ""               # the output's finished string values, unescaped, _END-separated
+    out_source_to: int = -1            # ... for the output up to this string's opening
+    ascii_only: bool = False           # the output escapes non-ASCII as \\uXXXX
+    stats: dict = field(default_factory=lambda: {"proposals": 0, "edit": 0, "output": 0, "prompt": 0})
+
+
+class JsonCopyDrafter:
+    """A ``Drafter`` (and ``OutputDrafter``) that copies unescaped text into the JSON string
+    being written, escaped. ``tokenizer``: the target's (``encode`` / ``decode``, and a
+    ``backend`` with ``encode(text, add_special_tokens=False)`` when it adds a BOS)."""
+
+    def __init__(self, tokenizer: Any, *, min_match: int = MIN_MATCH, max_match: int = MAX_MATCH) -> None:
+        if not 1 <= min_match <= max_match:
+            raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        self.tokenizer = tokenizer
+        self.min_match, self.max_match = int(min_match), int(max_match)
+        self._reqs: dict[str, _Req] = {}
+        self._piece: dict[int, str] = {}
+
+    # ---- Drafter ------------------------------------------------------------------------------
+
+    def start(self, req_id: str, prompt: Sequence[int], *, tenant: str = "default") -> None:
+        self._reqs[req_id] = _Req(list(prompt), tenant)
+
+    def output_format(self, req_id: str, output: Any) -> None:
+        from ..chat.formats import FORMATS
+        from ..chat.parse import JsonState, OutputParser
+
+        r = self._reqs.get(req_id)
+        if r is None:
+            return
+        fmt = FORMATS.get(output.tool_format) if output.tool_format else None
+        if fmt is not None and output.tools:
+            r.parser = OutputParser(fmt, output.tools, forced=bool(output.forced))
+        elif output.json:
+            r.json_state = JsonState()
+
+    def extend(self, req_id: str, tokens: Sequence[int]) -> None:
+        r = self._reqs.get(req_id)
+        if r is not None and (r.parser is not None or r.json_state is not None):
+            r.ids.extend(int(t) for t in tokens)
+
+    def stop(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+
+    def stats(self, req_id: str) -> dict | None:
+        """Drafts proposed for a request, by where they were copied from (for tests and benchmarks)."""
+        r = self._reqs.get(req_id)
+        return None if r is None else dict(r.stats)
+
+    def propose(self, req_id: str, budget: int) -> Draft:
+        r = self._reqs.get(req_id)
+        if r is None or budget <= 0 or not r.ids or (r.parser is None and r.json_state is None):
+            return EMPTY_DRAFT
+        if not self._sync(r):
+            return EMPTY_DRAFT
+        raw = r.text[r.open_at + 1:]
+        # an escape half written: the next characters finish it
+        pending = _backslashes_before(raw, len(raw)) % 2 == 1
+        if pending:
+            raw = raw[:-1]
+        elif re.search(r"(?<!\\)(?:\\\\)*\\u[0-9a-fA-F]{0,3}$", raw):
+            return EMPTY_DRAFT   # inside a \uXXXX escape
+        found = self._find(r, raw)
+        if found is None:
+            return EMPTY_DRAFT
+        cont, conf, where = found
+        closes = cont.endswith(_END)
+        body = cont[:-1] if closes else cont
+        if not r.ascii_only and "\\u" in raw:
+            r.ascii_only = bool(re.search(r"\\u00[89a-fA-F][0-9a-fA-F]|\\u0[1-9a-fA-F]|\\u[1-9a-fA-F]", raw))
+        esc = escape_json(body, ascii_only=r.ascii_only)
+        if pending:
+            if not esc.startswith("\\"):
+                return EMPTY_DRAFT
+            esc = esc[1:]
+        if closes:
+            esc += '"'
+        ids = self._tokens(r.ids[-1], esc)
+        if not closes and len(ids) > 1:
+            ids = ids[:-1]   # the last token may be a word cut short
+        ids = ids[:budget]
+        if not ids:
+            return EMPTY_DRAFT
+        r.stats["proposals"] += 1
+        r.stats[where] += 1
+        return Draft.chain(ids, conf, source="json_copy")
+
+    # ---- the output's state ----------------------------------------------------------------------
+
+    def _sync(self, r: _Req) -> bool:
+        """Feed the output's new text to its parser; whether it is inside a JSON string now (and
+        ``r.open_at`` is where that string opens)."""
+        text = self.tokenizer.decode(r.ids).rstrip("\ufffd")
+        if not text.startswith(r.text):   # (a character completed differently: start over)
+            r.text, r.open_at = "", -1
+            r.out_source_to = -1
+            if r.parser is not None:
+                r.parser = type(r.parser)(r.parser.fmt, r.parser.tools, forced=r.parser.forced)
+            else:
+                r.json_state = type(r.json_state)()
+        new = text[len(r.text):]
+        before = len(r.text)
+        r.text = text
+        if r.parser is not None:
+            r.parser.push(new)
+            inside = r.parser.in_string and r.parser.argument is not None
+        else:
+            for ch in new:
+                r.json_state.feed(ch)
+            inside = r.json_state.in_string
+        if not inside:
+            r.open_at = -1
+            return False
+        if r.open_at < 0 or _last_open_quote(text, max(before - 1, r.open_at + 1)) >= 0:
+            r.open_at = _last_open_quote(text, 0)
+        return r.open_at >= 0
+
+    def _argument(self, r: _Req) -> str | None:
+        return r.parser.argument if r.parser is not None else None
+
+    # ---- where the continuation comes from -------------------------------------------------------
+
+    def _prompt_sources(self, r: _Req) -> list[str]:
+        if r.sources is None:
+            prompt = self.tokenizer.decode(r.prompt_ids)
+            # a Read's file without its gutters first (the model writes the file, not the gutters),
+            # then the prompt unescaped (an earlier call's arguments), then as it is
+            plain = _GUTTER_RUN.sub(lambda m: _GUTTER.sub("", m.group(0)) + _END, prompt)
+            views = [plain, unescape_json(plain), prompt]
+            r.sources = [v for i, v in enumerate(views) if v not in views[:i]]
+        return r.sources
+
+    def _output_source(self, r: _Req) -> str:
+        """The string values the output wrote before the current string, unescaped."""
+        if r.out_source_to != r.open_at:
+            values = [unescape_json(m.group(1)) for m in _STRING.finditer(r.text, 0, r.open_at)]
+            r.out_source = _END.join(values) + _END if values else ""
+            r.out_source_to = r.open_at
+        return r.out_source
+
+    def _find(self, r: _Req, raw: str) -> tuple[str, float, str] | None:
+        """(continuation, confidence, source kind) for the string written so far (``raw``, escaped)."""
+        # the tail, unescaped, from an escape boundary
+        lo = max(0, len(raw) - 6 * self.max_match)
+        while lo > 0 and _backslashes_before(raw, lo) % 2 == 1:
+            lo += 1
+        cur = unescape_json(raw[lo:])
+        n = 8 * 64   # characters copied at most (tokens are fewer)
+        if len(cur) < self.min_match and lo == 0:
+            if self._argument(r) == "new_string":   # an edit: new_string starts as old_string did
+                old = self._call_value(r, "old_string")
+                if old is not None and old.startswith(cur) and len(old) > len(cur):
+                    return old[len(cur):len(cur) + n] + (_END if len(old) - len(cur) <= n else ""), 0.8, "edit"
+            return None
+        out = self._output_source(r)
+        sources = [(out, "output")] + [(s, "prompt") for s in self._prompt_sources(r)]
+        top = min(self.max_match, len(cur))
+        for L in sorted({top, *(x for x in (32, 16, self.min_match) if self.min_match <= x < top)}, reverse=True):
+            needle = cur[-L:]
+            for src, kind in sources:
+                at = src.rfind(needle)
+                if at < 0:
+                    continue
+                cont = src[at + L:at + L + n]
+                end = cont.find(_END)
+                if end >= 0:   # the copied value (a string the output wrote, a file shown whole) ends: so does the string
+                    cont = cont[:end + 1]
+                if cont:
+                    return cont, next(c for m, c in _CONF if L >= m), kind
+        return None
+
+    def _call_value(self, r: _Req, key: str) -> str | None:
+        """The last complete ``key`` string value the output wrote, unescaped."""
+        m = None
+        for m in re.finditer(r'"' + re.escape(key) + r'"\s*:\s*"((?:[^"\\]|\\.)*)"', r.text[:r.open_at]):
+            pass
+        return None if m is None else unescape_json(m.group(1))
+
+    # ---- text to token ids -----------------------------------------------------------------------
+
+    def _encode(self, text: str) -> list[int]:
+        backend = getattr(self.tokenizer, "backend", None)
+        if backend is not None:
+            return list(backend.encode(text, add_special_tokens=False).ids)
+        return list(self.tokenizer.encode(text))
+
+    def _tokens(self, last: int, text: str) -> list[int]:
+        """``text``'s tokens as they follow the committed token ``last``: tokenized together with
+        that token's text where it stays one token there (the boundary the model sees), else alone."""
+        piece = self._piece.get(last)
+        if piece is None:
+            piece = self._piece[last] = self.tokenizer.decode([last])
+        if piece and "\ufffd" not in piece:
+            ids = self._encode(piece + text)
+            if ids and ids[0] == last:
+                return ids[1:]
+        return self._encode(text)

@@ -1,0 +1,164 @@
+"""Escape-aware drafting (``agentspec.drafting.json_copy``) and grammar-forced drafts
+(``agentspec.decode.step.with_forced``), on a real tokenizer (the bundled model's BPE) and real
+files of this repository: the drafter is fed an agent's tool call token by token, as the engine
+feeds it, and each draft is checked against what the call says comes next."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentspec import Draft
+from agentspec.backends.protocol import OutputFormat
+from agentspec.decode.step import with_forced
+from agentspec.drafting.json_copy import JsonCopyDrafter, escape_json, unescape_json
+
+ROOT = Path(__file__).resolve().parents[2]
+HERMES = OutputFormat(tool_format="hermes", tools=("Read", "Write", "Edit"))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from agentspec.backends.embedded.weights import load_checkpoint
+
+    return load_checkpoint(quiet=True).tokenizer
+
+
+def _gutter(text: str) -> str:   # a Read result as Claude Code shows it: "     1→line"
+    return "".join(f"{i + 1:6d}→{line}\n" for i, line in enumerate(text.splitlines()))
+
+
+def _replay(tok, prompt: str, output: str, fmt: OutputFormat | None = HERMES, budget: int = 32):
+    """Feed ``output``'s tokens as greedy verification would commit them (the accepted draft
+    prefix plus one token a step); (steps, accepted, drafted, the drafter's stats)."""
+    out = tok.encode(output)
+    d = JsonCopyDrafter(tok)
+    d.start("r", tok.encode(prompt))
+    if fmt is not None:
+        d.output_format("r", fmt)
+    i, steps, accepted, drafted = 1, 0, 0, 0
+    d.extend("r", out[:1])
+    while i < len(out):
+        draft = d.propose("r", budget)
+        draft.validate(budget)
+        assert draft.parents == list(range(-1, len(draft) - 1))   # a chain
+        k = 0
+        while k < len(draft) and i + k < len(out) and draft.token_ids[k] == out[i + k]:
+            k += 1
+        new = out[i:i + k + 1]
+        d.extend("r", new)
+        i += len(new)
+        steps, accepted, drafted = steps + 1, accepted + k, drafted + len(draft)
+    stats = d.stats("r")
+    d.stop("r")
+    assert d.stats("r") is None
+    return steps, accepted, drafted, stats
+
+
+def _call(name: str, **arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_escape_and_unescape_are_json_strings(s):
+    assert json.loads('"' + escape_json(s) + '"') == s
+    assert unescape_json(escape_json(s)) == s
+    if not any("\ud800" <= c <= "\udfff" for c in s):   # (a lone surrogate has no UTF-16 pair to rejoin)
+        assert unescape_json(json.dumps(s, ensure_ascii=True)[1:-1]) == s
+
+
+@pytest.mark.parametrize("path", ["agentspec/drafting/suffix.py", "agentspec/text.py"])
+def test_a_write_of_a_file_the_prompt_holds_is_drafted_through_its_escapes(tok, path):
+    """The file read with line-number gutters, rewritten with one line changed in a Write: the
+    content (quotes, newlines, backslashes escaped) is nearly all drafted."""
+    src = (ROOT / path).read_text()
+    assert "\n" in src and '"' in src
+    new = src.replace("from __future__ import annotations", "from __future__ import annotations  # (edited)", 1)
+    prompt = f"<|im_start|>user\nRead({path}):\n{_gutter(src)}\nMark the future import.<|im_end|>\n<|im_start|>assistant\n"
+    output = _call("Write", file_path=path, content=new)
+    n = len(tok.encode(output))
+    steps, accepted, drafted, stats = _replay(tok, prompt, output)
+    assert accepted >= 0.8 * n, (accepted, n)
+    assert steps <= n / 5
+    assert stats["prompt"] > 0 and accepted >= 0.7 * drafted
+
+
+def test_an_edit_drafts_new_string_from_old_string(tok):
+    src = (ROOT / "agentspec/drafting/suffix.py").read_text()
+    old = src[src.index("    def propose"):src.index("    def stop")]
+    new = old.replace('"suffix")', '"suffix")  # the index\'s own')
+    prompt = f"<|im_start|>user\n{_gutter(src)}\nComment the source name.<|im_end|>\n<|im_start|>assistant\n"
+    output = _call("Edit", file_path="suffix.py", old_string=old, new_string=new)
+    steps, accepted, drafted, stats = _replay(tok, prompt, output)
+    assert stats["edit"] >= 1   # new_string's start: old_string from its start
+    new_tokens = len(tok.encode(json.dumps(new)))
+    assert accepted >= len(tok.encode(json.dumps(old))) * 0.6 + new_tokens * 0.6
+
+
+def test_old_string_copied_to_its_end_closes_the_string(tok):
+    old = 'x = "a\\\\b"\ny = 2\n'
+    d = JsonCopyDrafter(tok)
+    prefix = '<tool_call>\n{"name": "Edit", "arguments": {"old_string": ' + json.dumps(old) + ', "new_string": "x = '
+    d.start("r", tok.encode("prompt"))
+    d.output_format("r", HERMES)
+    d.extend("r", tok.encode(prefix))
+    draft = d.propose("r", 64)
+    assert tok.decode(draft.token_ids) == json.dumps(old)[5:]   # the rest of it, escaped, and the closing quote
+
+
+def test_nothing_is_drafted_outside_strings_or_without_a_format(tok):
+    src = (ROOT / "agentspec/text.py").read_text()
+    prompt = f"user: {src}\nassistant:"
+    # free text copying the file: no output format, no drafts (the suffix index drafts raw text)
+    _, accepted, drafted, stats = _replay(tok, prompt, src, fmt=None)
+    assert drafted == 0 and stats["proposals"] == 0
+    # a call whose strings hold nothing the prompt has: keys and structure are not copied
+    _, _, drafted, stats = _replay(tok, prompt, _call("Read", file_path="zz_no_such_path_qq.txt"))
+    assert drafted == 0
+    # the call tags outside a call's JSON: nothing either, with the format told
+    _, _, drafted, _ = _replay(tok, prompt, "I will read it.\n" + _call("Read", file_path="x"))
+    assert drafted == 0
+
+
+def test_a_pending_escape_and_ascii_escapes_are_continued_as_written(tok):
+    text = 'caf\u00e9 "x"\n\ttab line two of the text\n'
+    d = JsonCopyDrafter(tok)
+    d.start("r", tok.encode("The text: " + text))
+    d.output_format("r", OutputFormat(json=True))
+    written = json.dumps({"content": text}, ensure_ascii=True)
+    cut = written.index("\\n") + 1   # the output ends between the backslash and the n
+    d.extend("r", tok.encode(written[:cut]))
+    draft = tok.decode(d.propose("r", 64).token_ids)
+    assert written[cut:].startswith(draft) and draft.startswith("n\\ttab")
+    assert "\\u00e9" in written[:cut]   # the output escaped é: copies would too (nothing after it has one here)
+
+
+def test_unknown_requests_and_zero_budgets_draft_nothing(tok):
+    d = JsonCopyDrafter(tok)
+    assert not d.propose("nope", 8).token_ids
+    d.start("r", tok.encode("abc"))
+    d.output_format("r", HERMES)
+    d.extend("r", tok.encode('<tool_call>\n{"name": "Write", "arguments": {"content": "abc'))
+    assert not d.propose("r", 0).token_ids
+    d.output_format("other", HERMES)   # not started: ignored
+    with pytest.raises(ValueError, match="min_match"):
+        JsonCopyDrafter(tok, min_match=0)
+
+
+def test_forced_tokens_lead_the_draft_and_the_drafter_continues_after_them():
+    d = Draft([5, 6, 7, 9, 8], [-1, 0, 1, -1, 3], [0.9, 0.9, 0.8, 0.5, 0.5], source="suffix")
+    out = with_forced([5, 6], d, 16)
+    assert out.token_ids == [5, 6, 7] and out.parents == [-1, 0, 1]
+    assert out.node_sources == ["grammar", "grammar", "suffix"] and out.probs[:2] == [1.0, 1.0]
+    assert out.source == "grammar+suffix"
+    # a draft that does not start with the forced tokens adds nothing
+    out = with_forced([4], d, 16)
+    assert out.token_ids == [4] and out.source == "grammar"
+    # the budget holds
+    assert with_forced([1, 2, 3], d, 2).token_ids == [1, 2]
+    out.validate(16)
