@@ -37,8 +37,13 @@ class SpecConfig(msgspec.Struct, frozen=True, kw_only=True):
     # (drafters keep per-request state and share the suffix index across requests); an explicit
     # ``drafter=`` on the call wins. A list is stored as a tuple, so the config stays hashable.
     drafters: tuple[str, ...] | None = None
+    # Where a request's grammar admits exactly one continuation (a fixed key, a closing brace or
+    # tag), propose it as a draft too (verified like any other). False: the drafters' drafts alone.
+    forced_drafts: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.forced_drafts, bool):
+            raise ConfigError(f"SpecConfig.forced_drafts must be true or false, got {self.forced_drafts!r}")
         if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget < 0:
             raise ConfigError(f"SpecConfig.budget must be an int >= 0, got {self.budget!r}")
         if self.budget > 1024:
@@ -196,8 +201,9 @@ class RouteRule(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     speculation: bool = True
     # max draft tokens per step (unset: SpecConfig's default, 32)
     budget: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
-    # which drafters propose (names from agentspec.drafting.registry): "suffix" (default), "lookahead"
-    # (the lookahead n-gram pool alone), "prompt_lookup", "eagle3" (the EAGLE-3 draft head over the
+    # which drafters propose (names from agentspec.drafting.registry): "suffix" (the suffix index),
+    # "json_copy" (text the server holds copied into a tool call's JSON strings, escaped; unset:
+    # ["suffix", "json_copy"]), "lookahead" (the lookahead n-gram pool alone), "prompt_lookup", "eagle3" (the EAGLE-3 draft head over the
     # target's hidden states: `agentspec serve --eagle3 DIR`, $AGENTSPEC_EAGLE3, or the head shipped
     # for the bundled model). Several names: those drafters merged into one tree (["suffix",
     # "lookahead"] is suffix + lookahead), except that "eagle3" beside others backs them: ["suffix",
@@ -206,6 +212,9 @@ class RouteRule(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # accepted tokens). Each drafter at most once per route. A route's head is loaded and checked
     # against the model at server start-up: a missing or mismatched head refuses to start.
     drafters: list[str] | None = None
+    # where a request's grammar (tool calls, a response schema) forces the next tokens, propose
+    # them as a draft (verified like any other); false: only the drafters propose
+    forced_drafts: bool = True
 
     def __post_init__(self) -> None:
         for field, values in (("endpoint", self.when.endpoint),):

@@ -84,7 +84,7 @@ class Router:
         if not rule.speculation:
             return Route(name=rule.name, spec=None, reason=f"route {rule.name!r}: speculation = false",
                          drafters=drafters)
-        spec = SpecConfig() if rule.budget is None else SpecConfig(budget=rule.budget)
+        spec = SpecConfig(forced_drafts=rule.forced_drafts, **({} if rule.budget is None else {"budget": rule.budget}))
         if spec.budget == 0:
             return Route(name=rule.name, spec=None, reason=f"route {rule.name!r}: budget = 0", drafters=drafters)
         return Route(name=rule.name, spec=spec, reason="", drafters=drafters)

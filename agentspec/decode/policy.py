@@ -31,12 +31,14 @@ class DraftPolicy:
       scaled by the request's trust (observed accepted / estimated, ``AcceptanceTracker``).
       0 keeps the whole draft.
     chain_only: verify the first root-to-leaf chain only (the engine's deterministic mode).
+    forced_drafts: where the request's grammar forces the next tokens, they lead its draft.
     """
 
     budget: int = 0
     min_prob: float = 0.0
     row_cost: float = 0.0
     chain_only: bool = False
+    forced_drafts: bool = True   # a grammar's forced tokens are drafted (``SpecConfig.forced_drafts``)
     note: str = ""        # why the budget is lower than the request asked ("" when it is not)
 
     @classmethod
@@ -52,7 +54,7 @@ class DraftPolicy:
             note = f"budget {spec.budget} clamped to {budget} (a step verifies at most {max_rows} rows per request)"
         return cls(budget=budget, min_prob=float(spec.min_prob),
                    row_cost=float(row_cost if spec.row_cost is None else spec.row_cost), chain_only=chain_only,
-                   note=note)
+                   forced_drafts=bool(spec.forced_drafts), note=note)
 
     def budget_for(self, remaining: int) -> int:
         """Draft tokens worth proposing when ``remaining`` tokens are still to generate (the

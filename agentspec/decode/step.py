@@ -301,7 +301,7 @@ class Decoder:
                 d = s.constraint.legal(d) if d.token_ids else d
                 # what the grammar forces next is a free draft, verified like any other
                 budget = s.policy.budget_for(s.remaining)
-                forced = s.constraint.forced(budget) if budget > 0 else []
+                forced = s.constraint.forced(budget) if budget > 0 and s.policy.forced_drafts else []
                 drafts[i] = with_forced(forced, d, budget) if forced else d
         return [s.policy.shape(d, trust=s.tracker.trust, cost_cut=cost_cut) for s, d in zip(seqs, drafts)]
 
