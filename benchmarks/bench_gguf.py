@@ -18,8 +18,21 @@ from ``/proc``):
                       work), and for rewrites each rewritten file written into it as its prompt
                       holds it (the file the editor has open; a path rewritten twice in the run
                       keeps its first prompt's copy); start-up includes the indexing
+  agentspec:spec-suffix / agentspec:spec-no-json-copy / agentspec:spec-no-forced
+                      speculation with fewer draft sources (a route in a ``--config`` file): the
+                      suffix index alone; without escape-aware copying into tool-call strings;
+                      without a grammar's forced tokens as drafts (what each source gives)
   llama.cpp:plain     ``llama-server -m FILE -t THREADS --jinja``
   llama.cpp:SPEC      ``--spec-type SPEC`` for each of ``--llama-spec`` (e.g. ngram-simple, ngram-mod)
+  llama.cpp:draft-simple, llama.cpp:ngram-simple,ngram-mod,draft-simple
+                      with ``--llama-draft-model FILE`` (the 0.5B for the 1.5B): its draft model alone,
+                      and its n-gram modes before it (the first mode that drafts wins)
+
+``--workload tools`` sends the recorded rewrites as the turn an agent sends after reading the file
+(``benchmarks/tool_turns.py``: ``Read`` / ``Edit`` / ``Write`` offered, the file in the history as
+a ``Read`` result, ``tool_choice: "auto"``); ``tools-write`` offers ``Write`` alone with
+``tool_choice: "required"``. Their answers are timed whatever they are (a call, or text), the decode
+phase apart (first streamed token to the last), and each server's real (parsed) tool calls are counted.
 
 Reported per method: tokens/s (every completion token over the run's wall time, prefill
 included), per-prompt times and times to first token, agentspec's mean acceptance length (MAT) per
@@ -164,25 +177,36 @@ def run_prompts(base: str, model: str, prompts, max_tokens: int, extra: dict, co
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=3600, max_retries=0)
 
     def one(item):
-        pid, messages = item
+        pid, body = item
+        body = body if isinstance(body, dict) else {"messages": body}
         t0 = time.perf_counter()
         ttft, parts, usage, spec = None, [], None, None
-        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}, extra_body=extra)
+        calls: dict[int, dict] = {}
+        stream = client.chat.completions.create(model=model, max_tokens=max_tokens, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}, extra_body=extra, **body)
         for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
+            delta = chunk.choices[0].delta if chunk.choices else None
+            if delta is not None and (delta.content or delta.tool_calls):
                 if ttft is None:
                     ttft = time.perf_counter() - t0
-                parts.append(chunk.choices[0].delta.content)
+                parts.append(delta.content or "")
+                for tc in delta.tool_calls or []:
+                    c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                    if tc.function is not None:
+                        c["name"] += tc.function.name or ""
+                        c["arguments"] += tc.function.arguments or ""
             if chunk.usage is not None:
                 usage = chunk.usage
             spec = (chunk.model_extra or {}).get("spec") or spec
         dt = time.perf_counter() - t0
-        log(f"  {pid}: {usage.completion_tokens if usage else '?'} tokens in {dt:.2f} s")
-        return {"s": round(dt, 3), "ttft_s": round(ttft, 3) if ttft is not None else None, "text": "".join(parts),
-                "prompt_tokens": usage.prompt_tokens if usage else None,
-                "completion_tokens": usage.completion_tokens if usage else None,
-                "mat": spec.get("mean_acceptance_length") if spec else None}
+        n = usage.completion_tokens if usage else None
+        log(f"  {pid}: {n if n is not None else '?'} tokens in {dt:.2f} s" + (f", {len(calls)} tool call(s)" if calls else ""))
+        text = "".join(parts) + "".join(f"<call {c['name']} {c['arguments']}>" for _, c in sorted(calls.items()))
+        return {"s": round(dt, 3), "ttft_s": round(ttft, 3) if ttft is not None else None, "text": text,
+                "prompt_tokens": usage.prompt_tokens if usage else None, "completion_tokens": n,
+                "tool_calls": [c for _, c in sorted(calls.items())],
+                "mat": spec.get("mean_acceptance_length") if spec else None,
+                "by_source": spec.get("by_source") if spec else None}
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -195,9 +219,26 @@ def run_prompts(base: str, model: str, prompts, max_tokens: int, extra: dict, co
            "ttft_s": [r["ttft_s"] for r in reqs], "median_ttft_s": statistics.median(ttfts) if ttfts else None,
            "prompt_tokens": [r["prompt_tokens"] for r in reqs],
            "completion_tokens": [r["completion_tokens"] for r in reqs], "texts": [r["text"] for r in reqs]}
+    # the decode phase, first token to last (prefill apart): tokens after the first over that time
+    dec = [(r["completion_tokens"] - 1, r["s"] - r["ttft_s"]) for r in reqs
+           if r["ttft_s"] is not None and r["completion_tokens"] and r["completion_tokens"] > 1]
+    if dec and sum(t for _, t in dec) > 0:
+        out["decode_tokens_per_s"] = round(sum(n for n, _ in dec) / sum(t for _, t in dec), 2)
+        out["decode_s"] = [round(t, 3) for _, t in dec]
+    if any(r["tool_calls"] for r in reqs):
+        out["tool_calls"] = [r["tool_calls"] for r in reqs]
+    out["turns_with_a_tool_call"] = sum(bool(r["tool_calls"]) for r in reqs)
     mats = [r["mat"] for r in reqs if r["mat"] is not None]
     if mats:
         out["mat"] = mats
+    by_source: dict[str, list[int]] = {}
+    for r in reqs:
+        for src, counts in (r["by_source"] or {}).items():
+            acc = by_source.setdefault(src, [0, 0, 0])
+            for i, v in enumerate(counts[:3]):
+                acc[i] += v
+    if by_source:
+        out["by_source"] = by_source   # [steps, draft tokens, accepted tokens] per drafter
     return out
 
 
@@ -208,13 +249,22 @@ def agentspec_cmd(model: Path, port: int, threads: int, *extra: str) -> list[str
 
 
 def llama_cmd(server: Path, model: Path, port: int, threads: int, context: int, *, parallel: int = 1,
-              spec_type: str | None = None, draft_max: int = 64, extra: list[str] = ()) -> list[str]:
+              spec_type: str | None = None, draft_max: int = 64, extra: list[str] = (),
+              draft_model: Path | None = None, draft_model_max: int = 16, draft_p_min: float = 0.75) -> list[str]:
     """``llama-server`` of ``model`` on loopback ``port`` with the same thread count for decode and
     prompt batches, the GGUF's chat template, ``parallel`` slots sharing ``context``, no warm-up;
-    ``spec_type``: one of its draftless speculative modes."""
+    ``spec_type``: its speculative modes (comma-separated: the first that drafts wins), the
+    draftless ones drafting up to ``draft_max``; one naming ``draft-simple`` runs ``draft_model``
+    (``-md``, the same threads) drafting up to ``draft_model_max`` tokens while its confidence is
+    at least ``draft_p_min`` (llama-server's former defaults, 16 and 0.75; this build's are 3 and 0)."""
     cmd = [str(server), "-m", str(model), "--port", str(port), "--host", "127.0.0.1", "-t", str(threads),
            "-tb", str(threads), "-c", str(context), "--jinja", "-np", str(parallel), "--no-warmup", *extra]
-    if spec_type:
+    if spec_type and "draft-" in spec_type:
+        if draft_model is None:
+            raise SystemExit(f"llama.cpp:{spec_type} needs a draft model: --llama-draft-model FILE")
+        cmd += ["--spec-type", spec_type, "-md", str(draft_model), "-td", str(threads), "-tbd", str(threads),
+                "--spec-draft-n-max", str(draft_model_max), "--spec-draft-p-min", str(draft_p_min)]
+    elif spec_type:
         cmd += ["--spec-type", spec_type, "--spec-draft-n-max", str(draft_max)]
     return cmd
 
@@ -272,10 +322,31 @@ def index_summary(log_path: Path) -> dict | None:
     return {"files": int(m[1]), "chunks": int(m[2]), "tokens": int(m[3]), "seconds": float(m[4])} if m else None
 
 
+# agentspec methods that speculate with fewer draft sources (a route in a --config file), for
+# measuring what each source gives: the suffix index alone (neither escape-aware copying nor a
+# grammar's forced tokens), without escape-aware copying, without forced-token drafts
+ROUTES = {
+    "agentspec:spec-suffix": {"drafters": ["suffix"], "forced_drafts": False},
+    "agentspec:spec-no-json-copy": {"drafters": ["suffix"], "forced_drafts": True},
+    "agentspec:spec-no-forced": {"drafters": ["suffix", "json_copy"], "forced_drafts": False},
+}
+
+
+def route_config(rule: dict, path: Path) -> Path:
+    """A server config whose one route speculates with ``rule``'s drafters."""
+    lines = ["[[routes]]", 'name = "bench"', f"drafters = {json.dumps(rule['drafters'])}",
+             f"forced_drafts = {str(rule['forced_drafts']).lower()}"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def ours(model: Path, prompts, args, spec: bool, tmp: Path, extra_args: list[str] = (),
-         workspace: Path | None = None) -> tuple[dict, dict]:
+         workspace: Path | None = None, route: str | None = None) -> tuple[dict, dict]:
     port = free_port()
-    name = f"agentspec-{int(spec)}{'-ws' if workspace is not None else ''}{'-'.join(['', *extra_args])}.log"
+    name = f"agentspec-{int(spec)}{'-ws' if workspace is not None else ''}{'-'.join(['', *extra_args])}" \
+           f"{'-' + route.split(':')[1] if route else ''}.log"
+    if route is not None:
+        extra_args = [*extra_args, "--config", str(route_config(ROUTES[route], tmp / f"{route.split(':')[1]}.toml"))]
     if workspace is not None:
         info = workspace_copy(workspace, prompts, tmp / "workspace")
         extra_args = [*extra_args, "--repo", str(tmp / "workspace")]
@@ -296,8 +367,10 @@ def llama(server: Path, model: Path, prompts, args, spec_type: str | None, tmp: 
     port = free_port()
     # --parallel C slots, each with the --context a single request gets
     cmd = llama_cmd(server, model, port, args.threads, args.context * args.concurrency, parallel=args.concurrency,
-                    spec_type=spec_type, draft_max=args.llama_draft_max, extra=args.llama_arg)
-    p = Process(cmd, port, tmp / f"llama-{spec_type or 'plain'}.log", "/health", args.start_timeout)
+                    spec_type=spec_type, draft_max=args.llama_draft_max, extra=args.llama_arg,
+                    draft_model=args.llama_draft_model, draft_model_max=args.llama_draft_model_max,
+                    draft_p_min=args.llama_draft_p_min)
+    p = Process(cmd, port, tmp / f"llama-{(spec_type or 'plain').replace(',', '+')}.log", "/health", args.start_timeout)
     try:
         out = run_prompts(p.base, model.name, prompts, args.max_tokens, {"cache_prompt": False}, args.concurrency)
         out.update(start_s=round(p.start_s, 2), peak_rss_bytes=peak_rss(p.proc.pid))
@@ -476,8 +549,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="the .gguf file")
     ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
-    ap.add_argument("--workload", choices=("rewrites", "turns"), default="rewrites",
-                    help="recorded file rewrites (held out from the tests' sample) or agent turns")
+    ap.add_argument("--workload", choices=("rewrites", "turns", "tools", "tools-write"), default="rewrites",
+                    help="recorded file rewrites (held out from the tests' sample), agent turns, or the rewrites as "
+                         "tool-call turns (benchmarks/tool_turns.py: Read/Edit/Write offered, tool_choice auto; "
+                         "tools-write: Write alone, a call required)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-chars", type=int, default=4000, help="skip recorded prompts longer than this")
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -485,12 +560,19 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=8192, help="llama-server's context (-c)")
     ap.add_argument("--methods", default="agentspec:plain,agentspec:spec,llama.cpp:plain",
                     help="comma-separated: agentspec:plain, agentspec:spec, agentspec:plain-kv-bf16 (a bfloat16 KV "
-                         "cache), agentspec:workspace (needs --workspace), llama.cpp:plain")
+                         "cache), agentspec:workspace (needs --workspace), agentspec:spec-suffix / "
+                         "agentspec:spec-no-json-copy / agentspec:spec-no-forced (fewer draft sources), llama.cpp:plain")
     ap.add_argument("--workspace", type=Path,
                     help="agentspec:workspace: the folder to index, one subfolder per repository "
                          "(python -m benchmarks.workspaces DIR --repos ...)")
     ap.add_argument("--llama-spec", default="ngram-simple,ngram-mod", help="llama-server --spec-type values ('' for none)")
-    ap.add_argument("--llama-draft-max", type=int, default=64)
+    ap.add_argument("--llama-draft-max", type=int, default=64, help="draftless modes: most tokens drafted")
+    ap.add_argument("--llama-draft-model", type=Path,
+                    help="a smaller GGUF of the same family (the 0.5B for the 1.5B): adds llama.cpp:draft-simple and "
+                         "llama.cpp:ngram-simple,ngram-mod,draft-simple (the first mode that drafts wins)")
+    ap.add_argument("--llama-draft-model-max", type=int, default=16, help="draft model: most tokens drafted")
+    ap.add_argument("--llama-draft-p-min", type=float, default=0.75,
+                    help="draft model: stop drafting below this confidence")
     ap.add_argument("--llama-server", type=Path, help="default: benchmarks/peers/setup_llamacpp.sh's build")
     ap.add_argument("--llama-arg", action="append", default=[], help="another llama-server argument (repeatable)")
     ap.add_argument("--start-timeout", type=float, default=900)
@@ -513,6 +595,10 @@ def main() -> int:
         ap.error(f"agentspec:workspace needs --workspace DIR, a folder of repositories, got {args.workspace!r} "
                  "(python -m benchmarks.workspaces DIR)")
     llama_specs = [s for s in args.llama_spec.split(",") if s]
+    if args.llama_draft_model is not None:
+        if not args.llama_draft_model.is_file():
+            ap.error(f"--llama-draft-model is not a file: {str(args.llama_draft_model)!r}")
+        llama_specs += ["draft-simple", "ngram-simple,ngram-mod,draft-simple"]
     if args.grid:
         methods = [m for m in methods if m.endswith(":plain") or m == "agentspec:plain-kv-bf16"]
         llama_specs = []
@@ -535,8 +621,14 @@ def main() -> int:
         server = llama_server(server)
     if args.grid:
         return run_grid(server, args, methods)
-    pick = agent_turns if args.workload == "turns" else held_out_rewrites
-    prompts = pick(args.data, args.prompts, args.max_chars)
+    if args.workload in ("tools", "tools-write"):
+        from benchmarks.tool_turns import tool_turns
+
+        prompts = [(t.id, t.chat_request(write_only=args.workload == "tools-write"))
+                   for t in tool_turns(args.data, args.prompts, max_chars=args.max_chars)]
+    else:
+        pick = agent_turns if args.workload == "turns" else held_out_rewrites
+        prompts = pick(args.data, args.prompts, args.max_chars)
     log(f"{len(prompts)} prompts: {[p for p, _ in prompts]}")
     results: dict = {}
     kernels: dict | None = None
@@ -547,6 +639,9 @@ def main() -> int:
             if m in ("agentspec:plain", "agentspec:spec", "agentspec:plain-kv-bf16"):
                 results[m], kern = ours(args.model, prompts, args, m.endswith("spec"), tmp,
                                         extra_args=["--kv-dtype", "bfloat16"] if m.endswith("kv-bf16") else [])
+                kernels = kernels or kern
+            elif m in ROUTES:
+                results[m], kern = ours(args.model, prompts, args, True, tmp, route=m)
                 kernels = kernels or kern
             elif m == "agentspec:workspace":
                 results[m], kern = ours(args.model, prompts, args, True, tmp, workspace=args.workspace)
@@ -568,6 +663,11 @@ def main() -> int:
                       "peak_rss_gib": round(r["peak_rss_bytes"] / 2**30, 2) if r.get("peak_rss_bytes") else None}
         if r.get("mat"):
             summary[m]["median_mat"] = round(statistics.median(r["mat"]), 2)
+        for k in ("decode_tokens_per_s", "by_source"):
+            if r.get(k):
+                summary[m][k] = r[k]
+        if args.workload.startswith("tools"):
+            summary[m]["turns_with_a_tool_call"] = f"{r['turns_with_a_tool_call']}/{len(prompts)}"
         if base is not None and m != "agentspec:plain":
             summary[m]["vs_agentspec_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
             summary[m]["identical_to_agentspec_plain"] = same(r["texts"], base["texts"])
@@ -580,6 +680,11 @@ def main() -> int:
         if args.divergence:   # the servers have stopped: the model loads in this process
             summary["llama_plain_divergence"] = divergence(args.model, prompts, base["texts"],
                                                           results["llama.cpp:plain"]["texts"], args.threads)
+    if base is not None and base.get("decode_tokens_per_s"):
+        for m in results:
+            if m.startswith("agentspec:spec") and results[m].get("decode_tokens_per_s"):
+                summary[m]["decode_vs_agentspec_plain"] = round(results[m]["decode_tokens_per_s"] /
+                                                                base["decode_tokens_per_s"], 3)
     for ours_m in ("agentspec:spec", "agentspec:workspace"):
         if theirs and ours_m in results:
             best = max(theirs, key=lambda m: theirs[m]["tokens_per_s"])
@@ -598,6 +703,9 @@ def main() -> int:
                          "concurrency": args.concurrency, "prompts": [p for p, _ in prompts],
                          "max_tokens": args.max_tokens, "threads": args.threads, "greedy": True, "llama_context": args.context,
                          "llama_draft_max": args.llama_draft_max, "llama_args": args.llama_arg,
+                         "llama_draft_model": str(args.llama_draft_model) if args.llama_draft_model else None,
+                         "llama_draft_model_max": args.llama_draft_model_max,
+                         "llama_draft_p_min": args.llama_draft_p_min,
                          "llama_server": str(server) if server else None},
               "summary": summary, "results": results}
     emit_report(report, args.out)

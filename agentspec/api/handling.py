@@ -207,6 +207,10 @@ def spec_info(call: Call, stats) -> dict:
         "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
         "acceptance_rate": round(stats.accepted_tokens / stats.draft_tokens, 4) if stats.draft_tokens else 0.0,
         "draft_sources": dict(stats.draft_sources),
+        # by the drafter that proposed each draft token ("suffix", "json_copy", "grammar" for a
+        # grammar's forced tokens): [steps, draft tokens, accepted tokens]
+        "by_source": {src: [stats.source_steps.get(src, 0), n, stats.source_accepted.get(src, 0)]
+                      for src, n in stats.source_drafted.items()},
         "prefill_ms": round(stats.prefill_seconds * 1e3, 2),
         "decode_ms": round(stats.decode_seconds * 1e3, 2),
         "tokens_per_second": round(stats.tokens_per_second, 2),

