@@ -102,7 +102,7 @@ class _Req:
     out_source: str = ""               # the output's finished string values, unescaped, _END-separated
     out_source_to: int = -1            # ... for the output up to this string's opening
     ascii_only: bool = False           # the output escapes non-ASCII as \\uXXXX
-    stats: dict = field(default_factory=lambda: {"proposals": 0, "edit": 0, "output": 0, "prompt": 0})
+    stats: dict = field(default_factory=lambda: {"proposals": 0, "edit": 0, "output": 0, "prompt": 0, "index": 0})
 
 
 class JsonCopyDrafter:
@@ -110,10 +110,12 @@ class JsonCopyDrafter:
     being written, escaped. ``tokenizer``: the target's (``encode`` / ``decode``, and a
     ``backend`` with ``encode(text, add_special_tokens=False)`` when it adds a BOS)."""
 
-    def __init__(self, tokenizer: Any, *, min_match: int = MIN_MATCH, max_match: int = MAX_MATCH) -> None:
+    def __init__(self, tokenizer: Any, *, index: Any = None, min_match: int = MIN_MATCH,
+                 max_match: int = MAX_MATCH) -> None:
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
         self.tokenizer = tokenizer
+        self.index = index   # a SuffixIndex: the tenant's workspace and earlier outputs, where the prompt has no match
         self.min_match, self.max_match = int(min_match), int(max_match)
         self._reqs: dict[str, _Req] = {}
         self._piece: dict[int, str] = {}
@@ -269,6 +271,33 @@ class JsonCopyDrafter:
                     cont = cont[:end + 1]
                 if cont:
                     return cont, next(c for m, c in _CONF if L >= m), kind
+        return self._from_index(r, cur, n)
+
+    def _from_index(self, r: _Req, cur: str, n: int) -> tuple[str, float, str] | None:
+        """The tail looked up in the suffix index (the tenant's workspace files and earlier outputs,
+        raw text as tokens): a request of the index's own whose context is the tail's tokens,
+        opened and closed here (it proposes; it has no output, so its tenant's history is unchanged)."""
+        if self.index is None or len(cur) < self.min_match:
+            return None
+        ids = self._encode(cur[-self.max_match:])[1:]   # (the first token may be a word cut short)
+        if len(ids) < 2:
+            return None
+        rid = f"json_copy\x1f{id(r)}"
+        self.index.start(rid, ids, tenant=r.tenant)
+        try:
+            toks, parents, probs, _ = self.index.propose(rid, max(1, n // 4))
+        finally:
+            self.index.stop(rid)
+        chain: list[int] = []
+        last = -1
+        for i, (t, p) in enumerate(zip(toks, parents)):   # the first root-to-leaf path (likeliest first)
+            if p == last:
+                chain.append(int(t))
+                last = i
+        if len(chain) < 2:
+            return None
+        cont = self.tokenizer.decode(chain).rstrip("\ufffd")
+        return (cont, 0.7, "index") if cont else None
         return None
 
     def _call_value(self, r: _Req, key: str) -> str | None:

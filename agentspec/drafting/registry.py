@@ -187,7 +187,7 @@ def _prompt_lookup(index: Any = None, **options: Any) -> Drafter:
 def _json_copy(index: Any = None, engine: Any = None, **options: Any) -> Drafter:
     from .json_copy import JsonCopyDrafter
 
-    return JsonCopyDrafter(engine.tokenizer, **options)
+    return JsonCopyDrafter(engine.tokenizer, index=index, **options)
 
 
 def _eagle3(index: Any = None, engine: Any = None, **options: Any) -> Drafter:
@@ -204,7 +204,7 @@ register("prompt_lookup", "prompt lookup: copies what followed the recent tokens
 
 register("json_copy", "text the server holds (the prompt, a Read result, the old_string just written) copied into "
          "the tool-call argument string being written, JSON-escaped (requests with tools or a response schema)",
-         _json_copy, needs_engine=True)
+         _json_copy, uses_index=True, needs_engine=True)
 register("eagle3", "EAGLE-3 draft head over the target's hidden states (the fallback for text no index holds)",
          _eagle3, needs_engine=True, fallback=True)
 

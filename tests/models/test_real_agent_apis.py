@@ -137,3 +137,34 @@ def test_responses_function_tool(oai):
     (item,) = [o for o in r.output if o.type == "function_call"]
     jsonschema.validate(json.loads(item.arguments), WRITE if item.name == "Write" else READ)
     assert r.status == "completed"
+
+
+# a small file of this repository, read with line numbers (as agents show a file) and rewritten
+REWRITE_FILE = "agentspec/drafting/suffix.py"
+
+
+def test_a_write_that_copies_the_read_file_is_drafted_through_its_escapes(oai):
+    """The turn after a Read: the model rewrites the file as a Write call (named), its content the
+    file JSON-escaped. The escape-aware drafter copies it (its drafts accepted), and the answer
+    equals plain decoding's."""
+    text = (ROOT / REWRITE_FILE).read_text()
+    numbered = "".join(f"{i:6d}\t{line}\n" for i, line in enumerate(text.splitlines(), 1))
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Rename the class SuffixDrafter to IndexDrafter in {REWRITE_FILE}."},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "Read", "arguments": json.dumps({"file_path": REWRITE_FILE})}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": numbered}]
+    kw = dict(model="m", messages=messages, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "Write"}},
+              max_tokens=900, temperature=0, parallel_tool_calls=False)
+    r = oai.chat.completions.create(**kw, extra_body={"spec_stats": True})
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    (call,) = r.choices[0].message.tool_calls
+    plain = oai.chat.completions.create(**kw, extra_body={"speculation": False})
+    assert plain.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    # the model copied the file (its docstring, escaped in the call), and the copies were drafted
+    assert text[:300] in json.loads(call.function.arguments)["content"]
+    spec = r.model_extra["spec"]
+    steps, drafted, accepted = spec["by_source"]["json_copy"]
+    assert accepted > 0.5 * r.usage.completion_tokens, spec
+    assert spec["by_source"]["grammar"][2] > 0, spec

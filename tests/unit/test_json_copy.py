@@ -162,3 +162,36 @@ def test_forced_tokens_lead_the_draft_and_the_drafter_continues_after_them():
     # the budget holds
     assert with_forced([1, 2, 3], d, 2).token_ids == [1, 2]
     out.validate(16)
+
+
+def test_the_tenants_workspace_serves_where_the_prompt_has_no_copy(tok):
+    """A Write of a file the prompt does not hold (not read this turn) but the tenant's workspace
+    does (a document in the suffix index): copied from the index, escaped; another tenant's
+    documents never reach the request."""
+    from suffix_index import SuffixIndex
+
+    src = (ROOT / "agentspec/text.py").read_text()
+    output = _call("Write", file_path="agentspec/text.py", content=src)
+    n = len(tok.encode(output))
+    for tenant, want in (("acme", True), ("other", False)):
+        index = SuffixIndex(vocab_size=len(tok.backend.get_vocab()) + 64)
+        index.add_document("agentspec/text.py", tok.encode(src), tenant="acme")
+        d = JsonCopyDrafter(tok, index=index)
+        out = tok.encode(output)
+        d.start("r", tok.encode("Rewrite agentspec/text.py as it is."), tenant=tenant)
+        d.output_format("r", HERMES)
+        i, accepted = 1, 0
+        d.extend("r", out[:1])
+        while i < len(out):
+            draft = d.propose("r", 32)
+            k = 0
+            while k < len(draft) and i + k < len(out) and draft.token_ids[k] == out[i + k]:
+                k += 1
+            d.extend("r", out[i:i + k + 1])
+            i, accepted = i + k + 1, accepted + k
+        stats = d.stats("r")
+        if want:
+            assert stats["index"] > 0 and accepted > 0.6 * n, (stats, accepted, n)
+        else:   # (the tail's own repeats aside, nothing to copy)
+            assert accepted < 0.1 * n, (stats, accepted, n)
+        assert index.num_requests == 0   # the lookups' own requests are closed
