@@ -73,6 +73,76 @@ def escape_json(s: str, *, ascii_only: bool = False) -> str:
     return json.dumps(s, ensure_ascii=ascii_only)[1:-1]
 
 
+_SHORT = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\b": "\\b", "\f": "\\f", "/": "\\/"}
+
+
+def _key(ch: str) -> str | None:
+    """The class of a character the model may write raw or escaped (None: one way only)."""
+    o = ord(ch)
+    if o < 0x20 or ch == "/":
+        return ch
+    return "U" if o > 0x7F else None
+
+
+def learn_escapes(raw: str, forms: dict, prev: str | None) -> tuple[int, str | None]:
+    """Read how the model wrote a stretch of a JSON string body (``raw``, as written): for each
+    character it may write raw or escaped (control characters, ``/``, non-ASCII) the form it took,
+    after which character, into ``forms`` ({(previous char or None, class): "raw" | "esc"}).
+    Returns how far it read (an escape cut off at the end is left for later) and the last
+    character read."""
+    i, n = 0, len(raw)
+    while i < n:
+        ch = raw[i]
+        if ch == "\\":
+            if i + 1 >= n:
+                break
+            e = raw[i + 1]
+            if e == "u":
+                if i + 6 > n:
+                    break
+                try:
+                    ch = chr(int(raw[i + 2:i + 6], 16))
+                except ValueError:
+                    ch = "u"
+                i += 6
+            else:
+                ch = _ESCAPES.get(e, e)
+                i += 2
+            form = "esc"
+        else:
+            i += 1
+            form = "raw"
+        k = _key(ch)
+        if k is not None:
+            forms[(prev, k)] = forms[(None, k)] = form
+        prev = ch
+    return i, prev
+
+
+def escape_like(s: str, forms: dict, prev: str | None = None) -> str:
+    """``s`` as a JSON string body, each character that may go either way written the way the
+    model last wrote it after the same character (``forms``, ``learn_escapes``), else after any,
+    else as ``json.dumps`` writes it (control characters escaped, ``/`` and non-ASCII raw)."""
+    out: list[str] = []
+    for ch in s:
+        if ch == '"' or ch == "\\":
+            out.append("\\" + ch)
+        else:
+            k = _key(ch)
+            if k is None:
+                out.append(ch)
+            else:
+                form = forms.get((prev, k)) or forms.get((None, k)) or ("esc" if ord(ch) < 0x20 else "raw")
+                if form == "raw":
+                    out.append(ch)
+                elif ch in _SHORT:
+                    out.append(_SHORT[ch])
+                else:
+                    out.append(json.dumps(ch, ensure_ascii=True)[1:-1])
+        prev = ch
+    return "".join(out)
+
+
 def _backslashes_before(text: str, i: int) -> int:
     n = 0
     while i - n - 1 >= 0 and text[i - n - 1] == "\\":
@@ -101,7 +171,9 @@ class _Req:
     sources: list[str] | None = None   # the prompt's unescaped sources (built on first use)
     out_source: str = ""               # the output's finished string values, unescaped, _END-separated
     out_source_to: int = -1            # ... for the output up to this string's opening
-    ascii_only: bool = False           # the output escapes non-ASCII as \\uXXXX
+    forms: dict = field(default_factory=dict)   # how the model writes what may go either way (learn_escapes)
+    scanned: int = 0                   # the output's text read into ``forms`` up to here
+    scan_prev: str | None = None       # the last character read there (in the current string)
     stats: dict = field(default_factory=lambda: {"proposals": 0, "edit": 0, "output": 0, "prompt": 0, "index": 0})
 
 
@@ -170,9 +242,14 @@ class JsonCopyDrafter:
         cont, conf, where = found
         closes = cont.endswith(_END)
         body = cont[:-1] if closes else cont
-        if not r.ascii_only and "\\u" in raw:
-            r.ascii_only = bool(re.search(r"\\u00[89a-fA-F][0-9a-fA-F]|\\u0[1-9a-fA-F]|\\u[1-9a-fA-F]", raw))
-        esc = escape_json(body, ascii_only=r.ascii_only)
+        # the string's escapes as the model writes them: learn from what it wrote (raw tabs, a raw
+        # newline after a tab, \/, \u escapes of non-ASCII ...), then write the copy the same way
+        lo = max(r.scanned, r.open_at + 1)
+        if lo == r.open_at + 1:
+            r.scan_prev = None
+        read, r.scan_prev = learn_escapes(r.text[lo:len(r.text) - (1 if pending else 0)], r.forms, r.scan_prev)
+        r.scanned = lo + read
+        esc = escape_like(body, r.forms, r.scan_prev)
         if pending:
             if not esc.startswith("\\"):
                 return EMPTY_DRAFT
@@ -198,6 +275,7 @@ class JsonCopyDrafter:
         if not text.startswith(r.text):   # (a character completed differently: start over)
             r.text, r.open_at = "", -1
             r.out_source_to = -1
+            r.scanned, r.scan_prev = 0, None
             if r.parser is not None:
                 r.parser = type(r.parser)(r.parser.fmt, r.parser.tools, forced=r.parser.forced)
             else:

@@ -195,3 +195,26 @@ def test_the_tenants_workspace_serves_where_the_prompt_has_no_copy(tok):
         else:   # (the tail's own repeats aside, nothing to copy)
             assert accepted < 0.1 * n, (stats, accepted, n)
         assert index.num_requests == 0   # the lookups' own requests are closed
+
+
+def test_copies_are_escaped_the_way_the_model_escapes(tok):
+    """A model that writes tabs raw and a newline after a tab raw (the real 1.5B copying a
+    `cat -n` Read result does), other newlines escaped: once it has, the drafts do too."""
+    from agentspec.drafting.json_copy import escape_like, learn_escapes
+
+    forms: dict = {}
+    read, prev = learn_escapes('a\\n     1\timport x\\n     2\t\n     3\tb\\/c caf\\u00e9', forms, None)
+    assert prev == "é" and read == len('a\\n     1\timport x\\n     2\t\n     3\tb\\/c caf\\u00e9')
+    assert escape_like("x\n\ty\t\nz/é", forms, None) == "x\\n\ty\t\nz\\/\\u00e9"
+    assert escape_like('q"\\', {}, None) == 'q\\"\\\\' and escape_like("\n/é", {}) == "\\n/é"
+    assert learn_escapes("ab\\u00", {}, None)[0] == 2   # an escape cut off: read later
+
+    src = "".join(f"line {i} of the file\n\n" for i in range(40))
+    gutter = "".join(f"{i + 1:6d}\t{line}\n" for i, line in enumerate(src.splitlines()))
+    prompt = "<|im_start|>user\n<tool_response>\n" + gutter + "<|im_end|>\n<|im_start|>assistant\n"
+    # the call as that model writes it: the gutters copied, tabs raw, a newline after a tab raw
+    body = gutter.replace("\t\n", "\t\x00").replace("\n", "\\n").replace("\x00", "\n")
+    output = '<tool_call>\n{"name": "Write", "arguments": {"file_path": "f.txt", "content": "' + body + '"}}'
+    n = len(tok.encode(output))
+    _, accepted, drafted, _ = _replay(tok, prompt, output)
+    assert accepted > 0.8 * n and accepted > 0.8 * drafted, (accepted, drafted, n)
