@@ -143,6 +143,39 @@ def escape_like(s: str, forms: dict, prev: str | None = None) -> str:
     return "".join(out)
 
 
+def _spaces(text: str, i: int) -> int:
+    n = i
+    while n < len(text) and text[n] == " ":
+        n += 1
+    return n - i
+
+
+def _indent_delta(cur: str, start: int, cut: bool, src: str, at: int) -> int:
+    """How much deeper the model indents than the source: where the match (``cur[start:]`` found
+    at ``src[at:]``) starts inside a line, that line's indentation in the output less the source
+    line's (0 where the match holds the line's start, so the indentation already matched, or where
+    the output's line starts before the text at hand: ``cut``)."""
+    ls = cur.rfind("\n", 0, start) + 1
+    if ls == start or (ls == 0 and cut):
+        return 0
+    src_ls = src.rfind("\n", 0, at) + 1
+    return _spaces(cur, ls) - _spaces(src, src_ls)
+
+
+def _reindent(text: str, delta: int, *, full_first: bool = False) -> str:
+    """``text``'s lines (after its first line break; from its start with ``full_first``) with
+    ``delta`` more leading spaces (fewer, where negative, as far as a line has them)."""
+    if delta == 0:
+        return text
+    lines = text.split("\n")
+    for i in range(0 if full_first else 1, len(lines)):
+        line = lines[i]
+        if not line or line.startswith("\t"):
+            continue
+        lines[i] = " " * delta + line if delta > 0 else line[min(-delta, _spaces(line, 0)):]
+    return "\n".join(lines)
+
+
 def _backslashes_before(text: str, i: int) -> int:
     n = 0
     while i - n - 1 >= 0 and text[i - n - 1] == "\\":
@@ -336,9 +369,15 @@ class JsonCopyDrafter:
             return None
         out = self._output_source(r)
         sources = [(out, "output")] + [(s, "prompt") for s in self._prompt_sources(r)]
-        top = min(self.max_match, len(cur))
+        # in a line's indentation: match up to the line break, then the next line's indentation
+        # (re-indented as the model indents) less what it typed already
+        typed, base = "", cur
+        nl = cur.rfind("\n")
+        if nl >= 0 and nl < len(cur) - 1 and not cur[nl + 1:].strip(" "):
+            typed, base = cur[nl + 1:], cur[:nl + 1]
+        top = min(self.max_match, len(base))
         for L in sorted({top, *(x for x in (32, 16, self.min_match) if self.min_match <= x < top)}, reverse=True):
-            needle = cur[-L:]
+            needle = base[-L:]
             for src, kind in sources:
                 at = src.rfind(needle)
                 if at < 0:
@@ -347,6 +386,11 @@ class JsonCopyDrafter:
                 end = cont.find(_END)
                 if end >= 0:   # the copied value (a string the output wrote, a file shown whole) ends: so does the string
                     cont = cont[:end + 1]
+                cont = _reindent(cont, _indent_delta(base, len(base) - L, lo > 0, src, at), full_first=bool(typed))
+                if typed:
+                    if not cont.startswith(typed):
+                        continue
+                    cont = cont[len(typed):]
                 if cont:
                     return cont, next(c for m, c in _CONF if L >= m), kind
         return self._from_index(r, cur, n)

@@ -218,3 +218,15 @@ def test_copies_are_escaped_the_way_the_model_escapes(tok):
     n = len(tok.encode(output))
     _, accepted, drafted, _ = _replay(tok, prompt, output)
     assert accepted > 0.8 * n and accepted > 0.8 * drafted, (accepted, drafted, n)
+
+
+def test_a_copy_the_model_reindents_is_drafted_reindented(tok):
+    """The real 1.5B rewriting an HTML file with a script in it indented every copied line 8
+    spaces deeper than the file: once a line shows it, the drafts carry the same indentation."""
+    src = "".join(f"{' ' * (4 * (i % 3))}item_{i} = compute({i}, 'x')\n" for i in range(60))
+    prompt = "<|im_start|>user\n" + src + "<|im_end|>\n<|im_start|>assistant\n"
+    moved = "".join("        " + line + "\n" for line in src.splitlines())
+    output = _call("Write", file_path="f.py", content=moved)
+    n = len(tok.encode(output))
+    _, accepted, drafted, _ = _replay(tok, prompt, output)
+    assert accepted > 0.7 * n, (accepted, drafted, n)
