@@ -1,6 +1,6 @@
 # Quickstart: `make run` (set up what serving needs, then serve this repository) and `make test`
 # (set up everything, then run the tests). scripts/setup.sh says what each stage installs.
-.PHONY: setup setup-serve run test test-unit test-latest test-models test-agents bench test-sglang
+.PHONY: setup setup-serve run test test-extended test-unit test-latest test-models test-agents bench test-sglang
 
 # everything: the serving install, then the tests' and benchmarks' extras and tools
 setup:
@@ -27,8 +27,17 @@ run: setup-serve
 	echo ".venv/bin/agentspec serve --repo . $$*"; exec .venv/bin/agentspec serve --repo . "$$@"
 
 # -P: the repository root off sys.path (its kernels/ would shadow the installed `kernels`; tests/conftest.py)
+# The suite but its extended tier (what CI runs: .ci/run, under 15 minutes on 2 cores with the set-up)
 test: setup
-	.venv/bin/python -P -m pytest tests -q --durations=15
+	.venv/bin/python -P -m pytest tests -q -m "not extended" --durations=15
+
+# the extended tier (opt-in, more minutes): the editors (headless Neovim, the VS Code extension's
+# build), schema fuzzing of every endpoint, load and soak runs, the Arm kernel bodies under qemu
+# (the aarch64 cross compiler and qemu-user, installed here as root with apt), the long grids;
+# `make test test-extended` is the whole suite
+test-extended: setup
+	bash scripts/setup.sh arm
+	.venv/bin/python -P -m pytest tests -q -m extended --durations=15
 
 # the suite against the newest releases of every dependency (in .venv-latest, no constraints); when it
 # passes, scripts/constraints.txt takes the versions it ran with: review the diff and commit it.

@@ -3,8 +3,9 @@
 #   bash scripts/setup.sh serve   what `agentspec serve` needs (`make run`): torch, the package with
 #                                 its compiled extensions, the bundled model
 #   bash scripts/setup.sh [test]  that, then what the tests and benchmarks need on top (`make test`,
-#                                 `make bench`): the [dev] extras and, on x86_64 as root, the aarch64
-#                                 cross compiler and qemu-user for the Arm kernel tests
+#                                 `make bench`): the [dev] extras
+#   bash scripts/setup.sh arm     on x86_64 as root with apt, the aarch64 cross compiler and qemu-user
+#                                 for the Arm kernel tests (`make test-extended`); best effort
 # Idempotent: a stamp per stage (.venv/.agentspec-serve, .venv/.agentspec-test) skips the work when
 # nothing it depends on changed: for the serving stage pyproject.toml, this script,
 # scripts/torch_index.py, CMakeLists.txt, anything under suffix_index/csrc or kernels/csrc, and the
@@ -29,7 +30,22 @@ MODE="${1:-test}"
 case "$MODE" in
     serve) AGAIN="make run" ;;
     test) AGAIN="make test" ;;
-    *) echo "[setup] error: unknown stage '$MODE': use 'serve' (what make run needs) or 'test' (everything)" >&2
+    arm)
+        # Tests of the Arm (NEON) kernel bodies cross-compile them and run them under qemu-user
+        # (tests/unit/test_cross_isa.py, extended tier); without them those tests skip with the reason
+        if [ "$(uname -m)" = x86_64 ] && { ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; }; then
+            if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+                echo "[setup] installing g++-aarch64-linux-gnu and qemu-user (Arm kernel tests)" >&2
+                { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu qemu-user >/dev/null; } \
+                    || echo "[setup] warning: could not install them; the Arm kernel tests will skip" >&2
+            else
+                echo "[setup] the Arm kernel tests need g++-aarch64-linux-gnu and qemu-user (as root with apt this" \
+                     "installs them); without them they skip" >&2
+            fi
+        fi
+        exit 0 ;;
+    *) echo "[setup] error: unknown stage '$MODE': use 'serve' (what make run needs), 'test' (everything) or 'arm'" \
+            "(the Arm kernel tests' cross compiler and qemu)" >&2
        exit 2 ;;
 esac
 PY="${PYTHON:-python3}"
@@ -145,14 +161,6 @@ setup_test() {
     local -a dev_reqs
     mapfile -t dev_reqs < <(pyproject project optional-dependencies dev)
     "${PIP[@]}" "${dev_reqs[@]}"
-    # Tests of the Arm (NEON) kernel bodies cross-compile them and run them under qemu-user
-    # (tests/unit/test_cross_isa.py); best effort: without them those tests skip with the reason
-    if [ "$(uname -m)" = x86_64 ] && { ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; } \
-       && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        echo "[setup] installing g++-aarch64-linux-gnu and qemu-user (Arm kernel tests)" >&2
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++-aarch64-linux-gnu qemu-user >/dev/null; } \
-            || echo "[setup] warning: could not install them; the Arm kernel tests will skip" >&2
-    fi
     "$VENV/bin/python" -c "import pytest, transformers; print('[setup] tests ok: pytest', pytest.__version__, '| transformers', transformers.__version__)" >&2
     echo "$TEST_WANT" > "$TEST_STAMP"
 }

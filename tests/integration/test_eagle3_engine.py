@@ -28,6 +28,8 @@ from agentspec.drafting.eagle3_drafter import (
 )
 from agentspec.backends.embedded.batch import BatchEngine
 
+pytestmark = pytest.mark.extended   # extended tier: the EAGLE-3 head on the engine
+
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
     "Explain what a hash map is in two sentences.",

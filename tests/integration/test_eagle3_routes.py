@@ -27,7 +27,7 @@ from agentspec.backends.embedded.batch import BatchEngine
 from agentspec.backends.embedded.engine import EmbeddedEngine
 from agentspec.errors import ConfigError, ModelLoadError
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]   # extended tier: the EAGLE-3 head through routes and the server
 
 MODEL = "SmolLM2-135M-Instruct"
 DRAFT_VOCAB = 1024

@@ -172,6 +172,7 @@ def test_kv_compaction_equals_sequential_feeding(engine, rewrite_prompts):
             assert torch.equal(vv.float(), cache.v[:, :, :n])
 
 
+@pytest.mark.extended
 def test_deterministic_mode_identity(rewrite_prompts, chat_prompts):
     det = agentspec.Engine.embedded(deterministic=True, quiet=True)
     for ids in rewrite_prompts[:1] + chat_prompts[:1]:  # (the engine paths are the ones tested above)
@@ -282,6 +283,7 @@ def test_greedy_steps_logits_in_the_heads_dtype_are_the_float32_ones(engine, rew
         assert torch.equal(own.argmax(dim=-1), full.argmax(dim=-1))
 
 
+@pytest.mark.extended
 def test_one_weight_copy_same_bits(engine, plain_greedy, rewrite_prompts, chat_prompts, monkeypatch):
     """AGENTSPEC_WEIGHT_COPIES=1 (what a model too large to hold twice gets): the torch weights
     are freed once packed and prompt chunks unpack them per forward. Prompt logits are the same
@@ -315,6 +317,7 @@ def test_weight_copies_setting_is_checked(monkeypatch):
         agentspec.Engine.embedded(quiet=True)
 
 
+@pytest.mark.extended
 def test_bfloat16_kv_cache_greedy_identity(rewrite_prompts, chat_prompts):
     """A bfloat16 KV cache (``kv_dtype="bfloat16"``, the native attention on the layered rows path):
     speculation equals plain decoding with the real model on real prompts, one request at a time

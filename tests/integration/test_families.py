@@ -30,7 +30,7 @@ from agentspec.errors import ConfigError, ModelLoadError
 from helpers.families import write_family, write_gguf, write_quantized_pair
 from helpers.trees import with_decoys
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]   # extended tier: every family against transformers
 transformers = pytest.importorskip("transformers")
 
 # family -> write_family options: head_dim 64 (the native kernels' shape) for three families;

@@ -22,7 +22,7 @@ from helpers.workspace import continues, until
 
 from agentspec import Workspace
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]   # extended tier: signals, crashes and restarts
 
 CODE = '''def fibonacci(n):
     """Return the n-th Fibonacci number: marmot-lighthouse."""

@@ -26,7 +26,8 @@ from agentspec.lsp import apply_edits, line_edits
 
 from helpers.serve import Server
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+# extended tier: the language server end to end (make test keeps its TCP transport and edit tests)
+pytestmark = [pytest.mark.extended, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 UTIL = '''def add(a, b):
     return a + b

@@ -12,7 +12,7 @@ import agentspec
 from agentspec.backends.embedded.model import KVCache, Transformer
 from agentspec.backends.embedded.weights import bundled_model_path, load_checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]   # extended tier: logits against transformers
 
 
 @pytest.fixture(scope="module")

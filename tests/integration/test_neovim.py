@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]   # extended tier: headless Neovim
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "editors.md"
 MIN_NVIM = (0, 11)

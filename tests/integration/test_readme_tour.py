@@ -8,7 +8,7 @@ import pytest
 from helpers.serve import Server
 from helpers.tour import ROOT, check_curl_lines, check_last_block, check_python_block, tour_blocks
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]   # extended tier: the README's tour against a real server
 
 
 @pytest.fixture(scope="module")

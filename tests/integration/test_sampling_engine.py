@@ -12,7 +12,7 @@ from agentspec.drafting import EMPTY_DRAFT
 from agentspec.backends.embedded.batch import BatchEngine
 from agentspec.decode.verify import process_logits
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]   # extended tier: chi-square tests of speculative sampling (minutes); the seeded-sampling exactness tests stay in make test
 
 TEMPERATURE, TOP_K = 1.0, 3
 N = 160  # samples per test: enough for the chi-square (small cells pooled) to catch a biased sampler

@@ -22,7 +22,7 @@ from helpers.serve import Server
 
 from agentspec.server.openapi import build_openapi
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]   # extended tier: schema fuzzing of every endpoint
 
 TENANT = "fuzz-tenant"
 KEY = "sk-fuzz-0123456789"

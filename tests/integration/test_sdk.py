@@ -210,6 +210,7 @@ def test_top_level_names():
     assert agentspec.Client is Client and agentspec.AsyncClient is AsyncClient
 
 
+@pytest.mark.extended
 def test_inproc_agent_loop_writes_records_and_reuses_the_prefix_cache_as_served(clients, server, tmp_path):
     """In-process mode runs the server's request layer: one acceptance record per request in the
     tenant's log (sessions named in them), and a session's second turn takes the same prefix-cache

@@ -559,6 +559,7 @@ def test_a_non_streamed_client_that_leaves_cancels_its_generation(server):
     assert new[0]["finish_reason"] == "cancelled" and new[0]["completion_tokens"] < 2000, new[0]
 
 
+@pytest.mark.extended
 def test_default_server_without_config_and_sigkill(tmp_path):
     """No config: tenant "default", no key on loopback, workspace = --repo. A SIGKILL mid-stream
     leaves logs that still parse."""
@@ -608,6 +609,7 @@ def timeout_server(tmp_path_factory):
 TIMEOUT_CHAT = {"messages": rewrite_messages(), "temperature": 0, "max_tokens": 200, "speculation": False}
 
 
+@pytest.mark.extended
 def test_request_timeout_is_a_504_and_logged(timeout_server):
     s = timeout_server
     slow = httpx.post(s.base + "/v1/chat/completions", timeout=120, json=TIMEOUT_CHAT)

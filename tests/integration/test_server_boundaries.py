@@ -167,6 +167,7 @@ def test_a_deeply_nested_body_is_a_400(keyless):
         assert r.json()["error"]["code"] == "invalid_json"
 
 
+@pytest.mark.extended
 def test_a_flooding_tenant_does_not_hold_another_behind_its_flood(tmp_path):
     """Tenant "flood" queues 8 long requests on a batch of 2; tenant "quiet" then sends one short
     request. Served in turn, it joins the batch at the first free slot and finishes before most

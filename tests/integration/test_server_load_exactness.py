@@ -12,7 +12,7 @@ import httpx
 import pytest
 from helpers.serve import CODE, MODEL, Server, rewrite_messages
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]   # extended tier: exactness under load
 
 MAX_TOKENS = 48
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.extended   # extended tier: the VS Code extension's build and lint
+
 EXTENSION = Path(__file__).resolve().parents[2] / "integrations" / "editor" / "vscode"
 
 INSTALL_TIMEOUT_S = 600

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.extended   # extended tier: the Arm bodies under qemu (make test-extended installs the cross compiler and qemu-user)
+
 ROOT = Path(__file__).resolve().parents[2]
 CXX = shutil.which("aarch64-linux-gnu-g++")
 QEMU = shutil.which("qemu-aarch64")
