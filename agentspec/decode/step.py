@@ -82,12 +82,8 @@ def with_forced(forced: list[int], draft: Draft, budget: int) -> Draft:
                 parents.append(par)
                 probs.append(draft.probs[i])
                 sources.append(draft.source_of(i))
-    surv, score = [], 0.0
-    for i, p in enumerate(parents):
-        surv.append(probs[i] * (surv[p] if p >= 0 else 1.0))
-        score += surv[-1]
-    return Draft(tokens, parents, probs, score, "grammar" if len(tokens) == k else f"grammar+{draft.source}",
-                 sources)
+    out = Draft(tokens, parents, probs, 0.0, "grammar" if len(tokens) == k else f"grammar+{draft.source}", sources)
+    return Draft(tokens, parents, probs, float(sum(out.survival())), out.source, sources)
 
 
 def spec_decision(spec: SpecConfig | None, greedy: bool) -> tuple[bool, str]:
