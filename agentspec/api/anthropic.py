@@ -3,19 +3,25 @@
 In: a Messages body becomes the conversation inside (``agentspec.chat.Conversation``): ``system``
 (text or text blocks), content blocks (``text``; ``tool_use`` with its ``toolu_`` id as an
 assistant turn's call; ``tool_result`` as text or text blocks, ``is_error`` said in the text, as a
-tool message; thinking blocks of earlier turns dropped: the models served have no separate
-reasoning channel), system turns among the messages (rendered where they stand), ``tools`` with
+tool message; ``thinking`` blocks as the turn's thoughts, shown to the model where its chat
+template shows them, ``redacted_thinking`` dropped), system turns among the messages (rendered
+where they stand), ``tools`` with
 ``input_schema`` (a ``defer_loading`` tool left out: it is not in the model's context until a tool
 search loads it), ``tool_choice``, ``stop_sequences``.
 Images and documents are refused by name, and so are server tools (``web_search``, ``bash``, ...)
 and options that would change the output if ignored (``context_management`` edits other than
-clearing thinking). Hints (``cache_control``, ``metadata``, ``thinking``, ``service_tier: auto``,
-``clear_thinking`` edits) are accepted and ignored.
+clearing thinking). ``thinking`` ``disabled`` turns a thinking model's thoughts off (Qwen3's
+``enable_thinking``), ``enabled`` / ``adaptive`` on; a hint for a model that does not think
+(``budget_tokens`` is not enforced). Hints (``cache_control``, ``metadata``, ``service_tier:
+auto``, ``clear_thinking`` edits: the template already drops thoughts of turns before the last
+user message) are accepted and ignored.
 
 Out: the message (``content`` blocks, ``stop_reason`` ``end_turn`` / ``max_tokens`` /
 ``stop_sequence`` / ``tool_use``, ``usage`` with ``cache_read_input_tokens`` from the prefix cache)
 or its stream as named events (``message_start``, ``ping``, ``content_block_start`` / ``_delta``
-/ ``_stop`` with ``text_delta`` and ``input_json_delta``, ``message_delta``, ``message_stop``;
+/ ``_stop`` with ``thinking_delta``, ``text_delta`` and ``input_json_delta``, ``message_delta``,
+``message_stop``; a thinking model's thoughts are a ``thinking`` block ahead of the answer, its
+``signature`` empty: nothing checks it on the way back in;
 ``error``), Anthropic's error envelope (``agentspec.api.errors``).
 """
 
@@ -29,7 +35,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 
 from ..backends.protocol import MAX_TEMPERATURE
-from ..chat import CallArgs, CallEnd, CallStart, Conversation, Message, Text, Tool, ToolCall
+from ..chat import CallArgs, CallEnd, CallStart, Conversation, Message, Reasoning, Text, Tool, ToolCall
 from ..text import stop_index
 from .errors import anthropic_error_type
 from .protocol import APIError, decode_body, sampling_temperature
@@ -153,7 +159,7 @@ class MessagesRequest(_Strict, kw_only=True):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoiceParam | None = None
     metadata: MetadataParam | None = None
-    thinking: ThinkingParam | None = None   # a hint: the models served have no separate reasoning channel
+    thinking: ThinkingParam | None = None   # disabled / enabled: a thinking model's thoughts off / on
     output_config: OutputConfig | None = None
     # hints with nothing to do here: the prefix cache is automatic, one region, one speed
     cache_control: Any = None
@@ -193,8 +199,9 @@ class MessagesRequest(_Strict, kw_only=True):
 
 def _check_context_management(cm: Any) -> None:
     """``context_management``: only edits that clear thinking blocks (Claude Code sends
-    ``clear_thinking_20251015`` on every request) are taken, as no-ops: earlier turns' thinking is
-    dropped here anyway. Any other edit (clearing tool results) would change the prompt: refused."""
+    ``clear_thinking_20251015`` on every request) are taken, as no-ops: a thinking model's template
+    already drops the thoughts of turns before the last user message, and a model that does not
+    think has none. Any other edit (clearing tool results) would change the prompt: refused."""
     if cm is None:
         return
     edits = cm.get("edits") if isinstance(cm, dict) else None
@@ -205,8 +212,8 @@ def _check_context_management(cm: Any) -> None:
         kind = e.get("type") if isinstance(e, dict) else None
         if not isinstance(kind, str) or not kind.startswith("clear_thinking_"):
             raise APIError(400, f"context_management.edits[{i}] ({kind!r}) is not supported: this server does not "
-                                "edit the context (clear_thinking edits are taken: earlier thinking is dropped "
-                                "anyway); leave it out", param=f"context_management.edits[{i}].type",
+                                "edit the context (clear_thinking edits are taken: the chat template drops earlier "
+                                "thoughts itself); leave it out", param=f"context_management.edits[{i}].type",
                            code="unsupported_parameter")
 
 
@@ -248,7 +255,8 @@ def conversation(req: MessagesRequest) -> Conversation:
             calls = [ToolCall(id=b.id, name=b.name, arguments=json.dumps(b.input if b.input is not None else {},
                                                                          ensure_ascii=False))
                      for b in m.content if isinstance(b, ToolUseBlock)]
-            messages.append(Message(role="assistant", content=text, tool_calls=calls))
+            thought = "".join(b.thinking for b in m.content if isinstance(b, ThinkingBlock))
+            messages.append(Message(role="assistant", content=text, tool_calls=calls, reasoning=thought))
             continue
         # a user turn: its tool results (each a tool message, in order), then its text
         text: list[str] = []
@@ -275,9 +283,12 @@ def conversation(req: MessagesRequest) -> Conversation:
             forced = tc.name
         parallel = not tc.disable_parallel_tool_use
     fmt = req.output_config.format if req.output_config is not None else None
+    thinking = None
+    if req.thinking is not None:
+        thinking = {"disabled": False, "enabled": True, "adaptive": True}.get(req.thinking.type)
     return Conversation(messages=messages, tools=tools, tool_choice=choice, forced_tool=forced,
                         parallel_tool_calls=parallel, response_schema=fmt.schema if fmt is not None else None,
-                        response_strict=fmt is not None)
+                        response_strict=fmt is not None, thinking=thinking)
 
 
 def count_tokens(state: ServerState, body: bytes) -> dict:
@@ -343,6 +354,8 @@ def prepare_messages(state: ServerState, tenant: Tenant, req: MessagesRequest, m
         p.push(gen.text)
         p.finish()
         content: list[dict] = []
+        if p.reasoning:
+            content.append({"type": "thinking", "thinking": "".join(p.reasoning), "signature": ""})
         text = "".join(p.content)
         if p.calls:
             text = text.strip()
@@ -368,7 +381,16 @@ def prepare_messages(state: ServerState, tenant: Tenant, req: MessagesRequest, m
     def shape(events) -> list[dict]:
         out: list[dict] = []
         for ev in events:
-            if isinstance(ev, Text):
+            if isinstance(ev, Reasoning):
+                if blocks["open"] is None or blocks["open"][1] != "thinking":
+                    close(out)
+                    blocks["open"] = (blocks["next"], "thinking")
+                    blocks["next"] += 1
+                    out.append({"type": "content_block_start", "index": blocks["open"][0],
+                                "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
+                out.append({"type": "content_block_delta", "index": blocks["open"][0],
+                            "delta": {"type": "thinking_delta", "thinking": ev.text}})
+            elif isinstance(ev, Text):
                 if blocks["open"] is None or blocks["open"][1] != "text":
                     close(out)
                     blocks["open"] = (blocks["next"], "text")

@@ -33,7 +33,7 @@ from .routing import Route, UnknownRouteError
 from ..text import TextStream
 from .jobs import Job
 from .limits import LimitExceeded
-from ..chat import CallArgs, CallStart, Conversation, Message, Text, Tool, ToolCall
+from ..chat import CallArgs, CallStart, Conversation, Message, Reasoning, Text, Tool, ToolCall
 from .turns import render_turn
 from .protocol import (
     APIError,
@@ -276,8 +276,12 @@ def openai_conversation(req: ChatCompletionRequest) -> Conversation:
                            param=f"messages[{i}].tool_call_id", code="invalid_value")
         # a message's name goes to the chat template, as OpenAI-compatible servers pass it (clients such as
         # AutoGen send one on every message); the bundled and Qwen templates do not show it
+        thought = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if thought and role != "assistant":
+            raise APIError(400, f"messages[{i}]: only an assistant message carries reasoning, this one is {m.role!r}",
+                           param=f"messages[{i}].reasoning_content", code="invalid_value")
         messages.append(Message(role=role, content=_text(m.content), tool_calls=calls, tool_call_id=m.tool_call_id,
-                                name=m.name))
+                                name=m.name, reasoning=thought or ""))
     tools = [Tool(name=t.function.name, description=t.function.description, parameters=t.function.parameters or {},
                   strict=bool(t.function.strict)) for t in req.tools or ()]
     choice, forced = "auto", None
@@ -298,9 +302,12 @@ def openai_conversation(req: ChatCompletionRequest) -> Conversation:
                            param="response_format.json_schema", code="invalid_value")
         schema = rf.json_schema.schema if rf.json_schema.schema is not None else {}
         strict = bool(rf.json_schema.strict)
+    thinking = (req.chat_template_kwargs or {}).get("enable_thinking")
+    if thinking is None and req.reasoning_effort == "none":
+        thinking = False
     return Conversation(messages=messages, tools=tools, tool_choice=choice, forced_tool=forced,
                         parallel_tool_calls=req.parallel_tool_calls is not False, response_schema=schema,
-                        response_strict=strict)
+                        response_strict=strict, thinking=thinking)
 
 
 def _openai_call(call_id: str, name: str, arguments: str) -> dict:
@@ -341,6 +348,8 @@ def _chat(state: ServerState, tenant: Tenant, req: ChatCompletionRequest, model:
         p.finish()
         text = "".join(p.content)
         message: dict[str, Any] = {"role": "assistant", "content": (text.strip() or None) if p.calls else text}
+        if p.reasoning:
+            message["reasoning_content"] = "".join(p.reasoning)
         if p.calls:
             message["tool_calls"] = [_openai_call(c.id, c.name, c.arguments) for c in p.calls]
         body = {**base, "object": "chat.completion",
@@ -363,6 +372,8 @@ def _chat(state: ServerState, tenant: Tenant, req: ChatCompletionRequest, model:
         for ev in events:
             if isinstance(ev, Text):
                 out.append(delta_chunk({"content": ev.text}))
+            elif isinstance(ev, Reasoning):
+                out.append(delta_chunk({"reasoning_content": ev.text}))
             elif isinstance(ev, CallStart):
                 out.append(delta_chunk({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
                                                         "function": {"name": ev.name, "arguments": ""}}]}))

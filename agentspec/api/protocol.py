@@ -72,6 +72,8 @@ class Message(_Strict):
     tool_calls: list[ToolCallParam] | None = None   # an assistant turn's calls
     tool_call_id: str | None = None                 # a tool result: the call it answers
     refusal: str | None = None                      # echoed back by some clients; null only
+    reasoning_content: str | None = None            # an assistant turn's thoughts (DeepSeek, vLLM, llama.cpp)
+    reasoning: str | None = None                    # ... as OpenRouter and newer vLLM name them
 
 
 ToolName = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_.\-]{1,128}$")]
@@ -192,7 +194,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tools: list[ToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
-    reasoning_effort: str | None = None   # a hint: the models served do not reason in a separate channel
+    # a thinking model (Qwen3, QwQ, R1): "none" turns its thoughts off, any other effort leaves them to the
+    # template; a hint for a model that does not think
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None   # extension (vLLM, SGLang, llama.cpp): enable_thinking
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -207,6 +212,14 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
                 raise APIError(400, f"tools[{i}]: only function tools are supported, got type {t.type!r} (a "
                                     "freeform custom tool needs a grammar of its own)", param=f"tools[{i}].type",
                                code="unsupported_parameter")
+        for k, v in (self.chat_template_kwargs or {}).items():
+            if k != "enable_thinking":
+                raise APIError(400, f"chat_template_kwargs.{k} is not supported (only enable_thinking is passed to "
+                                    "the chat template)", param=f"chat_template_kwargs.{k}",
+                               code="unsupported_parameter")
+            if not isinstance(v, bool):
+                raise APIError(400, f"chat_template_kwargs.enable_thinking must be true or false, got {v!r}",
+                               param="chat_template_kwargs.enable_thinking", code="invalid_value")
         if self.top_logprobs not in (None, 0):
             raise APIError(400, f"top_logprobs is not supported (logprobs are not computed), got {self.top_logprobs}",
                            param="top_logprobs", code="unsupported_parameter")

@@ -1,8 +1,9 @@
 """OpenAI Responses (``POST /v1/responses``), stateless: the adapter in and out.
 
 In: ``input`` (text, or items: messages with ``input_text`` / ``output_text`` parts,
-``function_call`` and ``function_call_output`` items; ``reasoning`` items of earlier turns
-dropped: the models served have no separate reasoning channel), ``instructions``, function
+``function_call`` and ``function_call_output`` items; ``reasoning`` items: their
+``reasoning_text`` content as the next assistant turn's thoughts, shown to the model where its
+chat template shows them, summaries and encrypted content dropped), ``instructions``, function
 ``tools`` (``call_id`` distinct from the item ``id``) and ``namespace`` tools (their functions
 offered as ``namespace.name``; a call to one comes back with ``namespace`` and its bare ``name``),
 ``tool_choice``, ``parallel_tool_calls``,
@@ -12,14 +13,17 @@ offered as ``namespace.name``; a call to one comes back with ``namespace`` and i
 ``apply_patch`` in its freeform form: Codex falls back to its JSON function form), hosted tools
 other than web search, images and files. The hosted ``web_search`` tool (Codex offers it by default)
 is accepted and not offered to the model: an offered tool is a permission, and the answer is one
-a model that chose not to search gives. Hints (``reasoning``, ``include``, ``metadata``,
+a model that chose not to search gives. ``reasoning.effort`` ``none`` turns a thinking model's
+thoughts off (Qwen3's ``enable_thinking``). Hints (other efforts, ``include``, ``metadata``,
 ``client_metadata``, ``user``, ``truncation``, ``prompt_cache_key`` -- a session, as on Chat
 Completions) are accepted.
 
-Out: the response object (``output`` items: a ``message`` with ``output_text``, ``function_call``
-items) or its stream, every event with its ``sequence_number``: ``response.created``,
+Out: the response object (``output`` items: a thinking model's ``reasoning`` item with its
+``reasoning_text``, a ``message`` with ``output_text``, ``function_call`` items) or its stream,
+every event with its ``sequence_number``: ``response.created``,
 ``response.in_progress``, ``response.output_item.added`` / ``.done``,
-``response.content_part.added`` / ``.done``, ``response.output_text.delta`` / ``.done``,
+``response.content_part.added`` / ``.done``, ``response.reasoning_text.delta`` / ``.done``,
+``response.output_text.delta`` / ``.done``,
 ``response.function_call_arguments.delta`` / ``.done``, and always a last
 ``response.completed`` (status ``completed``, or ``incomplete`` with its reason) or
 ``response.failed`` (with its error code, e.g. ``context_length_exceeded``).
@@ -36,7 +40,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 
 from ..backends.protocol import MAX_TEMPERATURE
-from ..chat import CallArgs, CallEnd, CallStart, Conversation, Message, Text, Tool, ToolCall
+from ..chat import CallArgs, CallEnd, CallStart, Conversation, Message, Reasoning, Text, Tool, ToolCall
 from .protocol import APIError, sampling_temperature
 from .turns import render_turn
 
@@ -87,7 +91,7 @@ class TextParam(_Strict):
 
 
 class ReasoningParam(_Strict):
-    effort: str | None = None       # a hint: the models served do not reason in a separate channel
+    effort: str | None = None       # "none": a thinking model's thoughts off; otherwise a hint
     summary: str | None = None
     generate_summary: str | None = None
 
@@ -243,6 +247,14 @@ def conversation(req: ResponsesRequest) -> Conversation:
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     if not items:
         raise APIError(400, "input must not be empty", param="input", code="invalid_value")
+    thought = ""   # a reasoning item's text, for the assistant turn it precedes
+
+    def think(m: Message) -> Message:
+        nonlocal thought
+        if thought and m.role == "assistant" and not m.reasoning:
+            m.reasoning, thought = thought, ""
+        return m
+
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
@@ -257,8 +269,9 @@ def conversation(req: ResponsesRequest) -> Conversation:
             if role == "assistant" and last is not None and last.role == "assistant" and not last.content \
                     and last.tool_calls:
                 last.content = text   # text and calls of one turn, in whichever order they came
+                think(last)
                 continue
-            messages.append(Message(role=role, content=text))
+            messages.append(think(Message(role=role, content=text)))
         elif kind == "function_call":
             name, ns = _string(item, "name", where), item.get("namespace")
             if isinstance(ns, str) and f"{ns}.{name}" in offered:   # a namespace's tool, by the name the model saw
@@ -268,14 +281,18 @@ def conversation(req: ResponsesRequest) -> Conversation:
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":
                 last.tool_calls = [*last.tool_calls, call]   # several calls of one turn
+                think(last)
             else:
-                messages.append(Message(role="assistant", content="", tool_calls=[call]))
+                messages.append(think(Message(role="assistant", content="", tool_calls=[call])))
         elif kind == "function_call_output":
             out = item.get("output")
             text = out if isinstance(out, str) else _parts_text(out, f"{where}.output")
             messages.append(Message(role="tool", content=text, tool_call_id=_string(item, "call_id", where)))
         elif kind == "reasoning":
-            continue   # an earlier turn's reasoning summary: nothing the models served render
+            # the model's own thoughts (reasoning_text) go back to it; a summary is not what it wrote
+            parts = item.get("content") if isinstance(item.get("content"), list) else []
+            thought += "".join(p["text"] for p in parts if isinstance(p, dict) and p.get("type") == "reasoning_text"
+                               and isinstance(p.get("text"), str))
         elif kind in ("custom_tool_call", "custom_tool_call_output"):
             raise APIError(400, f"{where} is a {kind} item: custom tools are not supported", param=f"{where}.type",
                            code="unsupported_parameter")
@@ -299,9 +316,10 @@ def conversation(req: ResponsesRequest) -> Conversation:
         schema = {"type": "object"}
     elif fmt is not None and fmt.type == "json_schema":
         schema, strict = fmt.schema if fmt.schema is not None else {}, bool(fmt.strict)
+    effort = req.reasoning.effort if req.reasoning is not None else None
     return Conversation(messages=messages, tools=tools, tool_choice=choice, forced_tool=forced,
                         parallel_tool_calls=req.parallel_tool_calls is not False, response_schema=schema,
-                        response_strict=strict)
+                        response_strict=strict, thinking=False if effort == "none" else None)
 
 
 def prepare_responses(state: ServerState, tenant: Tenant, req: ResponsesRequest, model: str, session: str | None,
@@ -329,11 +347,14 @@ def prepare_responses(state: ServerState, tenant: Tenant, req: ResponsesRequest,
         "temperature": req.temperature, "top_p": req.top_p, "store": False, "previous_response_id": None,
         "metadata": req.metadata or {}, "text": {"format": {"type": "text"}} if req.text is None or
         req.text.format is None else {"format": msgspec.to_builtins(req.text.format)},
-        "reasoning": {"effort": None, "summary": None}, "truncation": req.truncation or "disabled",
+        "reasoning": {"effort": req.reasoning.effort if req.reasoning is not None else None, "summary": None},
+        "truncation": req.truncation or "disabled",
         "user": req.user, "usage": None, "error": None, "incomplete_details": None,
     }
     if echo["tool_choice"] is None:
         echo["tool_choice"] = "auto"
+
+    tokenizer = state.backend.tokenizer
 
     def response(status: str, output: list[dict], gen=None, error: dict | None = None) -> dict:
         body = {"id": resp_id, "object": "response", "created_at": created, "status": status, "model": model,
@@ -341,7 +362,8 @@ def prepare_responses(state: ServerState, tenant: Tenant, req: ResponsesRequest,
         if gen is not None:
             cached = getattr(gen.stats, "cached_tokens", 0)
             body["usage"] = {"input_tokens": len(call.ids), "input_tokens_details": {"cached_tokens": cached},
-                             "output_tokens": len(gen.token_ids), "output_tokens_details": {"reasoning_tokens": 0},
+                             "output_tokens": len(gen.token_ids),
+                             "output_tokens_details": {"reasoning_tokens": reasoning_tokens(output)},
                              "total_tokens": len(call.ids) + len(gen.token_ids)}
             if status == "incomplete":
                 body["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -353,6 +375,14 @@ def prepare_responses(state: ServerState, tenant: Tenant, req: ResponsesRequest,
 
     def status_of(gen, p) -> str:
         return "incomplete" if gen.finish_reason == "length" or p.incomplete else "completed"
+
+    def reasoning_tokens(output: list[dict]) -> int:   # the thoughts' tokens (their text re-encoded)
+        return sum(len(tokenizer.encode(c["text"])) for o in output if o["type"] == "reasoning"
+                   for c in o["content"])
+
+    def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+        return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
 
     def message_item(item_id: str, text: str, status: str = "completed") -> dict:
         return {"type": "message", "id": item_id, "status": status, "role": "assistant",
@@ -372,10 +402,12 @@ def prepare_responses(state: ServerState, tenant: Tenant, req: ResponsesRequest,
         p.push(gen.text)
         p.finish()
         output = []
+        if p.reasoning:
+            output.append(reasoning_item(_item_id("rs_"), "".join(p.reasoning)))
         text = "".join(p.content)
         if p.calls:
             text = text.strip()
-        if text or not p.calls:
+        if text or not (p.calls or p.reasoning):   # (a turn of thoughts alone has no message)
             output.append(message_item(_item_id("msg_"), text))
         for c in p.calls:
             output.append(call_item(_item_id("fc_"), c.id, c.name, c.arguments))
@@ -402,6 +434,13 @@ def prepare_responses(state: ServerState, tenant: Tenant, req: ResponsesRequest,
             out.append(ev("response.content_part.done", item_id=item_id, output_index=idx, content_index=0,
                           part={"type": "output_text", "text": text, "annotations": [], "logprobs": []}))
             item = message_item(item_id, text)
+        elif kind == "reasoning":
+            text = "".join(parts)
+            out.append(ev("response.reasoning_text.done", item_id=item_id, output_index=idx, content_index=0,
+                          text=text))
+            out.append(ev("response.content_part.done", item_id=item_id, output_index=idx, content_index=0,
+                          part={"type": "reasoning_text", "text": text}))
+            item = reasoning_item(item_id, text)
         else:
             args = "".join(parts)
             out.append(ev("response.function_call_arguments.done", item_id=item_id, output_index=idx,
@@ -414,7 +453,20 @@ def prepare_responses(state: ServerState, tenant: Tenant, req: ResponsesRequest,
     def shape(events) -> list[dict]:
         out: list[dict] = []
         for e in events:
-            if isinstance(e, Text):
+            if isinstance(e, Reasoning):
+                o = st["open"]
+                if o is None or o[1] != "reasoning":
+                    close(out)
+                    idx, item_id = len(st["output"]), _item_id("rs_")
+                    st["open"] = o = (idx, "reasoning", item_id, [], None)
+                    out.append(ev("response.output_item.added", output_index=idx,
+                                  item=reasoning_item(item_id, "", status="in_progress")))
+                    out.append(ev("response.content_part.added", item_id=item_id, output_index=idx, content_index=0,
+                                  part={"type": "reasoning_text", "text": ""}))
+                o[3].append(e.text)
+                out.append(ev("response.reasoning_text.delta", item_id=o[2], output_index=o[0], content_index=0,
+                              delta=e.text))
+            elif isinstance(e, Text):
                 o = st["open"]
                 if o is None or o[1] != "message":
                     if not e.text.strip() and o is None and st["output"]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..chat import Conversation, OutputParser, ToolFormat, detect_format
+from ..chat import Conversation, OutputParser, ReasoningFormat, ToolFormat, detect_format, detect_reasoning
 from ..chat.conversation import template_messages, template_tools
 from ..backends.protocol import OutputFormat
 from ..errors import InvalidRequestError
@@ -51,6 +51,8 @@ class Turn:
     grammar: str | None
     fmt: ToolFormat | None
     grammar_param: str | None     # the request field the grammar came from (its errors name it)
+    reasoning: ReasoningFormat | None = None   # the model's thought block (None: it has none, or it is off)
+    opened: bool | None = None    # the prompt opened the thoughts (True), closed them (False), or neither
 
     @property
     def tool_names(self) -> list[str]:
@@ -72,7 +74,8 @@ class Turn:
 
     def parser(self, id_prefix: str = "call_") -> OutputParser:
         return OutputParser(self.fmt, self.tool_names, id_prefix=id_prefix,
-                            forced=self.conv.tool_choice in ("required", "function"))
+                            forced=self.conv.tool_choice in ("required", "function"),
+                            reasoning=self.reasoning, opened=self.opened)
 
 
 def render_turn(state: ServerState, conv: Conversation, *, tools_param: str = "tools",
@@ -120,13 +123,24 @@ def render_turn(state: ServerState, conv: Conversation, *, tools_param: str = "t
                            param=format_param if conv.response_schema is not None else choice_param,
                            code="unsupported_parameter")
         grammar = None   # auto: calls are parsed, not held to their schemas
+    think = detect_reasoning(getattr(tok, "chat_template", None))
+    kwargs = {"enable_thinking": conv.thinking} if think is not None and conv.thinking is not None else None
     try:
         messages = template_messages(conv.messages)
-        ids = backend.encode_chat(messages, tools=template_tools(conv.tools) if fmt is not None else None)
+        ids = backend.encode_chat(messages, tools=template_tools(conv.tools) if fmt is not None else None,
+                                  template_kwargs=kwargs)
     except InvalidRequestError as e:
         param = e.param if e.param and e.param.startswith("messages[") else messages_param
         raise APIError(400, str(e), param=param, code="invalid_value") from None
-    return Turn(conv=conv, ids=ids, grammar=grammar, fmt=fmt, grammar_param=grammar_param)
+    opened = None
+    if think is not None:
+        opened = think.opened(tok.decode(ids[-16:]))
+        if opened is False:
+            think = None   # the template closed the thoughts: the output is the answer
+        elif grammar is not None:   # the thoughts come first, free; the grammar holds what follows them
+            grammar = think.with_reasoning(grammar, opened=bool(opened), token_id=_token_id(tok))
+    return Turn(conv=conv, ids=ids, grammar=grammar, fmt=fmt, grammar_param=grammar_param, reasoning=think,
+                opened=opened)
 
 
 # a response schema without tools: the grammar is the schema alone

@@ -142,12 +142,13 @@ class Backend(Protocol):
         the backend drafts without workspaces."""
         ...
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None
-                    ) -> list[int]:
-        """Token ids of chat messages (``{"role", "content"}``; an assistant turn's ``tool_calls``,
-        a ``role: tool`` result with its ``tool_call_id``, as transformers' ``apply_chat_template``
-        takes them) and ``tools`` (OpenAI function tools) with the model's chat template and the
-        generation prompt. Raises InvalidRequestError naming the bad value."""
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Token ids of chat messages (``{"role", "content"}``; an assistant turn's ``tool_calls``
+        and ``reasoning_content``, a ``role: tool`` result with its ``tool_call_id``, as
+        transformers' ``apply_chat_template`` takes them) and ``tools`` (OpenAI function tools) with
+        the model's chat template and the generation prompt; ``template_kwargs``: the template's own
+        variables (``enable_thinking``). Raises InvalidRequestError naming the bad value."""
         ...
 
     def encode_text(self, text: str) -> list[int]:

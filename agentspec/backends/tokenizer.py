@@ -196,9 +196,10 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
-                            tools: Sequence[dict] | None = None) -> str:
+                            tools: Sequence[dict] | None = None, **kwargs: Any) -> str:
         """Render ``[{"role", "content"}, ...]`` (and ``tools``, OpenAI function tools) with the
-        model's template (as transformers does)."""
+        model's template (as transformers does). ``kwargs``: the template's own variables
+        (``enable_thinking``), as transformers passes them."""
         if self.chat_template is None:
             # no template: a plain transcript, so that a base model still gets something sensible
             body = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
@@ -209,7 +210,7 @@ class Tokenizer:
         eos_id = self.eos_token_id
         # as transformers renders it: the special tokens of tokenizer_config, then the call's own
         variables = {"bos_token": bos or "", "eos_token": (self.token_text(eos_id) if eos_id is not None else "") or "",
-                     **self.special_tokens}
+                     **self.special_tokens, **kwargs}
         try:
             return self._template.render(messages=[dict(m) for m in messages], tools=list(tools) if tools else None,
                                          documents=None,

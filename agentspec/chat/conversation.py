@@ -42,6 +42,7 @@ class Message(msgspec.Struct):
     tool_calls: list[ToolCall] = []
     tool_call_id: str | None = None
     name: str | None = None       # a participant's name (OpenAI), or the tool a result is from
+    reasoning: str = ""           # an assistant turn's thoughts, sent back (rendered where the template does)
 
 
 class Tool(msgspec.Struct, frozen=True):
@@ -61,7 +62,8 @@ class Conversation(msgspec.Struct):
     or "function" with ``forced_tool`` naming the one tool it must call. ``parallel_tool_calls``:
     several calls in one turn. ``response_schema``: the answer is JSON following this schema
     (``{"type": "object"}`` for any object); ``response_strict``: unsupported schema features are an
-    error rather than ignored."""
+    error rather than ignored. ``thinking``: for a model that thinks before it answers, True or
+    False asks its template to let it or not (``enable_thinking``); None leaves it to the template."""
 
     messages: list[Message]
     tools: list[Tool] = []
@@ -70,6 +72,7 @@ class Conversation(msgspec.Struct):
     parallel_tool_calls: bool = True
     response_schema: dict | None = None
     response_strict: bool = False
+    thinking: bool | None = None
 
     def tool(self, name: str) -> Tool | None:
         return next((t for t in self.tools if t.name == name), None)
@@ -119,5 +122,7 @@ def template_messages(messages: Sequence[Message]) -> list[dict]:
                 for j, c in enumerate(m.tool_calls)]
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
+        if m.reasoning and m.role == "assistant":
+            d["reasoning_content"] = m.reasoning
         out.append(d)
     return out

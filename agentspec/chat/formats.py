@@ -18,6 +18,11 @@ Mistral, SmolLM2 -- shares one):
 | ``mistral`` | Mistral (v3 tokenizer and later) | ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` | yes |
 
 A template none of these recognise has no row: a request with ``tools`` is refused by name.
+
+Reasoning is a row of its own (``ReasoningFormat``): a template that renders ``<think>`` and
+``</think>`` (Qwen3, QwQ, DeepSeek-R1 and its distills) serves a model that may think before it
+answers. Its thoughts are not the answer: the parser sends them as reasoning events and the
+grammar of a constrained turn admits them ahead of the constrained part (``with_reasoning``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 
 from .conversation import Conversation, Tool
 
-__all__ = ["FORMATS", "ToolFormat", "detect_format"]
+__all__ = ["FORMATS", "ReasoningFormat", "ToolFormat", "detect_format", "detect_reasoning"]
 
 # JSON as ``json.dumps`` (and so the templates' ``tojson``) writes it: a call made under the grammar
 # re-renders, when the client sends it back, as the very text the model wrote
@@ -204,4 +209,51 @@ def detect_format(template: str | None) -> ToolFormat | None:
         return FORMATS["mistral"]
     if "<|python_tag|>" in template or ("<|start_header_id|>" in template and '"parameters"' in template):
         return FORMATS["llama3"]
+    return None
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """How a family's model thinks before it answers: ``start`` ... ``end`` ahead of the answer."""
+
+    start: str = "<think>"
+    end: str = "</think>"
+
+    def opened(self, prompt: str) -> bool | None:
+        """Where the rendered prompt leaves the model: True, inside its thoughts (the template opened
+        them: Qwen3-2507 Thinking, DeepSeek-R1); False, with its thoughts closed (the template wrote
+        an empty block: Qwen3 with ``enable_thinking`` false); None, free to open them or not."""
+        tail = prompt.rstrip()
+        if tail.endswith(self.start):
+            return True
+        if tail.endswith(self.end):
+            return False
+        return None
+
+    def with_reasoning(self, grammar: str, *, opened: bool, token_id: Callable[[str], int | None]) -> str:
+        """``grammar`` (``_lark`` output) with the model's thoughts admitted ahead of it: inside them
+        when the prompt ``opened`` them, else an optional block. The thoughts are one lazy lexeme
+        ended by the first ``end``, then the whitespace the model puts before its answer."""
+        head, _, rest = grammar.partition("\nstart: ")
+        body, _, rules = rest.partition("\n")
+        end_id = token_id(self.end)
+        if end_id is not None:
+            think = (f"think: THINK <[{end_id}]> THINK_WS\n"
+                     f"THINK: /(.|\\n)*/\n")
+        else:
+            think = f"think_text[lazy]: /(.|\\n)*/ {json.dumps(self.end)}\nthink: think_text THINK_WS\n"
+        think += "THINK_WS: /[ \\t\\n]*/\n"
+        if opened:
+            start = "start: think main"
+        else:
+            start_id = token_id(self.start)
+            opener = f"<[{start_id}]>" if start_id is not None else json.dumps(self.start)
+            start = f"start: main | THINK_WS {opener} think main"
+        return f"{head}\n{start}\nmain: {body}\n{rules}{think}"
+
+
+def detect_reasoning(template: str | None) -> ReasoningFormat | None:
+    """The reasoning row for a chat template (None: its model does not think in a block of its own)."""
+    if template and "<think>" in template and "</think>" in template:
+        return ReasoningFormat()
     return None

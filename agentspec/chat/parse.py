@@ -7,7 +7,11 @@ from its events, and a whole (non-streamed) answer is one ``push`` and a ``finis
 - ``Text(text)``: answer text, safe to send (never the start of a call marker: a partial
   ``<tool_`` is held until it is known to be text);
 - ``CallStart(index, id, name)``, ``CallArgs(index, delta)`` (the arguments' JSON text in
-  fragments, as OpenAI and Anthropic stream them), ``CallEnd(index)``.
+  fragments, as OpenAI and Anthropic stream them), ``CallEnd(index)``;
+- ``Reasoning(text)``: the model's thoughts, for a family that thinks in a block ahead of its
+  answer (``ReasoningFormat``: ``<think>`` ... ``</think>``; opened by the prompt or by the model),
+  without the block's tags and the newlines around its text; what follows the block is parsed as
+  the answer.
 
 Small coder models often write a call as a bare JSON object or in a ``json`` fence instead of
 inside the family's tags (measured on the real Qwen2.5-Coder 0.5B and 1.5B). An answer that
@@ -25,9 +29,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .conversation import ToolCall
-from .formats import ToolFormat
+from .formats import ReasoningFormat, ToolFormat
 
-__all__ = ["CallArgs", "CallEnd", "CallStart", "Event", "JsonState", "OutputParser", "Text", "new_call_id"]
+__all__ = ["CallArgs", "CallEnd", "CallStart", "Event", "JsonState", "OutputParser", "Reasoning", "Text", "new_call_id"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,12 @@ class CallEnd:
     index: int
 
 
-Event = Text | CallStart | CallArgs | CallEnd
+@dataclass(frozen=True)
+class Reasoning:
+    text: str
+
+
+Event = Text | CallStart | CallArgs | CallEnd | Reasoning
 
 
 def new_call_id(prefix: str = "call_") -> str:
@@ -108,10 +117,13 @@ _FENCE = re.compile(r"^\s*```[a-zA-Z]*\s*\n?")
 class OutputParser:
     """Turns a turn's text into ``Event``s for one tool-call format. ``tools``: the declared tool
     names (a bare or fenced JSON answer is a call only if it names one); ``fmt`` None (or no
-    tools): everything is text. ``id_prefix``: how call ids start (``call_``, ``toolu_``, ``fc_``)."""
+    tools): everything is text. ``id_prefix``: how call ids start (``call_``, ``toolu_``, ``fc_``).
+    ``reasoning``: the family's thought block (None: it has none); ``opened``: the prompt opened it
+    (True), closed it (False: no thoughts follow) or left it to the model (None)."""
 
     def __init__(self, fmt: ToolFormat | None, tools: Iterable[str] = (), *, id_prefix: str = "call_",
-                 forced: bool = False) -> None:
+                 forced: bool = False, reasoning: ReasoningFormat | None = None,
+                 opened: bool | None = None) -> None:
         self.tools = frozenset(tools)
         self.fmt = fmt if self.tools else None
         self.id_prefix = id_prefix
@@ -128,8 +140,18 @@ class OutputParser:
         self._open: CallStart | None = None
         self._bare = False               # the open call is bare JSON (no marker, no end tag)
         self._bare_fence = False         # ... inside a json fence
+        self.reasoning: list[str] = []   # the thoughts, as sent
+        self._think = reasoning
+        # "head": the thoughts may open here; "in": inside them; "after": the whitespace after them
+        self._r_mode = "none" if reasoning is None or opened is False else ("in" if opened else "head")
+        self._r_buf = ""
+        self._r_started = False          # a thought's text was sent (the newlines after ``start`` dropped)
 
     # ---- state for the decode step and drafters ---------------------------------------------
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._r_mode == "in"
 
     @property
     def in_call(self) -> bool:
@@ -150,6 +172,10 @@ class OutputParser:
         out: list[Event] = []
         if not text:
             return out
+        if self._r_mode != "none":
+            text = self._reason(out, text, final=False)
+            if not text:
+                return out
         self._buf += text
         self._run(out, final=False)
         return out
@@ -159,6 +185,9 @@ class OutputParser:
         completed if it parses (the model may stop before the closing tag) or else dropped
         (``incomplete``)."""
         out: list[Event] = []
+        if self._r_mode != "none":
+            rest = self._reason(out, "", final=True)
+            self._buf += rest
         self._run(out, final=True)
         mode = self._mode
         if mode == "held_json":
@@ -192,6 +221,56 @@ class OutputParser:
             self._buf = ""
         self._mode = "done"
         return out
+
+    # ---- the thoughts ahead of the answer -----------------------------------------------------
+
+    def _reason(self, out: list[Event], text: str, *, final: bool) -> str:
+        """Takes what belongs to the thought block off ``text``; returns the rest (the answer's)."""
+        r = self._think
+        buf = self._r_buf + text
+        self._r_buf = ""
+        while True:
+            if self._r_mode == "head":
+                s = buf.lstrip()
+                if s.startswith(r.start):
+                    buf, self._r_mode = s[len(r.start):], "in"
+                    continue
+                if not final and (not s or r.start.startswith(s)):
+                    self._r_buf = buf   # could still open the block
+                    return ""
+                self._r_mode = "none"
+                return buf
+            if self._r_mode == "in":
+                if not self._r_started:
+                    buf = buf.lstrip("\n")
+                i = buf.find(r.end)
+                if i >= 0:
+                    self._thought(out, buf[:i].rstrip("\n"))
+                    buf, self._r_mode = buf[i + len(r.end):], "after"
+                    continue
+                if final:   # cut off inside the thoughts
+                    self._thought(out, buf)
+                    self._r_mode = "none"
+                    return ""
+                keep = _partial_suffix(buf, r.end)
+                send = buf[:len(buf) - keep]
+                held = len(send) - len(send.rstrip("\n"))   # newlines: sent only if more thought follows
+                self._thought(out, send[:len(send) - held])
+                self._r_buf = buf[len(send) - held:]
+                return ""
+            if self._r_mode == "after":
+                s = buf.lstrip()
+                if not s and not final:
+                    return ""
+                self._r_mode = "none"
+                return s
+            return buf
+
+    def _thought(self, out: list[Event], text: str) -> None:
+        if text:
+            self._r_started = True
+            self.reasoning.append(text)
+            out.append(Reasoning(text))
 
     # ---- the machine ------------------------------------------------------------------------
 

@@ -305,12 +305,12 @@ class SGLangBackend:
     def index(self) -> Any:
         return None   # the draft index lives in SGLang's scheduler processes
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None
-                    ) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         items = check_messages(messages)
         try:
-            return self._tokenizer.encode(self._tokenizer.apply_chat_template(items, tools=list(tools) if tools
-                                                                              else None))
+            return self._tokenizer.encode(self._tokenizer.apply_chat_template(
+                items, tools=list(tools) if tools else None, **dict(template_kwargs or {})))
         except ValueError as e:  # the chat template's raise_exception
             raise InvalidRequestError(str(e), param="messages") from None
 

@@ -62,6 +62,17 @@ LLAMA3_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>"
 QWEN25_TOOLS_TEMPLATE = '{%- if tools %}\n    {{- \'<|im_start|>system\\n\' }}\n    {%- if messages[0][\'role\'] == \'system\' %}\n        {{- messages[0][\'content\'] }}\n    {%- else %}\n        {{- \'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.\' }}\n    {%- endif %}\n    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n    {%- for tool in tools %}\n        {{- "\\n" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n{%- else %}\n    {%- if messages[0][\'role\'] == \'system\' %}\n        {{- \'<|im_start|>system\\n\' + messages[0][\'content\'] + \'<|im_end|>\\n\' }}\n    {%- else %}\n        {{- \'<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n\' }}\n    {%- endif %}\n{%- endif %}\n{%- for message in messages %}\n    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}\n        {{- \'<|im_start|>\' + message.role + \'\\n\' + message.content + \'<|im_end|>\' + \'\\n\' }}\n    {%- elif message.role == "assistant" %}\n        {{- \'<|im_start|>\' + message.role }}\n        {%- if message.content %}\n            {{- \'\\n\' + message.content }}\n        {%- endif %}\n        {%- for tool_call in message.tool_calls %}\n            {%- if tool_call.function is defined %}\n                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n            {{- \'\\n<tool_call>\\n{"name": "\' }}\n            {{- tool_call.name }}\n            {{- \'", "arguments": \' }}\n            {{- tool_call.arguments | tojson }}\n            {{- \'}\\n</tool_call>\' }}\n        {%- endfor %}\n        {{- \'<|im_end|>\\n\' }}\n    {%- elif message.role == "tool" %}\n        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n            {{- \'<|im_start|>user\' }}\n        {%- endif %}\n        {{- \'\\n<tool_response>\\n\' }}\n        {{- message.content }}\n        {{- \'\\n</tool_response>\' }}\n        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n            {{- \'<|im_end|>\\n\' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- \'<|im_start|>assistant\\n\' }}\n{%- endif %}\n'
 QWEN25_TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
 
+# Qwen3's own chat template (Apache-2.0, Qwen; the copy llama.cpp's models/templates carries): thoughts
+# in <think></think> ahead of the answer, sent back as reasoning_content, `enable_thinking` false
+# writing an empty block into the prompt. Qwen3-2507 "Thinking" models open the block in the prompt
+QWEN3_TEMPLATE = (Path(__file__).parent / "templates" / "qwen3.jinja").read_text()
+QWEN3_OPENED_TEMPLATE = QWEN3_TEMPLATE.replace(
+    "{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking is defined and enable_thinking is false %}\n"
+    "        {{- '<think>\\n\\n</think>\\n\\n' }}\n    {%- endif %}",
+    "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+assert QWEN3_OPENED_TEMPLATE != QWEN3_TEMPLATE
+QWEN3_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
+
 # family -> (transformers config class, config overrides, chat template, added special tokens)
 FAMILIES = {
     # Llama 3.1: llama3 rope scaling, rope_theta 500000, tied embeddings (as the 1B / 3B are)
@@ -77,6 +88,11 @@ FAMILIES = {
     # Qwen3: per-head q/k norms, an explicit head_dim that is not hidden_size / heads
     "qwen3": ("Qwen3Config", dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
               QWEN_TEMPLATE, []),
+    # Qwen3 with its real chat template, thought and tool-call tokens: the reasoning tests' models
+    "qwen3-think": ("Qwen3Config", dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                    QWEN3_TEMPLATE, QWEN3_TOKENS),
+    "qwen3-opened": ("Qwen3Config", dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                     QWEN3_OPENED_TEMPLATE, QWEN3_TOKENS),
     # Qwen2.5 with its real chat template and tool-call tokens: the tool-call tests' model
     "qwen2-tools": ("Qwen2Config", dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
                                         tie_word_embeddings=True), QWEN25_TOOLS_TEMPLATE, QWEN25_TOOL_TOKENS),
@@ -92,7 +108,8 @@ def bundled_tokenizer_json() -> str:
 
 # the pre-tokenizer each family's real tokenizer.json has (GGUF: tokenizer.ggml.pre); transformers
 # 5 rebuilds Qwen's and Llama's from the model type, so the fixture must carry the family's own
-PRE = {"llama": "llama-bpe", "mistral": "smollm", "qwen2": "qwen2", "qwen3": "qwen2", "qwen2-tools": "qwen2"}
+PRE = {"llama": "llama-bpe", "mistral": "smollm", "qwen2": "qwen2", "qwen3": "qwen2", "qwen2-tools": "qwen2",
+       "qwen3-think": "qwen2", "qwen3-opened": "qwen2"}
 
 
 def write_tokenizer(folder: Path, template: str, added: list[str], eos: str, family: str = "mistral",

@@ -114,13 +114,14 @@ class EmbeddedBackend:
 
     supports_grammar = True   # GenerationRequest.grammar: constrained decoding, exact with speculation
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None
-                    ) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         items = check_messages(messages)
         try:
-            if tools:
+            if tools or template_kwargs:
                 tok = self.engine.tokenizer
-                return tok.encode(tok.apply_chat_template(items, tools=list(tools)))
+                return tok.encode(tok.apply_chat_template(items, tools=list(tools) if tools else None,
+                                                          **dict(template_kwargs or {})))
             return self.engine.encode(items)
         except ValueError as e:  # InvalidRequestError, or the chat template's raise_exception
             raise InvalidRequestError(str(e), param="messages") from None
