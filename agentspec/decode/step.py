@@ -201,11 +201,19 @@ class Decoder:
         pc = self.engine.prefix_cache
         C = self.engine.chunk_tokens
         start = 0
+        # a prefill whose rows do not depend on where the prompt is cut reuses any prefix (the
+        # partial last chunk of an earlier prompt included), else whole chunks
+        to_token = pc is not None and self.model.prefill_split_invariant(seq.cache)
         if pc is not None and not layers:  # (a draft head reads every prompt row's hidden states)
             # a hit stops short of the last token: its row gives the first token
-            hit = pc.lookup(seq.tenant, ids, max_chunks=(len(ids) - 1) // C)
+            if to_token:
+                hit = pc.lookup(seq.tenant, ids, max_tokens=len(ids) - 1)
+            else:
+                hit = pc.lookup(seq.tenant, ids, max_chunks=(len(ids) - 1) // C)
             try:
                 for j, (k, v) in enumerate(hit.payloads):
+                    if hit.tail and j == len(hit.payloads) - 1:
+                        k, v = k[:, :, :hit.tail], v[:, :, :hit.tail]
                     seq.cache.load(j * C, k, v)
             finally:
                 pc.release(hit)
@@ -222,19 +230,22 @@ class Decoder:
         # over the weights.
         step = C * PREFILL_CHUNKS if self.model.prefill_row_invariant(seq.cache) else C
         with self.engine.governor.full_team():
-            for a in range(start, len(ids), step):
-                b = min(a + step, len(ids))
+            a = start
+            while a < len(ids):
+                b = min((a // step + 1) * step, len(ids))   # (a hit inside a chunk: to its end first)
                 out = self.model(tokens[a:b], torch.arange(a, b, device=dev), seq.cache,
                                  logits_rows=slice(-1, None), hidden_layers=layers, prefill=True)
                 logits, hidden = out if layers else (out, None)
                 seq.cache.commit(list(range(b - a)))
                 if hidden is not None:
                     hiddens.append(hidden)
+                a = b
         if hiddens:
             self._observe(seq, ids, {i: torch.cat([h[i] for h in hiddens]) for i in hiddens[0]}, None)
-        if pc is not None and len(ids) // C > start // C:
+        if pc is not None and (len(ids) // C > start // C or to_token and len(ids) > start):
             store = self.engine.prefix_cache_dtype
-            pc.insert(seq.tenant, ids, len(ids) // C, lambda j: _chunk(seq.cache, j * C, (j + 1) * C, store))
+            pc.insert(seq.tenant, ids, len(ids) // C,
+                      lambda j: _chunk(seq.cache, j * C, min((j + 1) * C, len(ids)), store), tail=to_token)
         first = self._target(seq, logits[0], len(ids))
         if seq.constraint is not None:
             seq.constraint.consume([first])

@@ -124,3 +124,88 @@ def test_budget_smaller_than_one_request_refuses_to_start(engine):
     assert engine.prefix_cache is None
     engine.configure_prefix_cache()   # the default: sized to the machine
     assert engine.prefix_cache is not None and engine.prefix_cache.capacity_bytes <= 4 << 30
+
+
+# ---- reuse to the token: a quantized model, whose prefill is split-invariant ---------------------
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """A random K-quant Qwen2 GGUF (head_dim 128, as the Qwen2.5 coders; its projections kept
+    quantized): the prefill path the real GGUF files take (quantized linears, the blockwise
+    prompt attention), split-invariant, so the prefix cache reuses any prefix."""
+    from helpers.families import write_family, write_quantized_pair
+
+    root = tmp_path_factory.mktemp("quantized-prefix")
+    folder = write_family(root / "qwen2", "qwen2", dim=256, heads=2, kv_heads=1, hidden=512)
+    path = write_quantized_pair(folder, root / "qwen2.gguf", {"ffn_down.weight": "Q6_K"})
+    eng = agentspec.Engine.embedded(model=str(path), quiet=True, weights="quantized")
+    assert eng.model.prefill_split_invariant(eng.new_cache(8))
+    return eng
+
+
+def _isa_levels():
+    from agentspec.kernels import cpu_isa
+
+    return [isa for isa in cpu_isa.supported() if isa != "scalar"] or ["scalar"]
+
+
+@pytest.mark.parametrize("isa_level", _isa_levels())
+def test_quantized_prefill_gives_the_same_bits_however_the_prompt_is_split(quantized, isa_level, restore_isa):
+    """Every KV row and the last row's logits, bit for bit, for a prompt prefilled in canonical
+    chunks and in pieces that start and end anywhere (inside a block, a single token): the premise
+    of reusing a prefix to the token, on every kernel ISA level."""
+    import torch
+
+    cpu_isa = restore_isa
+    if cpu_isa.ISA_LEVELS.index(isa_level) > cpu_isa.ISA_LEVELS.index(cpu_isa.active()):
+        pytest.skip(f"kernels capped at {cpu_isa.active()}")
+    cpu_isa.set_isa(isa_level)
+    eng = quantized
+    g = torch.Generator().manual_seed(3)
+    n = 700
+    ids = torch.randint(10, eng.vocab_size - 10, (n,), generator=g)
+
+    def prefill(bounds):
+        cache = eng.new_cache(n + 8)
+        with torch.inference_mode():
+            for a, b in zip(bounds, bounds[1:]):
+                logits = eng.model(ids[a:b], torch.arange(a, b), cache, logits_rows=slice(-1, None), prefill=True)
+                cache.commit(list(range(b - a)))
+        return logits, cache
+
+    ref_logits, ref = prefill([0, 256, 512, n])
+    for bounds in ([0, n], [0, 1, 2, 300, 301, n], [0, 100, 256, 290, 600, 699, n], [0, 511, 513, n]):
+        logits, cache = prefill(bounds)
+        assert torch.equal(logits, ref_logits), bounds
+        assert torch.equal(cache.k[:, :, :n], ref.k[:, :, :n]) and torch.equal(cache.v[:, :, :n], ref.v[:, :, :n])
+
+
+def test_quantized_turns_reuse_the_whole_previous_prompt_and_equal_no_cache(quantized):
+    """An agent loop on the quantized model: each turn reuses all of the last turn's prompt (not
+    only its whole chunks), greedy and seeded sampled outputs equal to the uncached ones, with
+    speculation on and off; a prompt that leaves an earlier one inside a chunk reuses up to there."""
+    eng = quantized
+    rec = next(load_records(AGENT_TURNS))
+    turns = [eng.encode(m) for m in conversation_turns(prompt_messages(rec["prompt"]))[:3]]
+    eng.configure_prefix_cache(0)
+    greedy = [eng.generate(ids, max_tokens=MAX_TOKENS, spec=None).token_ids for ids in turns]
+    sampled = eng.generate(turns[-1], max_tokens=MAX_TOKENS, spec=None, **SAMPLED).token_ids
+    cut = turns[1][:len(turns[0]) + 37]   # leaves turn 2's prompt in the middle of a chunk
+    cut_ref = eng.generate(cut, max_tokens=MAX_TOKENS, spec=None).token_ids
+    eng.configure_prefix_cache()
+    gens = [eng.generate(ids, max_tokens=MAX_TOKENS, spec=None) for ids in turns]
+    assert [g.token_ids for g in gens] == greedy
+    common = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+              for a, b in zip(turns, turns[1:])]
+    assert [g.stats.cached_tokens for g in gens] == [0, *common]
+    assert any(c % CHUNK_TOKENS for c in common)   # past the last whole chunk: to the token
+    gens = [eng.generate(ids, max_tokens=MAX_TOKENS) for ids in turns]   # warm, speculating
+    assert [g.token_ids for g in gens] == greedy
+    assert all(g.stats.cached_tokens == len(ids) - 1 for ids, g in zip(turns, gens))
+    g = eng.generate(turns[-1], max_tokens=MAX_TOKENS, **SAMPLED)
+    assert g.token_ids == sampled and g.stats.cached_tokens == len(turns[-1]) - 1
+    g = eng.generate(cut, max_tokens=MAX_TOKENS, spec=None)
+    assert g.token_ids == cut_ref and g.stats.cached_tokens == len(cut) - 1
+    with BatchEngine(eng, background=False) as batch:
+        gens = batch.generate_many([*turns, cut], max_tokens=MAX_TOKENS)
+    assert [g.token_ids for g in gens] == [*greedy, cut_ref]

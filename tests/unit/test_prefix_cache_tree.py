@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentspec.backends.embedded.model import prefill_attention
+from agentspec.backends.embedded.model import prefill_attention, prefill_attention_sdpa
 from agentspec.backends.embedded.prefix_cache import PrefixCache
 
 C = 4  # chunk tokens in these tests
@@ -40,6 +40,62 @@ def test_lookup_matches_the_longest_cached_chunk_prefix():
     assert pc.stats.inserted_chunks == 3
     # inserting again adds nothing and never asks for a payload
     assert pc.insert("t", ids, 3, lambda j: pytest.fail("asked for a cached chunk")) == 0
+
+
+def _tail_payload(ids, tag="x"):
+    return lambda j: ((tag, tuple(ids[:min((j + 1) * C, len(ids))])), 10)
+
+
+def test_to_the_token_a_prompt_keeps_its_partial_chunk_and_a_lookup_reads_into_chunks():
+    pc = PrefixCache(1000, chunk_tokens=C)
+    first = list(range(10))                      # 2 whole chunks and 2 tokens
+    assert pc.insert("t", first, 2, _tail_payload(first), tail=True) == 3
+    # the next turn extends the prompt: the whole earlier prompt is served, the partial chunk in part
+    nxt = first + [50, 51, 52, 53, 54]
+    hit = pc.lookup("t", nxt, max_tokens=len(nxt) - 1)
+    assert (hit.tokens, hit.tail) == (10, 2) and hit.payloads[-1][1] == tuple(first)
+    pc.release(hit)
+    # a whole chunk serves any prefix of itself; the hit stops where the ids leave it, and at max_tokens
+    assert pc.insert("t", nxt, 3, _tail_payload(nxt), tail=True) == 2   # chunk 2 whole, then a 3-token tail
+    # ... and the partial leaf that chunk 2 now holds is gone
+    assert sorted(len(k) for k in pc._roots["t"].children[(0, 1, 2, 3)].children[(4, 5, 6, 7)].children) == [4]
+    hit = pc.lookup("t", first + [50, 99], max_tokens=100)
+    assert (hit.tokens, hit.tail) == (11, 3)
+    pc.release(hit)
+    hit = pc.lookup("t", nxt, max_tokens=9)
+    assert (hit.tokens, hit.tail) == (9, 1)
+    pc.release(hit)
+    # whole chunks only without max_tokens (a prefill that is not split-invariant)
+    assert _hit(pc, "t", first + [50, 99]) == 8
+    # a partial chunk another child already starts with adds nothing
+    assert pc.insert("t", nxt[:9], 2, lambda j: pytest.fail("asked for a held partial chunk"), tail=True) == 0
+    assert all(nd.pins == 0 for nd in pc._lru.values())
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["insert", "lookup"]), st.sampled_from(["a", "b"]),
+                              st.lists(st.integers(0, 2), min_size=1, max_size=14)), max_size=30),
+       budget=st.integers(10, 80))
+def test_to_the_token_against_a_reference(ops, budget):
+    """With partial chunks: a hit's payloads are prefixes of what was inserted for that tenant,
+    the last one read only as far as the ids agree; the budget holds; nothing stays pinned."""
+    pc = PrefixCache(budget, chunk_tokens=C)
+    inserted: set[tuple[str, tuple[int, ...]]] = set()
+    for op, tenant, ids in ops:
+        if op == "insert":
+            pc.insert(tenant, ids, len(ids) // C, _tail_payload(ids), tail=True)
+            inserted |= {(tenant, tuple(ids[:min((j + 1) * C, len(ids))])) for j in range(-(-len(ids) // C))}
+        else:
+            hit = pc.lookup(tenant, ids, max_tokens=len(ids) - 1)
+            for j, (_, p) in enumerate(hit.payloads):
+                assert (tenant, p) in inserted
+                last = j == len(hit.payloads) - 1 and hit.tail
+                n = j * C + hit.tail if last else len(p)
+                assert list(p[:n]) == ids[:n]
+            assert hit.tokens <= max(len(ids) - 1, 0)
+            pc.release(hit)
+        assert pc.bytes == 10 * len(pc) <= budget
+    assert all(nd.pins == 0 for nd in pc._lru.values())
 
 
 def test_tenants_are_isolated_unless_shared():
@@ -149,11 +205,12 @@ def test_prefill_attention_does_not_depend_on_the_thread_count():
         mask[:, 256:].masked_fill_(torch.ones(256, 256, dtype=torch.bool).triu(1), float("-inf"))
         q, k, v = (torch.randn(9, 256, 64).bfloat16(), torch.randn(3, 512, 64).bfloat16(),
                    torch.randn(3, 512, 64).bfloat16())
-        outs = []
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
-            outs.append(prefill_attention(q, k, v, start=256))
-        assert all(torch.equal(outs[0], o) for o in outs[1:])
+        for fn in (prefill_attention, prefill_attention_sdpa):
+            outs = []
+            for t in (1, 2, 3):
+                torch.set_num_threads(t)
+                outs.append(fn(q, k, v, start=256))
+            assert all(torch.equal(outs[0], o) for o in outs[1:])
         outs = []
         for t in (1, 2, 3):
             torch.set_num_threads(t)
@@ -165,12 +222,16 @@ def test_prefill_attention_does_not_depend_on_the_thread_count():
         torch.set_num_threads(threads)
 
 
-def test_chunked_prefill_attention_equals_the_whole_prompt():
-    """``prefill_attention`` over a chunk after a prefix: the same bits as those rows of the
-    whole-prompt call (blocks aligned to absolute positions)."""
+@pytest.mark.parametrize("fn", [prefill_attention, prefill_attention_sdpa])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_chunked_prefill_attention_equals_the_whole_prompt(fn, kv_dtype):
+    """Both block paths over any piece of a prompt after a prefix -- starting or ending inside a
+    block, one row, the whole -- give the same bits as those rows of the whole-prompt call: every
+    block runs at its whole shapes, padded (what lets the prefix cache reuse any prefix)."""
     torch.manual_seed(1)
-    q, k, v = torch.randn(9, 600, 64).bfloat16(), torch.randn(3, 600, 64).bfloat16(), torch.randn(3, 600, 64).bfloat16()
-    whole = prefill_attention(q, k, v)
-    for s, e in ((256, 512), (512, 600), (300, 600)):
-        part = prefill_attention(q[:, s:e].contiguous(), k[:, :e].contiguous(), v[:, :e].contiguous(), start=s)
-        assert torch.equal(part, whole[:, s:e])
+    q = torch.randn(9, 600, 64).bfloat16()
+    k, v = torch.randn(3, 600, 64).to(kv_dtype), torch.randn(3, 600, 64).to(kv_dtype)
+    whole = fn(q, k, v)
+    for s, e in ((256, 512), (512, 600), (300, 600), (0, 1), (1, 2), (127, 129), (599, 600), (130, 131)):
+        part = fn(q[:, s:e].contiguous(), k[:, :e].contiguous(), v[:, :e].contiguous(), start=s)
+        assert torch.equal(part, whole[:, s:e]), (s, e)

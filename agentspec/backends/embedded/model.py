@@ -7,6 +7,8 @@ keys/values at slots ``[start, start + T)`` and returns logits for every new tok
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -308,27 +310,15 @@ class Block(nn.Module):
             # chunk it is in (kernels/csrc/amx.cpp). [T, H * D]
             o = cpu_attention.prefill_attention(q, k, v, cache, layer, start)
         elif (causal or chunk) and prefill == "sdpa":
-            # prefill in bf16 through SDPA's CPU flash kernel, the causal offset as a boolean
-            # mask (one per chunk, shared by the layers)
-            # (deterministic for given shapes: each query block runs on one thread over the key
-            # blocks in order, so the canonical chunks give the same KV with a cache hit or not)
-            if causal:
-                o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
-                                                   enable_gqa=True).squeeze(0)
-            else:
-                o = F.scaled_dot_product_attention(
-                    q.unsqueeze(0), cache.k[layer, :, :start + T].to(q.dtype).unsqueeze(0),
-                    cache.v[layer, :, :start + T].to(q.dtype).unsqueeze(0), attn_mask=mask, enable_gqa=True).squeeze(0)
+            # prefill in bf16 through SDPA's CPU flash kernel, one call per block of queries at the
+            # block's own shapes: split-invariant (``prefill_attention_sdpa``). The keys come back
+            # from the cache (float32 copies of bf16 values: the cast back is exact)
+            o = prefill_attention_sdpa(q, cache.k[layer, :, :start + T], cache.v[layer, :, :start + T], start=start)
         elif (causal or chunk) and prefill == "blockwise":
-            # prefill in bf16: blockwise causal attention skips the masked half and runs ~2x
-            # faster than SDPA's CPU flash kernel. Plain and speculative decoding share the
-            # prefill, so this cannot break their identity. A later chunk reads the prefix's keys
-            # back from the cache (float32 copies of bf16 values: the cast back is exact).
-            if causal:
-                o = prefill_attention(q, k, v)
-            else:
-                o = prefill_attention(q, cache.k[layer, :, :start + T].to(q.dtype),
-                                      cache.v[layer, :, :start + T].to(q.dtype), start=start)
+            # the same blocks through matmuls in the cache's dtype (``prefill_attention``): also
+            # split-invariant. Plain and speculative decoding share the prefill, so the choice
+            # cannot break their identity
+            o = prefill_attention(q, cache.k[layer, :, :start + T], cache.v[layer, :, :start + T], start=start)
         elif causal or chunk or T > SMALL_T:
             qa = q.to(cache.k.dtype)  # attention runs in the cache's dtype (float32 by default)
             keys = cache.k[layer, :, :key_len]               # [Hkv, L, D]
@@ -421,28 +411,91 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, star
     """Causal attention over a prompt (or a chunk of one), blockwise: each block of PREFILL_BLOCK
     queries attends to the keys up to its end only. q: [H, T, D], the tokens at positions
     ``[start, start + T)``; k, v: [Hkv, start + T, D], every key from position 0; GQA groups are
-    folded into the query rows. Blocks are aligned to absolute positions (multiples of
-    PREFILL_BLOCK), so a block's matmuls have the same shapes whichever chunk it sits in. Scores
-    come out of the matmul in q's dtype (as SDPA's math path would round them); the softmax
-    accumulates in float32 and writes q's dtype, one pass (no float32 copy of the scores)."""
+    folded into the query rows. Computed in k's dtype (the cache's: float32 by default), the
+    result in q's.
+
+    Split-invariant: blocks sit at absolute positions (multiples of PREFILL_BLOCK) and every
+    block's matmuls and softmax run at the whole block's shapes, ``[B, end]`` -- a block the
+    chunk fills only in part (the chunk starts or ends inside it) is padded, queries with zeros
+    and keys past the chunk with zeros masked out (their weight exactly 0). A row's bits then
+    depend on its own query and the keys up to it, not on how the prompt was split into forwards:
+    a prompt prefilled in any pieces gives the same bits (the prefix cache reuses any prefix)."""
     H, T, D = q.shape
     Hkv = k.shape[0]
     G = H // Hkv
-    qg = (q * (D ** -0.5)).view(Hkv, G, T, D)
-    out = torch.empty(Hkv, G, T, D, dtype=q.dtype, device=q.device)
+    qg = (q.to(k.dtype) * (D ** -0.5)).view(Hkv, G, T, D)
+    out = torch.empty(Hkv, G, T, D, dtype=k.dtype, device=q.device)
     B = PREFILL_BLOCK
     future = torch.ones(B, B, dtype=torch.bool, device=q.device).triu_(1)
+    end_all = start + T
     s = start
-    while s < start + T:
-        e = min((s // B + 1) * B, start + T)   # absolute positions [s, e)
-        b = e - s
-        qb = qg[:, :, s - start:e - start].reshape(Hkv, G * b, D)
-        scores = torch.bmm(qb, k[:, :e].transpose(1, 2)).view(Hkv, G, b, e)
-        scores[..., s:e].masked_fill_(future[:b, :b], float("-inf"))
-        p = torch.softmax(scores, dim=-1).view(Hkv, G * b, e)
-        out[:, :, s - start:e - start] = torch.bmm(p, v[:, :e]).view(Hkv, G, b, D)
+    while s < end_all:
+        b0 = s // B * B                   # the block [b0, b0 + B) holds rows [s, e)
+        e = min(b0 + B, end_all)
+        full = b0 + B
+        if s == b0 and e == full:
+            qb = qg[:, :, s - start:e - start].reshape(Hkv, G * B, D)
+            kb, vb = k[:, :full], v[:, :full]
+        else:   # padded to the whole block: the same shapes, so the same bits for the rows it has
+            qpad = qg.new_zeros(Hkv, G, B, D)
+            qpad[:, :, s - b0:e - b0] = qg[:, :, s - start:e - start]
+            qb = qpad.view(Hkv, G * B, D)
+            kb, vb = k.new_zeros(Hkv, full, D), v.new_zeros(Hkv, full, D)
+            kb[:, :e], vb[:, :e] = k[:, :e], v[:, :e]
+        scores = torch.bmm(qb, kb.transpose(1, 2)).view(Hkv, G, B, full)
+        scores[..., b0:full].masked_fill_(future, float("-inf"))
+        p = torch.softmax(scores, dim=-1).view(Hkv, G * B, full)
+        ob = torch.bmm(p, vb).view(Hkv, G, B, D)
+        out[:, :, s - start:e - start] = ob[:, :, s - b0:e - b0]
         s = e
-    return out.view(H, T, D)
+    return out.view(H, T, D).to(q.dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _block_mask(b0: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[B, b0 + B]`` additive mask of the query block at ``b0``: every key before it, the causal
+    triangle within it (built once per block and shared by the layers: SDPA would convert a
+    boolean mask on every call)."""
+    B = PREFILL_BLOCK
+    m = torch.zeros(B, b0 + B, dtype=dtype, device=device)
+    m[:, b0:].masked_fill_(torch.ones(B, B, dtype=torch.bool, device=device).triu_(1), float("-inf"))
+    return m
+
+
+def prefill_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int = 0) -> torch.Tensor:
+    """``prefill_attention`` through SDPA's CPU flash kernel, in q's dtype: one call per block of
+    PREFILL_BLOCK queries at absolute positions, each at the whole block's shapes (queries
+    ``[B]``, keys ``[0, block end)``, a partial block padded with zeros, its padding keys masked
+    out), so a row's bits do not depend on how the prompt was split into forwards. (The flash
+    kernel is deterministic for given shapes: each query block runs on one thread over the key
+    blocks in order.) As fast as one SDPA call over the chunk here (2 cores, AVX-512)."""
+    H, T, D = q.shape
+    Hkv = k.shape[0]
+    B = PREFILL_BLOCK
+    end_all = start + T
+    last = -(-end_all // B) * B
+    kq = k[:, :end_all].to(q.dtype)
+    vq = v[:, :end_all].to(q.dtype)
+    if last > end_all:   # keys of the last block's padding: zeros (masked out, weight exactly 0)
+        kq = torch.cat([kq, kq.new_zeros(Hkv, last - end_all, D)], dim=1)
+        vq = torch.cat([vq, vq.new_zeros(Hkv, last - end_all, D)], dim=1)
+    out = torch.empty(H, T, D, dtype=q.dtype, device=q.device)
+    s = start
+    while s < end_all:
+        b0 = s // B * B
+        e = min(b0 + B, end_all)
+        full = b0 + B
+        if s == b0 and e == full:
+            qb = q[:, s - start:e - start]
+        else:
+            qb = q.new_zeros(H, B, D)
+            qb[:, s - b0:e - b0] = q[:, s - start:e - start]
+        mask = _block_mask(b0, q.dtype, q.device)
+        ob = F.scaled_dot_product_attention(qb.unsqueeze(0), kq[:, :full].unsqueeze(0), vq[:, :full].unsqueeze(0),
+                                            attn_mask=mask, enable_gqa=True).squeeze(0)
+        out[:, s - start:e - start] = ob[:, s - b0:e - b0]
+        s = e
+    return out
 
 
 SMALL_T = 128  # up to this many new tokens, attention runs as plain matmuls (decode/verify)
@@ -618,14 +671,11 @@ class Transformer(nn.Module):
             chunk = start > 0
             causal = start == 0
         elif mask is None and start > 0 and (prefill or T > SMALL_T):
-            mask = causal_mask(start, T, tokens.device)
+            mask = causal_mask(start, T, tokens.device)   # (the block paths make their own)
             chunk = True
-            if plan.prefill_fallback == "sdpa":
-                # additive, once per chunk: SDPA would convert a bool mask in every layer
-                mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         elif mask is None and T > 1:
             if start == 0:
-                causal = True  # prefill from an empty cache: SDPA's own causal path
+                causal = True  # prefill from an empty cache: the same block paths
             else:
                 mask = causal_mask(start, T, tokens.device)
         key_len = start + T if key_len is None else key_len
@@ -727,6 +777,19 @@ class Transformer(nn.Module):
         split into forwards (``Decoder.prefill`` then takes several canonical chunks per
         forward: the same bits, the weights streamed once per forward)."""
         return self.plan().prefill_linears == "amx" and getattr(cache, "packed", False)
+
+    def prefill_split_invariant(self, cache: KVCache) -> bool:
+        """Whether a prompt row's bits over ``cache`` depend on its own tokens and the keys before
+        it alone, not on where the prompt was cut into forwards, to the token: the quantized
+        linears (row by row, any row count) with the blockwise prefill attention on a CPU (every
+        query block at its whole block's shapes: ``prefill_attention`` /
+        ``prefill_attention_sdpa``). The prefix cache then reuses any prefix of a prompt
+        (``prefix_cache``, "Reuse to the token"); ``tests/integration/test_prefix_cache.py``
+        checks the bits."""
+        plan = self.plan()
+        amx = plan.prefill_attention == "amx" and getattr(cache, "packed", False)
+        return (plan.device == "cpu" and self.quantized and plan.prefill_linears == "quantized" and not amx
+                and plan.prefill_fallback in ("sdpa", "blockwise"))
 
     def set_gemm_float32(self, on: bool) -> None:
         """Torch-path linears (prefill) of a bfloat16 model multiply in float32 (``Block.proj``'s

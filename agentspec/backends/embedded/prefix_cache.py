@@ -30,6 +30,18 @@ CPUs with AMX the whole prompt layer runs row-invariant kernels, ``Block.forward
 row's bits do not depend on the split at all, and ``Decoder.prefill`` runs several chunks per
 forward; the argument above holds a fortiori.)
 
+Reuse to the token. Where the prefill is *split-invariant* -- every prompt row's bits depend
+on its own tokens and the keys before it, not on how the prompt was cut into forwards: the
+quantized linears (row by row) with the blockwise prefill attention (``model.prefill_attention``
+and ``prefill_attention_sdpa``: every block of queries at the whole block's shapes),
+``Transformer.prefill_granularity`` 1 -- any prefix of a chunk's KV is the KV a shorter prompt
+computes, and (2) above holds for any prefix. There a prompt also stores its partial last chunk
+(a leaf with a shorter key), and a lookup goes on past the whole chunks: the child of the last
+matched node (a whole chunk, or an earlier prompt's partial one) sharing the longest prefix with
+the ids that follow gives that many more tokens (``lookup(max_tokens=)``). An agent's next turn
+then reuses its whole previous prompt instead of stopping at the last chunk boundary. The tokens
+of the previous answer are prefilled again (decode rows run other kernels, as said).
+
 The structure holds opaque payloads with a byte size; ``Decoder`` stores ``(k, v)`` tensors.
 """
 
@@ -42,6 +54,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["CHUNK_TOKENS", "PrefixCache", "PrefixCacheStats", "PrefixHit"]
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 CHUNK_TOKENS = 256  # a multiple of PREFILL_BLOCK and more than SMALL_T (model.py)
 
@@ -83,7 +104,8 @@ class PrefixHit:
 
     payloads: list[Any]
     nodes: list[_Node]
-    tokens: int                          # len(payloads) * chunk_tokens
+    tokens: int                          # the tokens served: whole chunks, then ``tail`` of the last payload
+    tail: int = 0                        # > 0: the last payload serves only its first ``tail`` tokens
 
 
 class PrefixCache:
@@ -114,24 +136,40 @@ class PrefixCache:
     def salt(self, tenant: str) -> str:
         return "" if self.shared else tenant
 
-    def lookup(self, tenant: str, ids: Sequence[int], *, max_chunks: int | None = None) -> PrefixHit:
-        """The longest cached chunk prefix of ``ids`` (at most ``max_chunks`` chunks), pinned."""
+    def lookup(self, tenant: str, ids: Sequence[int], *, max_chunks: int | None = None,
+               max_tokens: int | None = None) -> PrefixHit:
+        """The longest cached chunk prefix of ``ids`` (at most ``max_chunks`` chunks), pinned.
+        ``max_tokens`` (a split-invariant prefill only: see "Reuse to the token"): at most that many
+        tokens, the last chunk served in part where a child shares only a prefix with ``ids``."""
         C = self.chunk_tokens
-        n = len(ids) // C if max_chunks is None else min(max_chunks, len(ids) // C)
+        limit = len(ids) if max_tokens is None else min(max_tokens, len(ids))
+        n = limit // C if max_chunks is None else min(max_chunks, limit // C)
         nodes: list[_Node] = []
+        tail = 0
         with self._lock:
             node = self._roots.get(self.salt(tenant))
             for j in range(n):
                 if node is None:
                     break
-                node = node.children.get(tuple(ids[j * C:(j + 1) * C]))
-                if node is None:
+                nxt = node.children.get(tuple(ids[j * C:(j + 1) * C]))
+                if nxt is None:
                     break
-                nodes.append(node)
+                nodes.append(nxt)
+                node = nxt
+            if max_tokens is not None and node is not None:
+                rest = ids[len(nodes) * C:min(len(nodes) * C + C, limit)]
+                best, tail = None, 0
+                for key, child in node.children.items():
+                    m = _common(key, rest)
+                    if m > tail:
+                        best, tail = child, m
+                if best is not None:
+                    nodes.append(best)
             for nd in nodes:   # root to leaf: a descendant is always more recent than its ancestors
                 nd.pins += 1
                 self._lru.move_to_end(id(nd))
-        return PrefixHit(payloads=[nd.payload for nd in nodes], nodes=nodes, tokens=len(nodes) * C)
+        whole = len(nodes) - (1 if tail else 0)
+        return PrefixHit(payloads=[nd.payload for nd in nodes], nodes=nodes, tokens=whole * C + tail, tail=tail)
 
     def release(self, hit: PrefixHit) -> None:
         """Unpin a lookup's chunks (idempotent)."""
@@ -141,24 +179,36 @@ class PrefixCache:
             hit.nodes = []
 
     def insert(self, tenant: str, ids: Sequence[int], n_chunks: int,
-               payload: Callable[[int], tuple[Any, int]]) -> int:
+               payload: Callable[[int], tuple[Any, int]], *, tail: bool = False) -> int:
         """Store chunks ``0..n_chunks-1`` of ``ids``; ``payload(j)`` -> (chunk j's payload, its
-        bytes), called only for chunks not cached yet. Evicts least recently used leaves to make
-        room; stops (keeping what fits) when nothing more can be evicted. Returns chunks added."""
+        bytes), called only for chunks not cached yet. ``tail`` (a split-invariant prefill): also
+        the partial chunk after them (``payload(n_chunks)``: the rest of ``ids``), as a leaf, unless
+        a child there already holds it. Evicts least recently used leaves to make room; stops
+        (keeping what fits) when nothing more can be evicted. Returns chunks added."""
         C = self.chunk_tokens
         n_chunks = min(n_chunks, len(ids) // C)
+        if tail and n_chunks * C >= len(ids):
+            tail = False
         added = 0
         with self._lock:
             salt = self.salt(tenant)
             node = self._roots.get(salt)
             if node is None:
                 node = self._roots[salt] = _Node(key=(), parent=None)
+            root = node
             path: list[_Node] = []
             try:
-                for j in range(n_chunks):
+                for j in range(n_chunks + (1 if tail else 0)):
                     key = tuple(ids[j * C:(j + 1) * C])
                     child = node.children.get(key)
+                    if child is None and len(key) < C:
+                        # a partial chunk: nothing to add where a child already starts with it
+                        holder = next((c for k, c in node.children.items() if k[:len(key)] == key), None)
+                        if holder is not None:
+                            self._lru.move_to_end(id(holder))
+                            break
                     if child is None:
+                        self._drop_covered(node, key)
                         data, nbytes = payload(j)
                         if not self._make_room(nbytes):
                             break
@@ -175,7 +225,15 @@ class PrefixCache:
             finally:
                 for nd in path:
                     nd.pins -= 1
+                if root.children:   # (room made by evicting the root's last leaf dropped it from _roots)
+                    self._roots[salt] = root
         return added
+
+    def _drop_covered(self, node: _Node, key: tuple[int, ...]) -> None:
+        """Partial-chunk leaves under ``node`` that ``key`` extends: the new child holds them too."""
+        for k, c in list(node.children.items()):
+            if len(k) < len(key) and key[:len(k)] == k and not c.children and c.pins == 0:
+                self._remove(c)
 
     def _make_room(self, nbytes: int) -> bool:
         """Evict LRU unpinned leaves until ``nbytes`` more fit (the lock is held)."""
