@@ -121,6 +121,87 @@ def agent_turns(data: Path, n: int, max_chars: int) -> list[tuple[str, list[dict
     return out
 
 
+def agent_sessions(data: Path, n: int, turns: int, max_chars: int) -> list[tuple[str, list[list[dict]]]]:
+    """The first ``n`` recorded trajectories with at least ``turns`` turns whose ``turns``-th prompt
+    holds at most ``max_chars`` characters, each as its first ``turns`` requests: request k is the
+    system prompt, the task and the first k-1 recorded assistant turns with their observations
+    (``conversation_turns`` of a record's history). Read from the data folder at run time."""
+    from agentspec.traces import conversation_turns, load_records, prompt_messages
+
+    path = data / "agent_turns.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"--workload sessions needs {path} (the recorded agent turns)")
+    out, seen = [], set()
+    for rec in load_records(path):
+        task = rec["id"].split("#")[0]
+        if task in seen:
+            continue
+        seen.add(task)
+        reqs = conversation_turns(prompt_messages(rec["prompt"]))[:turns]
+        if len(reqs) < turns or sum(len(m["content"]) for m in reqs[-1]) > max_chars:
+            continue
+        out.append((task, reqs))
+        if len(out) == n:
+            break
+    if len(out) < n:
+        raise SystemExit(f"only {len(out)} recorded trajectories have {turns} turns under {max_chars} characters "
+                         f"(--prompts {n}): lower --turns or raise --max-chars")
+    return out
+
+
+def run_sessions(base: str, model: str, sessions, max_tokens: int, extra: dict, concurrency: int = 1) -> dict:
+    """Agent sessions as agents run them: each session's requests in order, one after another
+    (the model writes turn k; request k+1 carries the recorded turn k and its observation), at
+    most ``concurrency`` sessions at once (closed loop), each session's id as ``prompt_cache_key``.
+    Reported: the wall time of every session and of the whole run, every completion token over it
+    (tokens/s, seconds per output token), and per turn its time to first token, the prompt tokens
+    the server's cache served and what the rest took (the server's own prefill / decode /
+    drafting milliseconds where it reports them)."""
+    import openai
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=3600, max_retries=0)
+
+    def one(item):
+        task, reqs = item
+        t0 = time.perf_counter()
+        turns = [stream_turn(client, model, f"{task} turn {k + 1}", {"messages": msgs, "prompt_cache_key": task},
+                             max_tokens, extra) for k, msgs in enumerate(reqs)]
+        return {"task": task, "wall_s": round(time.perf_counter() - t0, 3), "turns": turns}
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        done = list(pool.map(one, sessions))
+    wall = time.perf_counter() - t0
+    turns = [t for s in done for t in s["turns"]]
+    tokens = sum(t["completion_tokens"] or 0 for t in turns)
+    ttfts = [t["ttft_s"] for t in turns if t["ttft_s"] is not None]
+    later = [t["ttft_s"] for s in done for t in s["turns"][1:] if t["ttft_s"] is not None]
+    out = {"concurrency": concurrency, "sessions": len(done), "turns": len(turns), "tokens": tokens,
+           "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
+           "s_per_output_token": round(wall / tokens, 4) if tokens else None,
+           "session_wall_s": [s["wall_s"] for s in done],
+           "median_ttft_s": statistics.median(ttfts) if ttfts else None,
+           "median_ttft_after_first_turn_s": statistics.median(later) if later else None,
+           "texts": [t["text"] for t in turns],
+           "per_turn": [{"task": s["task"], "turn": k + 1, **{key: t.get(key) for key in (
+               "prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "s", "mat", "server_ms",
+               "llama_timings")}} for s in done for k, t in enumerate(s["turns"])]}
+    # where the time goes, summed over turns (client side: to the first token, then to the last)
+    out["time_split_s"] = {"to_first_token": round(sum(ttfts), 3),
+                           "after_first_token": round(sum(t["s"] - t["ttft_s"] for t in turns if t["ttft_s"]), 3)}
+    server = [t["server_ms"] for t in turns if t.get("server_ms")]
+    if server:
+        out["server_split_s"] = {k.replace("_ms", ""): round(sum(m.get(k) or 0 for m in server) / 1e3, 3)
+                                 for k in ("prefill_ms", "decode_ms", "draft_ms") if any(k in m for m in server)}
+    new = [t["prompt_tokens"] - (t["cached_tokens"] or 0) for t in turns if t["prompt_tokens"] is not None]
+    out["prompt_tokens_computed"] = sum(new)
+    mats = [t["mat"] for t in turns if t["mat"] is not None]
+    if mats:
+        out["mat"] = mats
+    return out
+
+
 def peak_rss(pid: int) -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -166,6 +247,55 @@ class Process:
         self._log.close()
 
 
+def stream_turn(client, model: str, pid: str, body, max_tokens: int, extra: dict) -> dict:
+    """One streamed chat completion (``body``: messages, or a request's fields), timed client side:
+    its time, time to first token, text (parsed tool calls appended), usage with the prompt tokens
+    the server's cache served, and the server's own figures (agentspec's ``spec`` stats;
+    llama-server's ``timings``) from its last chunks."""
+    body = body if isinstance(body, dict) else {"messages": body}
+    t0 = time.perf_counter()
+    ttft, parts, usage, spec, timings = None, [], None, None, None
+    calls: dict[int, dict] = {}
+    stream = client.chat.completions.create(model=model, max_tokens=max_tokens, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=extra, **body)
+    for chunk in stream:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if delta is not None and (delta.content or delta.tool_calls):
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            parts.append(delta.content or "")
+            for tc in delta.tool_calls or []:
+                c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                if tc.function is not None:
+                    c["name"] += tc.function.name or ""
+                    c["arguments"] += tc.function.arguments or ""
+        if chunk.usage is not None:
+            usage = chunk.usage
+        extra_fields = chunk.model_extra or {}
+        spec = extra_fields.get("spec") or spec
+        timings = extra_fields.get("timings") or timings
+    dt = time.perf_counter() - t0
+    n = usage.completion_tokens if usage else None
+    log(f"  {pid}: {n if n is not None else '?'} tokens in {dt:.2f} s" + (f", {len(calls)} tool call(s)" if calls else ""))
+    text = "".join(parts) + "".join(f"<call {c['name']} {c['arguments']}>" for _, c in sorted(calls.items()))
+    details = getattr(usage, "prompt_tokens_details", None) if usage else None
+    out = {"s": round(dt, 3), "ttft_s": round(ttft, 3) if ttft is not None else None, "text": text,
+           "prompt_tokens": usage.prompt_tokens if usage else None, "completion_tokens": n,
+           "cached_tokens": getattr(details, "cached_tokens", None) if details is not None else None,
+           "tool_calls": [c for _, c in sorted(calls.items())],
+           "mat": spec.get("mean_acceptance_length") if spec else None,
+           "by_source": spec.get("by_source") if spec else None}
+    if spec:
+        out["server_ms"] = {k: spec.get(k) for k in ("prefill_ms", "decode_ms", "draft_ms")}
+    if timings:   # llama-server: prompt tokens it computed (cache_n reused), its prefill and decode times
+        out["server_ms"] = {"prefill_ms": timings.get("prompt_ms"), "decode_ms": timings.get("predicted_ms")}
+        out["llama_timings"] = {k: timings[k] for k in ("cache_n", "prompt_n", "predicted_n", "draft_n",
+                                                        "draft_n_accepted") if k in timings}
+        if out["cached_tokens"] is None and "cache_n" in timings:
+            out["cached_tokens"] = timings["cache_n"]
+    return out
+
+
 def run_prompts(base: str, model: str, prompts, max_tokens: int, extra: dict, concurrency: int = 1) -> dict:
     """Every prompt as a streamed chat completion, at most ``concurrency`` in flight (closed loop:
     a request goes as soon as one finishes). tokens/s: every completion token over the wall time of
@@ -178,35 +308,7 @@ def run_prompts(base: str, model: str, prompts, max_tokens: int, extra: dict, co
 
     def one(item):
         pid, body = item
-        body = body if isinstance(body, dict) else {"messages": body}
-        t0 = time.perf_counter()
-        ttft, parts, usage, spec = None, [], None, None
-        calls: dict[int, dict] = {}
-        stream = client.chat.completions.create(model=model, max_tokens=max_tokens, temperature=0, stream=True,
-                                                stream_options={"include_usage": True}, extra_body=extra, **body)
-        for chunk in stream:
-            delta = chunk.choices[0].delta if chunk.choices else None
-            if delta is not None and (delta.content or delta.tool_calls):
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                parts.append(delta.content or "")
-                for tc in delta.tool_calls or []:
-                    c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
-                    if tc.function is not None:
-                        c["name"] += tc.function.name or ""
-                        c["arguments"] += tc.function.arguments or ""
-            if chunk.usage is not None:
-                usage = chunk.usage
-            spec = (chunk.model_extra or {}).get("spec") or spec
-        dt = time.perf_counter() - t0
-        n = usage.completion_tokens if usage else None
-        log(f"  {pid}: {n if n is not None else '?'} tokens in {dt:.2f} s" + (f", {len(calls)} tool call(s)" if calls else ""))
-        text = "".join(parts) + "".join(f"<call {c['name']} {c['arguments']}>" for _, c in sorted(calls.items()))
-        return {"s": round(dt, 3), "ttft_s": round(ttft, 3) if ttft is not None else None, "text": text,
-                "prompt_tokens": usage.prompt_tokens if usage else None, "completion_tokens": n,
-                "tool_calls": [c for _, c in sorted(calls.items())],
-                "mat": spec.get("mean_acceptance_length") if spec else None,
-                "by_source": spec.get("by_source") if spec else None}
+        return stream_turn(client, model, pid, body, max_tokens, extra)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -348,13 +450,16 @@ def ours(model: Path, prompts, args, spec: bool, tmp: Path, extra_args: list[str
     if route is not None:
         extra_args = [*extra_args, "--config", str(route_config(ROUTES[route], tmp / f"{route.split(':')[1]}.toml"))]
     if workspace is not None:
-        info = workspace_copy(workspace, prompts, tmp / "workspace")
+        # (a session's requests: its last one stands for it)
+        info = workspace_copy(workspace, [(f"{pid}#t0", b[-1]) if args.workload == "sessions" else (pid, b)
+                                          for pid, b in prompts], tmp / "workspace")
         extra_args = [*extra_args, "--repo", str(tmp / "workspace")]
     cmd = agentspec_cmd(model, port, args.threads, *extra_args)
     p = Process(cmd, port, tmp / name, "/health", args.start_timeout, env=dict(os.environ))
     try:
-        out = run_prompts(p.base, model.name.removesuffix(".gguf"), prompts, args.max_tokens,
-                          {"speculation": spec, "spec_stats": True}, args.concurrency)
+        runner = run_sessions if args.workload == "sessions" else run_prompts
+        out = runner(p.base, model.name.removesuffix(".gguf"), prompts, args.max_tokens,
+                     {"speculation": spec, "spec_stats": True}, args.concurrency)
         out.update(start_s=round(p.start_s, 2), peak_rss_bytes=peak_rss(p.proc.pid))
         if workspace is not None:
             out["workspace"] = {"folder": str(workspace.resolve()), **info, "index": index_summary(p.log_path)}
@@ -372,7 +477,10 @@ def llama(server: Path, model: Path, prompts, args, spec_type: str | None, tmp: 
                     draft_p_min=args.llama_draft_p_min)
     p = Process(cmd, port, tmp / f"llama-{(spec_type or 'plain').replace(',', '+')}.log", "/health", args.start_timeout)
     try:
-        out = run_prompts(p.base, model.name, prompts, args.max_tokens, {"cache_prompt": False}, args.concurrency)
+        if args.workload == "sessions":   # its prompt cache on, as a user runs it
+            out = run_sessions(p.base, model.name, prompts, args.max_tokens, {"cache_prompt": True}, args.concurrency)
+        else:
+            out = run_prompts(p.base, model.name, prompts, args.max_tokens, {"cache_prompt": False}, args.concurrency)
         out.update(start_s=round(p.start_s, 2), peak_rss_bytes=peak_rss(p.proc.pid))
     finally:
         p.stop()
@@ -549,12 +657,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="the .gguf file")
     ap.add_argument("--data", type=Path, default=DATA, help=DATA_HELP)
-    ap.add_argument("--workload", choices=("rewrites", "turns", "tools", "tools-write"), default="rewrites",
+    ap.add_argument("--workload", choices=("rewrites", "turns", "tools", "tools-write", "sessions"), default="rewrites",
                     help="recorded file rewrites (held out from the tests' sample), agent turns, or the rewrites as "
                          "tool-call turns (benchmarks/tool_turns.py: Read/Edit/Write offered, tool_choice auto; "
-                         "tools-write: Write alone, a call required)")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--max-chars", type=int, default=4000, help="skip recorded prompts longer than this")
+                         "tools-write: Write alone, a call required), or whole agent sessions (--prompts "
+                         "trajectories of --turns turns each, replayed turn by turn, prompt caches on)")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts (--workload sessions: sessions)")
+    ap.add_argument("--turns", type=int, default=6, help="--workload sessions: requests per session")
+    ap.add_argument("--max-chars", type=int,
+                    help="skip recorded prompts longer than this (default 4000; sessions: the last turn's, 24000)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--context", type=int, default=8192, help="llama-server's context (-c)")
@@ -621,7 +732,11 @@ def main() -> int:
         server = llama_server(server)
     if args.grid:
         return run_grid(server, args, methods)
-    if args.workload in ("tools", "tools-write"):
+    if args.max_chars is None:
+        args.max_chars = 24000 if args.workload == "sessions" else 4000
+    if args.workload == "sessions":
+        prompts = agent_sessions(args.data, args.prompts, args.turns, args.max_chars)
+    elif args.workload in ("tools", "tools-write"):
         from benchmarks.tool_turns import tool_turns
 
         prompts = [(t.id, t.chat_request(write_only=args.workload == "tools-write"))
@@ -663,7 +778,8 @@ def main() -> int:
                       "peak_rss_gib": round(r["peak_rss_bytes"] / 2**30, 2) if r.get("peak_rss_bytes") else None}
         if r.get("mat"):
             summary[m]["median_mat"] = round(statistics.median(r["mat"]), 2)
-        for k in ("decode_tokens_per_s", "by_source"):
+        for k in ("decode_tokens_per_s", "by_source", "s_per_output_token", "median_ttft_after_first_turn_s",
+                  "session_wall_s", "time_split_s", "server_split_s", "prompt_tokens_computed"):
             if r.get(k):
                 summary[m][k] = r[k]
         if args.workload.startswith("tools"):
@@ -679,6 +795,8 @@ def main() -> int:
                 summary[m]["identical_to_llama_plain"] = same(results[m]["texts"], results["llama.cpp:plain"]["texts"])
         if args.divergence and args.workload.startswith("tools"):
             summary["llama_plain_divergence"] = "not located for tool turns (their texts hold parsed calls)"
+        elif args.divergence and args.workload == "sessions":
+            summary["llama_plain_divergence"] = "not located for sessions"
         elif args.divergence:   # the servers have stopped: the model loads in this process
             try:
                 summary["llama_plain_divergence"] = divergence(args.model, prompts, base["texts"],
@@ -706,6 +824,7 @@ def main() -> int:
               "machine": machine_record(kernels=kernels, peers={"llama.cpp": llama_version(server)} if server else None),
               "config": {"model": str(args.model), "model_bytes": args.model.stat().st_size, "workload": args.workload,
                          "concurrency": args.concurrency, "prompts": [p for p, _ in prompts],
+                         "turns": args.turns if args.workload == "sessions" else None,
                          "max_tokens": args.max_tokens, "threads": args.threads, "greedy": True, "llama_context": args.context,
                          "llama_draft_max": args.llama_draft_max, "llama_args": args.llama_arg,
                          "llama_draft_model": str(args.llama_draft_model) if args.llama_draft_model else None,

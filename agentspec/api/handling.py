@@ -213,6 +213,7 @@ def spec_info(call: Call, stats) -> dict:
                       for src, n in stats.source_drafted.items()},
         "prefill_ms": round(stats.prefill_seconds * 1e3, 2),
         "decode_ms": round(stats.decode_seconds * 1e3, 2),
+        "draft_ms": round(stats.draft_seconds * 1e3, 2),   # inside decode_ms: the drafters' share
         "tokens_per_second": round(stats.tokens_per_second, 2),
     }
 
