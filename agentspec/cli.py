@@ -132,6 +132,10 @@ def _engine_args(p: argparse.ArgumentParser, *, deterministic: bool = True) -> N
     p.add_argument("--eagle3", metavar="DIR",
                    help="EAGLE-3 head for the 'eagle3' drafter (default: $AGENTSPEC_EAGLE3 or the head shipped "
                         "for the bundled model)")
+    p.add_argument("--draft-model", metavar="FILE",
+                   help="a smaller model of the same family and tokenizer (e.g. Qwen2.5-Coder-0.5B's GGUF for the 1.5B): "
+                        "it drafts where no index holds the text, behind the suffix drafts, where its break-even says "
+                        "it pays")
     p.add_argument("--no-eagle3-gate", action="store_true",
                    help="let the EAGLE-3 head draft whenever asked (no break-even gate; $AGENTSPEC_EAGLE3_GATE=0)")
 
@@ -396,7 +400,8 @@ def cmd_serve(args) -> int:
                                                 "dtype": args.dtype, "kv_dtype": args.kv_dtype, "threads": args.threads,
                                                 "max_context": args.max_context,
                                                 "cpu_isa": args.cpu_isa, "eagle3": args.eagle3,
-                                                "eagle3_gate": False if args.no_eagle3_gate else None})
+                                                "eagle3_gate": False if args.no_eagle3_gate else None,
+                                                "draft_model": args.draft_model})
         serve(state, host=args.host, port=args.port, log_level=args.log_level, sock=sock, started=started)
     finally:
         sock.close()
@@ -564,7 +569,7 @@ def _make_engine(args):
     return Engine.embedded(model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
                            deterministic=args.deterministic, max_context=args.max_context,
                            threads=args.threads, cpu_isa=args.cpu_isa, eagle3=args.eagle3,
-                           eagle3_gate=False if args.no_eagle3_gate else None)
+                           eagle3_gate=False if args.no_eagle3_gate else None, draft_model=args.draft_model)
 
 
 def cmd_generate(args) -> int:

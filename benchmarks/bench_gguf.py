@@ -18,6 +18,8 @@ from ``/proc``):
                       work), and for rewrites each rewritten file written into it as its prompt
                       holds it (the file the editor has open; a path rewritten twice in the run
                       keeps its first prompt's copy); start-up includes the indexing
+  agentspec:spec-draft-model  speculation with ``--draft-model FILE`` (the ``--llama-draft-model`` file,
+                      the 0.5B for the 1.5B): the draft model behind the suffix drafts, gated
   agentspec:spec-suffix / agentspec:spec-no-json-copy / agentspec:spec-no-forced
                       speculation with fewer draft sources (a route in a ``--config`` file): the
                       suffix index alone; without escape-aware copying into tool-call strings;
@@ -751,7 +753,13 @@ def main() -> int:
         tmp = Path(d)
         for m in methods:
             log(m)
-            if m in ("agentspec:plain", "agentspec:spec", "agentspec:plain-kv-bf16"):
+            if m == "agentspec:spec-draft-model":
+                if args.llama_draft_model is None:
+                    raise SystemExit("agentspec:spec-draft-model needs a draft model: --llama-draft-model FILE")
+                results[m], kern = ours(args.model, prompts, args, True, tmp,
+                                        extra_args=["--draft-model", str(args.llama_draft_model)])
+                kernels = kernels or kern
+            elif m in ("agentspec:plain", "agentspec:spec", "agentspec:plain-kv-bf16"):
                 results[m], kern = ours(args.model, prompts, args, m.endswith("spec"), tmp,
                                         extra_args=["--kv-dtype", "bfloat16"] if m.endswith("kv-bf16") else [])
                 kernels = kernels or kern
@@ -808,7 +816,7 @@ def main() -> int:
             if m.startswith("agentspec:spec") and results[m].get("decode_tokens_per_s"):
                 summary[m]["decode_vs_agentspec_plain"] = round(results[m]["decode_tokens_per_s"] /
                                                                 base["decode_tokens_per_s"], 3)
-    for ours_m in ("agentspec:spec", "agentspec:workspace"):
+    for ours_m in ("agentspec:spec", "agentspec:workspace", "agentspec:spec-draft-model"):
         if theirs and ours_m in results:
             best = max(theirs, key=lambda m: theirs[m]["tokens_per_s"])
             summary[f"{ours_m.replace(':', '_')}_vs_llama_best"] = {

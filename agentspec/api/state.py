@@ -184,8 +184,8 @@ def build_state(config: ServerConfig | str | Path | None = None, *, repo: str | 
     # every speculating route's drafters, built now: a draft head ("eagle3") that is missing or
     # does not fit the model stops the start with a ConfigError naming the route and the problem,
     # instead of failing its first request; routes that do not name a head load none
-    route_drafters = {f"route {r.name!r}": r.drafters or DEFAULT_DRAFTERS for r in router.configured()
-                      if r.spec is not None}
+    default = getattr(engine, "default_drafters", DEFAULT_DRAFTERS)
+    route_drafters = {f"route {r.name!r}": r.drafters or default for r in router.configured() if r.spec is not None}
     backend = EmbeddedBackend(engine, model_name=cfg.model_name or _engine_model_id(engine),
                               max_queue=cfg.max_queue, max_batch=max_batch or cfg.max_batch,
                               budget_policy=cfg.budget_policy,

@@ -11,6 +11,9 @@ A route (``[[routes]] drafters = [...]`` in the server config) names its drafter
   the lookup and escaped back; with ``"suffix"``, the default.
 - ``"eagle3"``: the EAGLE-3 draft head (``eagle3_drafter``), gated per request by its
   break-even; beside other drafters it is their fallback (see ``build_drafter``).
+- ``"draft_model"``: a smaller model of the target's family (``draft_model``; ``serve
+  --draft-model FILE``), gated the same way, a fallback like ``"eagle3"``; in the default list
+  when the server loads one.
 
 A list of several entries means those drafters merged into one tree (``MergedDrafter``):
 ``["suffix", "lookahead"]`` is suffix + lookahead. An entry ``"A>B"`` is drafter A backed by
@@ -190,6 +193,12 @@ def _json_copy(index: Any = None, engine: Any = None, **options: Any) -> Drafter
     return JsonCopyDrafter(engine.tokenizer, index=index, **options)
 
 
+def _draft_model(index: Any = None, engine: Any = None, **options: Any) -> Drafter:
+    from .draft_model import for_engine
+
+    return for_engine(engine, **options)
+
+
 def _eagle3(index: Any = None, engine: Any = None, **options: Any) -> Drafter:
     from .eagle3_drafter import for_engine
 
@@ -207,6 +216,9 @@ register("json_copy", "text the server holds (the prompt, a Read result, the old
          _json_copy, uses_index=True, needs_engine=True)
 register("eagle3", "EAGLE-3 draft head over the target's hidden states (the fallback for text no index holds)",
          _eagle3, needs_engine=True, fallback=True)
+register("draft_model", "a smaller model of the target's family (--draft-model FILE) drafting what it would write "
+         "(the fallback for text no index holds; default when one is loaded)", _draft_model, needs_engine=True,
+         fallback=True)
 
 # json_copy drafts only inside a tool call's (or a JSON answer's) strings: for free text it proposes nothing
 DEFAULT_DRAFTERS: tuple[str, ...] = ("suffix", "json_copy")

@@ -31,7 +31,6 @@ from ..protocol import (
     model_name_for,
     stream_via_submit,
 )
-from ...drafting.registry import DEFAULT_DRAFTERS
 from ...errors import AgentSpecError, BackendClosedError, ConfigError, InvalidRequestError, QueueFullError
 
 __all__ = ["EmbeddedBackend", "prediction_doc_id"]
@@ -156,7 +155,8 @@ class EmbeddedBackend:
         constraint = None if request.grammar is None else self.engine.constraint_for(request.grammar)
         # the request's own spec.drafters, when set, over its route's list; a request that does
         # not speculate builds nothing (its route's draft head is not loaded for it)
-        drafter = self.drafter_for(request.drafters or DEFAULT_DRAFTERS) if request.spec is not None else None
+        drafter = self.drafter_for(request.drafters or self.engine.default_drafters) if request.spec is not None \
+            else None
         prediction = request.prediction_ids
         rid = request.request_id or f"embedded-{next(_ids)}-{secrets.token_hex(6)}"
         doc = prediction_doc_id(rid) if prediction else None

@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypedDict, Unpack
 
@@ -122,6 +123,7 @@ class EmbeddedEngine:
         prefix_cache_shared: bool = False,
         speculate_on_cuda: bool | None = None,
         weights: str | None = None,
+        draft_model: str | os.PathLike | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -213,6 +215,9 @@ class EmbeddedEngine:
         self.row_cost = float(row_cost) if row_cost is not None else self.step_profile.start()
         row_cost_note = " (cached)" if row_cost is None and cached else ""
         self.decoder = Decoder(self)
+        self.draft_engine: EmbeddedEngine | None = None
+        if draft_model is not None:
+            self.draft_engine = self._load_draft_model(draft_model, device=device, quiet=quiet)
         self.load_seconds = time.perf_counter() - t0
         if not quiet:
             n = self.model.param_count()
@@ -464,6 +469,32 @@ class EmbeddedEngine:
         if spec is not None and spec.drafters is not None:
             return self.drafter_for(spec.drafters)
         return self.drafter
+
+    def _load_draft_model(self, path: str | os.PathLike, *, device: str, quiet: bool) -> EmbeddedEngine:
+        """The draft model beside the target (``draft_model``): a smaller model of the same family,
+        on the same kernels, its own prefix cache off; refused (ConfigError naming the file) when
+        its tokenizer is not the target's (its token ids would mean other text)."""
+        if not Path(path).is_file() and not Path(path).is_dir():
+            raise ConfigError(f"draft model {str(path)!r} does not exist (a smaller GGUF file of the target's "
+                              "family, e.g. Qwen2.5-Coder-0.5B for the 1.5B)")
+        draft = EmbeddedEngine(model=str(path), device=device, kv_dtype=self.kv_dtype, quiet=True,
+                               max_context=self.max_context, prefix_cache_bytes=0, row_cost=0.0)
+        if draft.tokenizer.backend.get_vocab() != self.tokenizer.backend.get_vocab():
+            raise ConfigError(f"draft model {str(path)!r} has another tokenizer than the target "
+                              f"{str(self.model_path)!r}: a draft model must share the target's vocabulary "
+                              "(the same family, e.g. Qwen2.5-Coder-0.5B for the 1.5B)")
+        if not quiet:
+            print(f"[agentspec] draft model {draft.model_path} ({draft.args.n_layers} layers, "
+                  f"dim {draft.args.dim}) drafting for {self.model_path}", file=sys.stderr, flush=True)
+        return draft
+
+    @property
+    def default_drafters(self) -> tuple[str, ...]:
+        """What a request drafts with when nothing names its drafters: the suffix index and
+        escape-aware copying, and the draft model behind them where one is loaded."""
+        from ...drafting.registry import DEFAULT_DRAFTERS
+
+        return (*DEFAULT_DRAFTERS, "draft_model") if self.draft_engine is not None else DEFAULT_DRAFTERS
 
     def drafter_for(self, names: Sequence[str] | str, *, index: Any = None) -> Drafter:
         """The drafter a list of drafter names builds (``agentspec.drafting.registry``:
