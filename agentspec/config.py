@@ -205,8 +205,10 @@ class RouteRule(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # "json_copy" (text the server holds copied into a tool call's JSON strings, escaped; unset:
     # ["suffix", "json_copy"]), "lookahead" (the lookahead n-gram pool alone), "prompt_lookup", "eagle3" (the EAGLE-3 draft head over the
     # target's hidden states: `agentspec serve --eagle3 DIR`, $AGENTSPEC_EAGLE3, or the head shipped
-    # for the bundled model). Several names: those drafters merged into one tree (["suffix",
-    # "lookahead"] is suffix + lookahead), except that "eagle3" beside others backs them: ["suffix",
+    # for the bundled model), "draft_model" (a smaller model of the target's family: `agentspec serve
+    # --draft-model FILE`; unset, with one loaded: ["suffix", "json_copy", "draft_model"]). Several
+    # names: those drafters merged into one tree (["suffix", "lookahead"] is suffix + lookahead),
+    # except that "eagle3" or "draft_model" beside others backs them: ["suffix",
     # "eagle3"] asks the head only when the suffix draft expects few accepted tokens, and verifies both
     # trees together. "a>b": drafter a backed by drafter b (b's draft is used when it expects more
     # accepted tokens). Each drafter at most once per route. A route's head is loaded and checked

@@ -449,6 +449,7 @@ def ours(model: Path, prompts, args, spec: bool, tmp: Path, extra_args: list[str
     port = free_port()
     name = f"agentspec-{int(spec)}{'-ws' if workspace is not None else ''}{'-'.join(['', *extra_args])}" \
            f"{'-' + route.split(':')[1] if route else ''}.log"
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)   # (a path among the arguments)
     if route is not None:
         extra_args = [*extra_args, "--config", str(route_config(ROUTES[route], tmp / f"{route.split(':')[1]}.toml"))]
     if workspace is not None:
