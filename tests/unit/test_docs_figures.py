@@ -100,6 +100,14 @@ class Figure:
 
 
 FIGURES = [
+    Figure("README.md", "speculation 1.602x its best configuration", "1.602",
+           "gguf_sessions_1.5b_2026-12-06.json", ("summary", "agentspec_spec_vs_llama_best", "ratio")),
+    Figure("docs/benchmarks.md", "Speculation ran at **1.602x** llama-server's best", "1.602",
+           "gguf_sessions_1.5b_2026-12-06.json", ("summary", "agentspec_spec_vs_llama_best", "ratio")),
+    Figure("docs/benchmarks.md", "and 1.151x our\nown plain decoding", "1.151",
+           "gguf_sessions_1.5b_2026-12-06.json", ("summary", "agentspec:spec", "vs_agentspec_plain")),
+    Figure("docs/benchmarks.md", "The 0.5B as our draft model lost time (0.859x", "0.859",
+           "gguf_sessions_1.5b_2026-12-06.json", ("summary", "agentspec:spec-draft-model", "vs_agentspec_plain")),
     Figure("README.md", "ran at 2.123x llama-server's best configuration", "2.123",
            "gguf_tools_1.5b_2026-12-06.json", ("summary", "agentspec_spec_vs_llama_best", "ratio")),
     Figure("docs/agents.md", "prefill included: **2.123x**", "2.123",
