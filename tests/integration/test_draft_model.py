@@ -23,11 +23,9 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("draft-model")
     out = {}
     for name, kw in (("target", dict(dim=256, heads=2, kv_heads=1, hidden=512, layers=2)),
-                     ("small", dict(dim=256, heads=2, kv_heads=1, hidden=256, layers=1, seed=1))):
+                     ("small", dict(dim=256, heads=2, kv_heads=1, hidden=256, layers=1, seed=1))):   # (small: extended)
         folder = write_family(root / name, "qwen2", **kw)
         out[name] = write_quantized_pair(folder, root / f"{name}.gguf", {})
-    out["other"] = write_quantized_pair(write_family(root / "llama", "llama", dim=256, heads=4, kv_heads=2, hidden=512),
-                                        root / "llama.gguf", {})
     return out
 
 
@@ -54,6 +52,7 @@ def test_speculation_with_a_draft_model_equals_plain_decoding(files):
         assert both.token_ids == plain.token_ids
 
 
+@pytest.mark.extended
 def test_a_smaller_draft_model_behind_the_suffix_drafts_and_its_cache_carries_to_the_next_turn(files):
     eng = agentspec.Engine.embedded(model=str(files["target"]), draft_model=str(files["small"]), quiet=True)
     drafter = eng.drafter_for(["draft_model"])
@@ -78,9 +77,14 @@ def test_a_smaller_draft_model_behind_the_suffix_drafts_and_its_cache_carries_to
         drafter.__dict__.pop("start", None)
 
 
-def test_a_draft_model_with_another_tokenizer_is_refused(files):
+@pytest.mark.extended
+def test_a_draft_model_with_another_tokenizer_is_refused(files, tmp_path):
+    from helpers.families import write_family, write_quantized_pair
+
+    other = write_quantized_pair(write_family(tmp_path / "llama", "llama", dim=256, heads=4, kv_heads=2, hidden=512),
+                                 tmp_path / "llama.gguf", {})
     with pytest.raises(ConfigError, match="another tokenizer"):
-        agentspec.Engine.embedded(model=str(files["target"]), draft_model=str(files["other"]), quiet=True)
+        agentspec.Engine.embedded(model=str(files["target"]), draft_model=str(other), quiet=True)
     with pytest.raises(ConfigError, match="does not exist"):
         agentspec.Engine.embedded(model=str(files["target"]), draft_model="/nonexistent.gguf", quiet=True)
     eng = agentspec.Engine.embedded(model=str(files["target"]), quiet=True, prefix_cache_bytes=0)
