@@ -127,20 +127,15 @@ def agent_sessions(data: Path, n: int, turns: int, max_chars: int) -> list[tuple
     """The first ``n`` recorded trajectories with at least ``turns`` turns whose ``turns``-th prompt
     holds at most ``max_chars`` characters, each as its first ``turns`` requests: request k is the
     system prompt, the task and the first k-1 recorded assistant turns with their observations
-    (``conversation_turns`` of a record's history). Read from the data folder at run time."""
-    from agentspec.traces import conversation_turns, load_records, prompt_messages
+    (``harness.trajectories``). Read from the data folder at run time."""
+    from benchmarks.harness import trajectories
 
     path = data / "agent_turns.jsonl"
     if not path.is_file():
         raise SystemExit(f"--workload sessions needs {path} (the recorded agent turns)")
-    out, seen = [], set()
-    for rec in load_records(path):
-        task = rec["id"].split("#")[0]
-        if task in seen:
-            continue
-        seen.add(task)
-        reqs = conversation_turns(prompt_messages(rec["prompt"]))[:turns]
-        if len(reqs) < turns or sum(len(m["content"]) for m in reqs[-1]) > max_chars:
+    out = []
+    for task, reqs in trajectories(path, turns):
+        if sum(len(m["content"]) for m in reqs[-1]) > max_chars:
             continue
         out.append((task, reqs))
         if len(out) == n:

@@ -393,21 +393,29 @@ def workload_prompts(engine, data: Path, workloads: str, n: int, max_prompt: int
     return sets
 
 
-def conversations(path: Path, engine, *, tasks: int, turns: int, max_prompt: int) -> list[tuple[str, list]]:
-    """The first ``tasks`` trajectories with ``turns`` turns whose prompts stay under ``max_prompt``
-    (``engine.encode(messages)`` gives a turn's token ids): a recorded history split into its
-    successive turns."""
+def trajectories(path: Path, turns: int):
+    """Each recorded task's first ``turns`` requests, in file order, for the tasks that have that
+    many: ``(task, [messages of request 1, ..., of request turns])``, request k being the system
+    prompt, the task and the first k-1 recorded assistant turns with their observations (a recorded
+    history split into its successive turns)."""
     from agentspec.traces import conversation_turns, load_records, prompt_messages
 
-    out, seen = [], set()
+    seen = set()
     for rec in load_records(path):
         task = rec["id"].split("#")[0]
         if task in seen:
             continue
         seen.add(task)
         msgs = conversation_turns(prompt_messages(rec["prompt"]))[:turns]
-        if len(msgs) < turns:
-            continue
+        if len(msgs) == turns:
+            yield task, msgs
+
+
+def conversations(path: Path, engine, *, tasks: int, turns: int, max_prompt: int) -> list[tuple[str, list]]:
+    """The first ``tasks`` trajectories with ``turns`` turns whose prompts stay under ``max_prompt``
+    (``engine.encode(messages)`` gives a turn's token ids)."""
+    out = []
+    for task, msgs in trajectories(path, turns):
         prompts = [engine.encode(m) for m in msgs]
         if len(prompts[-1]) > max_prompt:
             continue

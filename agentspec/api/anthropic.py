@@ -378,25 +378,23 @@ def prepare_messages(state: ServerState, tenant: Tenant, req: MessagesRequest, m
             out.append({"type": "content_block_stop", "index": blocks["open"][0]})
             blocks["open"] = None
 
+    def keep_open(out: list[dict], block: dict) -> None:
+        """The open block if it is of ``block``'s type, else that one started (the last closed)."""
+        if blocks["open"] is None or blocks["open"][1] != block["type"]:
+            close(out)
+            blocks["open"] = (blocks["next"], block["type"])
+            blocks["next"] += 1
+            out.append({"type": "content_block_start", "index": blocks["open"][0], "content_block": block})
+
     def shape(events) -> list[dict]:
         out: list[dict] = []
         for ev in events:
             if isinstance(ev, Reasoning):
-                if blocks["open"] is None or blocks["open"][1] != "thinking":
-                    close(out)
-                    blocks["open"] = (blocks["next"], "thinking")
-                    blocks["next"] += 1
-                    out.append({"type": "content_block_start", "index": blocks["open"][0],
-                                "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
+                keep_open(out, {"type": "thinking", "thinking": "", "signature": ""})
                 out.append({"type": "content_block_delta", "index": blocks["open"][0],
                             "delta": {"type": "thinking_delta", "thinking": ev.text}})
             elif isinstance(ev, Text):
-                if blocks["open"] is None or blocks["open"][1] != "text":
-                    close(out)
-                    blocks["open"] = (blocks["next"], "text")
-                    blocks["next"] += 1
-                    out.append({"type": "content_block_start", "index": blocks["open"][0],
-                                "content_block": {"type": "text", "text": ""}})
+                keep_open(out, {"type": "text", "text": ""})
                 out.append({"type": "content_block_delta", "index": blocks["open"][0],
                             "delta": {"type": "text_delta", "text": ev.text}})
             elif isinstance(ev, CallStart):

@@ -12,7 +12,8 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-__all__ = ["AcceptanceTracker", "Draft", "Drafter", "EMPTY_DRAFT", "cut_for_cost", "drop_unlikely", "trie_draft"]
+__all__ = ["AcceptanceTracker", "Draft", "Drafter", "EMPTY_DRAFT", "accepted_in_tree", "cut_for_cost", "drop_unlikely",
+           "trie_draft"]
 
 
 class Draft(msgspec.Struct, frozen=True):
@@ -179,6 +180,18 @@ class AcceptanceTracker:
     def update(self, estimated: float, accepted: int) -> None:
         self.est = self.decay * self.est + float(estimated)
         self.got = self.decay * self.got + float(accepted)
+
+
+def accepted_in_tree(token_ids: Sequence[int], parents: Sequence[int], committed: Sequence[int]) -> int:
+    """How many of a proposed tree's tokens the target accepted: the depth to which a path from the
+    root spells ``committed`` (a step's new tokens: the accepted ones, then the bonus, not counted)."""
+    acc, node = 0, -1
+    for t in committed[:-1]:
+        nxt = next((i for i, (x, p) in enumerate(zip(token_ids, parents)) if p == node and x == t), None)
+        if nxt is None:
+            break
+        acc, node = acc + 1, nxt
+    return acc
 
 
 def drop_unlikely(draft: Draft, min_survival: float) -> Draft:

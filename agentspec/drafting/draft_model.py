@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from .draft import EMPTY_DRAFT, Draft
+from ..backends.embedded.prefix_cache import common_prefix
+from .draft import EMPTY_DRAFT, Draft, accepted_in_tree
 from .eagle3_drafter import Eagle3Gate, GateCosts
 
 __all__ = ["SOURCE", "DraftModelDrafter", "for_engine"]
@@ -102,7 +103,7 @@ class DraftModelDrafter:
             best, best_n = None, 0
             for key, (toks, off, cache) in self._done.get(tenant, {}).items():
                 if off < len(r.tokens) and toks[:off] == r.tokens[:off]:
-                    n = _common(toks[off:off + cache.length], r.tokens[off:])
+                    n = common_prefix(toks[off:off + cache.length], r.tokens[off:])
                     if n > best_n:
                         best, best_n = key, n
             if best is not None:
@@ -140,13 +141,7 @@ class DraftModelDrafter:
             r.chain = []
         if r.proposed and r.gate is not None:
             toks, parents = r.tree
-            acc, node = 0, -1
-            for t in tokens[:-1]:
-                nxt = next((i for i, (x, p) in enumerate(zip(toks, parents)) if p == node and x == t), None)
-                if nxt is None:
-                    break
-                acc, node = acc + 1, nxt
-            r.gate.observe(acc, len(toks), r.seconds, len(tokens))
+            r.gate.observe(accepted_in_tree(toks, parents, tokens), len(toks), r.seconds, len(tokens))
         elif r.declined and r.gate is not None and tokens:
             r.gate.observe_plain(len(tokens))
         r.proposed = r.declined = False
@@ -256,14 +251,6 @@ class DraftModelDrafter:
         r.tree = (tokens, parents)
         score = float(sum(Draft(tokens, parents, probs).survival())) if tokens else 0.0
         return Draft(tokens, parents, probs, score, SOURCE) if tokens else EMPTY_DRAFT
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def for_engine(engine: Any, *, gate: bool | None = None, **options: Any) -> DraftModelDrafter:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .draft import EMPTY_DRAFT, Draft
+from .draft import EMPTY_DRAFT, Draft, accepted_in_tree
 from .eagle3 import Eagle3Config, Eagle3Head, Eagle3KV
 
 __all__ = ["SOURCE", "Eagle3Drafter", "Eagle3Gate", "GateCosts"]
@@ -365,14 +365,8 @@ class Eagle3Drafter:
         if r.proposed:
             # how deep the head's own tree matched what the target committed (leaves count)
             toks, parents = r.last_tree
-            acc, node = 0, -1
-            for t in tokens[:-1]:
-                nxt = next((i for i, (x, p) in enumerate(zip(toks, parents)) if p == node and x == t), None)
-                if nxt is None:
-                    break
-                acc, node = acc + 1, nxt
             if r.gate is not None:
-                r.gate.observe(acc, len(toks), r.head_seconds, len(tokens))
+                r.gate.observe(accepted_in_tree(toks, parents, tokens), len(toks), r.head_seconds, len(tokens))
         elif r.declined and r.gate is not None and tokens:
             # only steps the gate declined tell what a step yields without the head; steps where
             # nobody asked (a confident suffix draft) are not the steps the head would be in

@@ -53,16 +53,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CHUNK_TOKENS", "PrefixCache", "PrefixCacheStats", "PrefixHit"]
+__all__ = ["CHUNK_TOKENS", "PrefixCache", "PrefixCacheStats", "PrefixHit", "common_prefix"]
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading ids ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
 
 CHUNK_TOKENS = 256  # a multiple of PREFILL_BLOCK and more than SMALL_T (model.py)
 
@@ -160,7 +161,7 @@ class PrefixCache:
                 rest = ids[len(nodes) * C:min(len(nodes) * C + C, limit)]
                 best, tail = None, 0
                 for key, child in node.children.items():
-                    m = _common(key, rest)
+                    m = common_prefix(key, rest)
                     if m > tail:
                         best, tail = child, m
                 if best is not None:
