@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-__all__ = ["AcceptanceTracker", "Draft", "Drafter", "EMPTY_DRAFT", "accepted_in_tree", "cut_for_cost", "drop_unlikely",
+__all__ = ["AcceptanceTracker", "Draft", "Drafter", "EMPTY_DRAFT", "accepted_in_tree", "common_prefix", "cut_for_cost", "drop_unlikely",
            "trie_draft"]
 
 
@@ -180,6 +180,15 @@ class AcceptanceTracker:
     def update(self, estimated: float, accepted: int) -> None:
         self.est = self.decay * self.est + float(estimated)
         self.got = self.decay * self.got + float(accepted)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def accepted_in_tree(token_ids: Sequence[int], parents: Sequence[int], committed: Sequence[int]) -> int:

@@ -39,8 +39,7 @@ from typing import Any
 
 import torch
 
-from ..backends.embedded.prefix_cache import common_prefix
-from .draft import EMPTY_DRAFT, Draft, accepted_in_tree
+from .draft import EMPTY_DRAFT, Draft, accepted_in_tree, common_prefix
 from .eagle3_drafter import Eagle3Gate, GateCosts
 
 __all__ = ["SOURCE", "DraftModelDrafter", "for_engine"]

@@ -53,16 +53,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CHUNK_TOKENS", "PrefixCache", "PrefixCacheStats", "PrefixHit", "common_prefix"]
+from ...drafting.draft import common_prefix
 
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+__all__ = ["CHUNK_TOKENS", "PrefixCache", "PrefixCacheStats", "PrefixHit"]
 
 
 CHUNK_TOKENS = 256  # a multiple of PREFILL_BLOCK and more than SMALL_T (model.py)
