@@ -37,6 +37,10 @@ __all__ = ["JsonCopyDrafter", "escape_json", "unescape_json"]
 
 MIN_MATCH = 8      # characters of the string's tail a copy must match
 MAX_MATCH = 64     # the longest tail looked up
+_LINE_BACK = 8     # lines back a line-anchored copy looks for a line the source has
+_LINE_KEY = 4      # characters (whitespace aside) a line needs to anchor one
+# arguments that write a whole file: at their start, the file the prompt shows
+_FILE_KEYS = frozenset({"content", "file_text"})
 # a draft's per-token confidence by the length of the tail it matched
 _CONF = ((64, 0.95), (32, 0.9), (16, 0.8), (0, 0.6))
 _END = "\x00"      # between string values in the output's source: a copy stops there, closing the string
@@ -202,6 +206,8 @@ class _Req:
     text: str = ""                     # the output's text, as far as fed
     open_at: int = -1                  # where the JSON string being written opens in ``text``
     sources: list[str] | None = None   # the prompt's unescaped sources (built on first use)
+    files: list[str] = field(default_factory=list)   # files the prompt shows whole (a Read's), gutters stripped
+    lines: dict = field(default_factory=dict)        # id(source) -> (its lines, stripped line -> indices)
     out_source: str = ""               # the output's finished string values, unescaped, _END-separated
     out_source_to: int = -1            # ... for the output up to this string's opening
     forms: dict = field(default_factory=dict)   # how the model writes what may go either way (learn_escapes)
@@ -341,6 +347,7 @@ class JsonCopyDrafter:
             # a Read's file without its gutters first (the model writes the file, not the gutters),
             # then the prompt unescaped (an earlier call's arguments), then as it is
             plain = _GUTTER_RUN.sub(lambda m: _GUTTER.sub("", m.group(0)) + _END, prompt)
+            r.files = [_GUTTER.sub("", m.group(0)) for m in _GUTTER_RUN.finditer(prompt)]
             views = [plain, unescape_json(plain), prompt]
             r.sources = [v for i, v in enumerate(views) if v not in views[:i]]
         return r.sources
@@ -362,11 +369,7 @@ class JsonCopyDrafter:
         cur = unescape_json(raw[lo:])
         n = 8 * 64   # characters copied at most (tokens are fewer)
         if len(cur) < self.min_match and lo == 0:
-            if self._argument(r) == "new_string":   # an edit: new_string starts as old_string did
-                old = self._call_value(r, "old_string")
-                if old is not None and old.startswith(cur) and len(old) > len(cur):
-                    return old[len(cur):len(cur) + n] + (_END if len(old) - len(cur) <= n else ""), 0.8, "edit"
-            return None
+            return self._at_start(r, cur, n)
         out = self._output_source(r)
         sources = [(out, "output")] + [(s, "prompt") for s in self._prompt_sources(r)]
         # in a line's indentation: match up to the line break, then the next line's indentation
@@ -376,7 +379,13 @@ class JsonCopyDrafter:
         if nl >= 0 and nl < len(cur) - 1 and not cur[nl + 1:].strip(" "):
             typed, base = cur[nl + 1:], cur[:nl + 1]
         top = min(self.max_match, len(base))
+        lines_tried = False
         for L in sorted({top, *(x for x in (32, 16, self.min_match) if self.min_match <= x < top)}, reverse=True):
+            if L < 16 and not lines_tried:   # before a short tail's guess: the lines around a changed one
+                lines_tried = True
+                found = self._by_lines(r, raw, sources, n)
+                if found is not None:
+                    return found
             needle = base[-L:]
             for src, kind in sources:
                 at = src.rfind(needle)
@@ -393,7 +402,129 @@ class JsonCopyDrafter:
                     cont = cont[len(typed):]
                 if cont:
                     return cont, next(c for m, c in _CONF if L >= m), kind
+        if not lines_tried:
+            found = self._by_lines(r, raw, sources, n)
+            if found is not None:
+                return found
         return self._from_index(r, cur, n)
+
+    def _at_start(self, r: _Req, cur: str, n: int) -> tuple[str, float, str] | None:
+        """A string with fewer than ``min_match`` characters written: an edit's ``new_string``
+        starts as its ``old_string`` did; a file's content (``content``, ``file_text``) as the file
+        the prompt shows whole (a ``Read`` of it); any other argument as the same argument of the
+        prompt's last call that has it (the path a ``Read`` took)."""
+        key = self._argument(r)
+        if key == "new_string":   # an edit: new_string starts as old_string did
+            old = self._call_value(r, "old_string")
+            if old is not None and old.startswith(cur) and len(old) > len(cur):
+                return old[len(cur):len(cur) + n] + (_END if len(old) - len(cur) <= n else ""), 0.8, "edit"
+            return None
+        if key is None:
+            return None
+        self._prompt_sources(r)
+        if key in _FILE_KEYS:
+            for f in reversed(r.files):
+                if f.startswith(cur) and len(f) > len(cur):
+                    return f[len(cur):len(cur) + n] + (_END if len(f) - len(cur) <= n else ""), 0.6, "prompt"
+            return None
+        prompt = r.sources[-1]   # the prompt as it is
+        for m in reversed(list(re.finditer(r'"' + re.escape(key) + r'"\s*:\s*"((?:[^"\\]|\\.)*)"', prompt))):
+            v = unescape_json(m.group(1))
+            if v.startswith(cur) and len(v) > len(cur):
+                return v[len(cur):] + _END, 0.8, "prompt"
+        return None
+
+    def _line_index(self, r: _Req, src: str, cache: bool) -> tuple[list[str], dict[str, list[int]]]:
+        got = r.lines.get(id(src)) if cache else None
+        if got is None or got[0] is not src:
+            lines = src.split("\n")
+            index: dict[str, list[int]] = {}
+            for i, line in enumerate(lines):
+                key = line.strip()
+                if len(key) >= _LINE_KEY:
+                    index.setdefault(key, []).append(i)
+            got = (src, lines, index)
+            if cache:
+                r.lines[id(src)] = got
+        return got[1], got[2]
+
+    def _by_lines(self, r: _Req, raw: str, sources: list, n: int) -> tuple[str, float, str] | None:
+        """The line being written, from the lines around it: the last finished line of the string
+        (within ``_LINE_BACK``) found in a source, whitespace aside, anchors it; the line as many
+        lines further down that source is the one being written (the lines between were changed
+        one for one), or a line near it that starts as this one does. Copied from there with the
+        indentation the model gives it: what it typed, or, still at the line's start, the depth it
+        gave the anchor line relative to the source (re-indented code stays re-indented)."""
+        lo = max(0, len(raw) - 3000)
+        while lo > 0 and _backslashes_before(raw, lo) % 2 == 1:
+            lo += 1
+        done = unescape_json(raw[lo:]).split("\n")
+        if len(done) < 2:
+            return None
+        partial = done.pop()
+        if lo > 0:
+            done = done[1:]   # (the first line may be cut short)
+        ws = partial[:len(partial) - len(partial.lstrip(" \t"))]
+        typed = partial[len(ws):]
+        piece = self._piece.get(r.ids[-1])
+        last_ws = piece is not None and piece != "" and not piece.strip(" ")
+        for back in range(1, min(_LINE_BACK, len(done)) + 1):
+            key = done[-back].strip()
+            if len(key) < _LINE_KEY:
+                continue
+            best = None
+            for si, (src, kind) in enumerate(sources):
+                lines, index = self._line_index(r, src, cache=si > 0)
+                for j in reversed(index.get(key, ())):
+                    # how many lines before the anchor agree too (the likelier place where a line repeats)
+                    score = 0
+                    while (score < 3 and j - score - 1 >= 0 and back + score + 1 <= len(done)
+                           and lines[j - score - 1].strip() == done[-back - score - 1].strip()):
+                        score += 1
+                    if best is None or score > best[0]:
+                        best = (score, lines, j, kind)
+            if best is None:
+                continue
+            _, lines, j, kind = best
+            order = [j + back] + ([p for p in range(j + 1, j + back + 3) if p != j + back] if typed else [])
+            for p in order:
+                if p >= len(lines):
+                    continue
+                line = lines[p]
+                s_ws = line[:len(line) - len(line.lstrip(" \t"))]
+                body = line[len(s_ws):]
+                if typed:
+                    if not body.startswith(typed):
+                        continue
+                    first = body[len(typed):]
+                    tabs = "\t" in ws or "\t" in s_ws
+                    if tabs and ws != s_ws:
+                        continue
+                    delta = 0 if tabs else len(ws) - len(s_ws)
+                else:
+                    anchor = done[-back]
+                    a_ws = len(anchor) - len(anchor.lstrip(" "))
+                    delta = a_ws - _spaces(lines[j], 0)
+                    if "\t" in s_ws or "\t" in ws:
+                        if not s_ws.startswith(ws):
+                            return None
+                        delta, first = 0, s_ws[len(ws):] + body
+                    else:
+                        want = len(s_ws) + delta
+                        if ws and last_ws and want <= len(ws):
+                            want = len(ws) + 1   # (a run of spaces is a token short of the last one, which leads the word)
+                            delta = want - len(s_ws)
+                        if want < len(ws):
+                            return None
+                        first = " " * (want - len(ws)) + body
+                cont = first + "\n" + _reindent("\n".join(lines[p + 1:])[:n], delta, full_first=True)
+                end = cont.find(_END)
+                if end >= 0:
+                    cont = cont[:end + 1]
+                if cont and cont != "\n":
+                    return cont[:n], 0.8, kind
+            return None
+        return None
 
     def _from_index(self, r: _Req, cur: str, n: int) -> tuple[str, float, str] | None:
         """The tail looked up in the suffix index (the tenant's workspace files and earlier outputs,

@@ -230,3 +230,41 @@ def test_a_copy_the_model_reindents_is_drafted_reindented(tok):
     n = len(tok.encode(output))
     _, accepted, drafted, _ = _replay(tok, prompt, output)
     assert accepted > 0.7 * n, (accepted, drafted, n)
+
+
+def _draft_after(tok, prompt: str, written: str, fmt: OutputFormat = HERMES, budget: int = 64) -> str:
+    """The text of the drafter's proposal once the output is ``written``."""
+    d = JsonCopyDrafter(tok)
+    d.start("r", tok.encode(prompt))
+    d.output_format("r", fmt)
+    d.extend("r", tok.encode(written))
+    return tok.decode(d.propose("r", budget).token_ids)
+
+
+def test_after_a_changed_line_the_next_one_is_drafted_from_the_source(tok):
+    """A Write that changes one line of the file: right after the changed line's break, before a
+    character of the next line is written, the draft is the source's next line (the line the
+    change replaced anchors nothing; the one before it does)."""
+    lines = [f"    value_{i} = table[{i}] * {i + 7}" for i in range(40)]
+    prompt = "<|im_start|>user\n" + _gutter("\n".join(lines)) + "<|im_end|>\n<|im_start|>assistant\n"
+    changed = lines[:20] + ["    something entirely new()"]
+    written = _call("Write", file_path="t.py", content="\n".join(changed) + "\n")
+    written = written[:written.rindex("\\n") + 2]   # up to the changed line's break
+    assert _draft_after(tok, prompt, written).startswith(json.dumps("\n".join(lines[21:24]))[1:-1])
+    # the same where the model writes the line's indentation deeper than the file has it
+    deeper = [" " * 4 + line for line in lines[:21]]
+    written = _call("Write", file_path="t.py", content="\n".join(deeper[:20] + ["        other()"]) + "\n")
+    written = written[:written.rindex("\\n") + 2]
+    assert _draft_after(tok, prompt, written).startswith(json.dumps("\n".join(deeper[21:21] + [" " * 4 + lines[21]]))[1:-1])
+
+
+def test_a_write_starts_as_the_file_read_and_a_path_as_the_one_read(tok):
+    src = (ROOT / "agentspec/text.py").read_text()
+    read = '<tool_call>\n{"name": "Read", "arguments": {"file_path": "agentspec/text.py"}}\n</tool_call>'
+    prompt = (f"<|im_start|>user\nFix it.<|im_end|>\n<|im_start|>assistant\n{read}<|im_end|>\n"
+              f"<|im_start|>user\n<tool_response>\n{_gutter(src)}</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    head = '<tool_call>\n{"name": "Write", "arguments": {"file_path": "'
+    assert _draft_after(tok, prompt, head) == 'agentspec/text.py"'
+    written = head + 'agentspec/text.py", "content": "'
+    assert json.dumps(src)[1:].startswith(_draft_after(tok, prompt, written)[:200])
+    assert len(_draft_after(tok, prompt, written)) >= 100
