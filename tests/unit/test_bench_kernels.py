@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif("avx2" not in cpu_isa.supported() or not shutil.
                                 reason="needs an x86 CPU with AVX2 and a C++ compiler")
 
 
+@pytest.mark.extended   # (benchmark tooling, seconds: the extended tier)
 def test_quant_linears_reports_the_body_against_its_peak(tmp_path, restore_isa):
     out = tmp_path / "q.json"
     assert main(["quant-linears", "--model", str(bundled_model_path()), "--rows", "1,4", "--isas", "avx2",

@@ -80,7 +80,17 @@ USAGE = [
 ]
 
 
-@pytest.mark.parametrize("args,stdin,want", USAGE, ids=[" ".join(a) for a, _, _ in USAGE])
+# one case per command and kind of mistake runs in `make test` (each is a process start, ~1.7 s);
+# the rest in the extended tier
+EVERY_RUN = {"serve --device gpu", "generate --device cuda:0 prompt.txt", "serve --repo nope", "generate nope.txt",
+             "generate", "stats --log-dir nope", "demo --file nope.py", "train-eagle3 --out head",
+             "generate --top-p 5 prompt.txt", "generate --budget 2000 prompt.txt", "stats --plot p.txt",
+             "serve --host 0.0.0.0", "lsp --tcp x", "cache clear nope", "serve --config typo.toml", "nosuchcommand"}
+
+
+@pytest.mark.parametrize("args,stdin,want", [
+    pytest.param(a, i, w, id=" ".join(a), marks=() if " ".join(a) in EVERY_RUN else pytest.mark.extended)
+    for a, i, w in USAGE])
 def test_bad_input_exits_2_naming_the_value_and_the_fix(files, args, stdin, want):
     r = run(args, files, stdin)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])

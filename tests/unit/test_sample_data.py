@@ -9,6 +9,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from agentspec.traces import conversation_turns, load_records, prompt_messages
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,6 +53,7 @@ def test_shipped_agent_turns_have_the_recorded_shape():
     assert len(first) >= 3 and all(len(conversation_turns(prompt_messages(r["prompt"]))) >= 4 for r in first.values())
 
 
+@pytest.mark.extended   # (benchmark tooling, seconds: the extended tier)
 def test_generator_is_deterministic_and_echoes_the_files():
     files = gen.python_files()
     a, b = gen.records(files), gen.records(dict(files))
