@@ -293,19 +293,74 @@ def stream_turn(client, model: str, pid: str, body, max_tokens: int, extra: dict
     return out
 
 
-def run_prompts(base: str, model: str, prompts, max_tokens: int, extra: dict, concurrency: int = 1) -> dict:
-    """Every prompt as a streamed chat completion, at most ``concurrency`` in flight (closed loop:
-    a request goes as soon as one finishes). tokens/s: every completion token over the wall time of
-    the whole run (prefill included); per request its time, time to first token and, from
-    agentspec, the speculation stats of its last chunk."""
-    import openai
+def stream_message_turn(client, model: str, pid: str, body: dict, max_tokens: int, extra: dict) -> dict:
+    """One streamed Anthropic Messages request (``body``: ``system``, ``messages``, ``tools``,
+    ``tool_choice``) through the official ``anthropic`` client, timed and read like ``stream_turn``:
+    time to the first text or ``tool_use`` block, the text with each ``tool_use`` block's input
+    appended as ``<call NAME INPUT>``, the usage (``cache_read_input_tokens`` as cached) and
+    agentspec's ``spec`` stats from its ``message_delta``."""
+    t0 = time.perf_counter()
+    ttft, parts, spec = None, [], None
+    prompt_tokens = cached = n = None
+    blocks: dict[int, dict] = {}
+    # (the SDK no longer takes sampling parameters; both servers still read temperature from the body)
+    stream = client.messages.create(model=model, max_tokens=max_tokens, stream=True,
+                                    extra_body={"temperature": 0, **extra}, **body)
+    for ev in stream:
+        if ev.type == "message_start":
+            u = ev.message.usage
+            prompt_tokens = (u.input_tokens or 0) + (u.cache_read_input_tokens or 0)
+            cached = u.cache_read_input_tokens
+        elif ev.type == "content_block_start":
+            if ev.content_block.type == "tool_use":
+                blocks[ev.index] = {"name": ev.content_block.name, "arguments": ""}
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+        elif ev.type == "content_block_delta":
+            d = ev.delta
+            if d.type == "text_delta" and d.text:
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                parts.append(d.text)
+            elif d.type == "input_json_delta" and ev.index in blocks:
+                blocks[ev.index]["arguments"] += d.partial_json
+        elif ev.type == "message_delta":
+            n = ev.usage.output_tokens
+            spec = (ev.model_extra or {}).get("spec") or (ev.delta.model_extra or {}).get("spec") or spec
+    dt = time.perf_counter() - t0
+    calls = [c for _, c in sorted(blocks.items())]
+    log(f"  {pid}: {n if n is not None else '?'} tokens in {dt:.2f} s" + (f", {len(calls)} tool call(s)" if calls else ""))
+    out = {"s": round(dt, 3), "ttft_s": round(ttft, 3) if ttft is not None else None,
+           "text": "".join(parts) + "".join(f"<call {c['name']} {c['arguments']}>" for c in calls),
+           "prompt_tokens": prompt_tokens, "completion_tokens": n, "cached_tokens": cached, "tool_calls": calls,
+           "mat": spec.get("mean_acceptance_length") if spec else None,
+           "by_source": spec.get("by_source") if spec else None}
+    if spec:
+        out["server_ms"] = {k: spec.get(k) for k in ("prefill_ms", "decode_ms", "draft_ms")}
+    return out
+
+
+def run_prompts(base: str, model: str, prompts, max_tokens: int, extra: dict, concurrency: int = 1,
+                api: str = "chat") -> dict:
+    """Every prompt as a streamed chat completion (``api="messages"``: an Anthropic Messages
+    request), at most ``concurrency`` in flight (closed loop: a request goes as soon as one
+    finishes). tokens/s: every completion token over the wall time of the whole run (prefill
+    included); per request its time, time to first token and, from agentspec, the speculation
+    stats of its last chunk."""
     from concurrent.futures import ThreadPoolExecutor
 
-    client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=3600, max_retries=0)
+    if api == "messages":
+        import anthropic
+
+        client = anthropic.Anthropic(base_url=base, api_key="none", timeout=3600, max_retries=0)
+        turn = stream_message_turn
+    else:
+        import openai
+
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=3600, max_retries=0)
+        turn = stream_turn
 
     def one(item):
         pid, body = item
-        return stream_turn(client, model, pid, body, max_tokens, extra)
+        return turn(client, model, pid, body, max_tokens, extra)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -455,9 +510,12 @@ def ours(model: Path, prompts, args, spec: bool, tmp: Path, extra_args: list[str
     cmd = agentspec_cmd(model, port, args.threads, *extra_args)
     p = Process(cmd, port, tmp / name, "/health", args.start_timeout, env=dict(os.environ))
     try:
-        runner = run_sessions if args.workload == "sessions" else run_prompts
-        out = runner(p.base, model.name.removesuffix(".gguf"), prompts, args.max_tokens,
-                     {"speculation": spec, "spec_stats": True}, args.concurrency)
+        extra = {"speculation": spec, "spec_stats": True}
+        if args.workload == "sessions":
+            out = run_sessions(p.base, model.name.removesuffix(".gguf"), prompts, args.max_tokens, extra, args.concurrency)
+        else:
+            out = run_prompts(p.base, model.name.removesuffix(".gguf"), prompts, args.max_tokens, extra,
+                              args.concurrency, api=args.api)
         out.update(start_s=round(p.start_s, 2), peak_rss_bytes=peak_rss(p.proc.pid))
         if workspace is not None:
             out["workspace"] = {"folder": str(workspace.resolve()), **info, "index": index_summary(p.log_path)}
@@ -478,7 +536,8 @@ def llama(server: Path, model: Path, prompts, args, spec_type: str | None, tmp: 
         if args.workload == "sessions":   # its prompt cache on, as a user runs it
             out = run_sessions(p.base, model.name, prompts, args.max_tokens, {"cache_prompt": True}, args.concurrency)
         else:
-            out = run_prompts(p.base, model.name, prompts, args.max_tokens, {"cache_prompt": False}, args.concurrency)
+            out = run_prompts(p.base, model.name, prompts, args.max_tokens, {"cache_prompt": False}, args.concurrency,
+                              api=args.api)
         out.update(start_s=round(p.start_s, 2), peak_rss_bytes=peak_rss(p.proc.pid))
     finally:
         p.stop()
@@ -660,6 +719,10 @@ def main() -> int:
                          "tool-call turns (benchmarks/tool_turns.py: Read/Edit/Write offered, tool_choice auto; "
                          "tools-write: Write alone, a call required), or whole agent sessions (--prompts "
                          "trajectories of --turns turns each, replayed turn by turn, prompt caches on)")
+    ap.add_argument("--api", choices=("chat", "messages"), default="chat",
+                    help="--workload tools / tools-write: the turns as Chat Completions requests (the openai client) "
+                         "or Anthropic Messages requests (/v1/messages, the anthropic client; a required call as "
+                         "tool_choice any); both servers serve both")
     ap.add_argument("--prompts", type=int, default=4, help="prompts (--workload sessions: sessions)")
     ap.add_argument("--turns", type=int, default=6, help="--workload sessions: requests per session")
     ap.add_argument("--max-chars", type=int,
@@ -730,6 +793,8 @@ def main() -> int:
         server = llama_server(server)
     if args.grid:
         return run_grid(server, args, methods)
+    if args.api != "chat" and args.workload not in ("tools", "tools-write"):
+        ap.error(f"--api {args.api} is for --workload tools / tools-write, not {args.workload!r}")
     if args.max_chars is None:
         args.max_chars = 24000 if args.workload == "sessions" else 4000
     if args.workload == "sessions":
@@ -737,7 +802,8 @@ def main() -> int:
     elif args.workload in ("tools", "tools-write"):
         from benchmarks.tool_turns import tool_turns
 
-        prompts = [(t.id, t.chat_request(write_only=args.workload == "tools-write"))
+        form = "messages_request" if args.api == "messages" else "chat_request"
+        prompts = [(t.id, getattr(t, form)(write_only=args.workload == "tools-write"))
                    for t in tool_turns(args.data, args.prompts, max_chars=args.max_chars)]
     else:
         pick = agent_turns if args.workload == "turns" else held_out_rewrites
@@ -827,7 +893,7 @@ def main() -> int:
     report = {"benchmark": "bench_gguf",
               "machine": machine_record(kernels=kernels, peers={"llama.cpp": llama_version(server)} if server else None),
               "config": {"model": str(args.model), "model_bytes": args.model.stat().st_size, "workload": args.workload,
-                         "concurrency": args.concurrency, "prompts": [p for p, _ in prompts],
+                         "api": args.api, "concurrency": args.concurrency, "prompts": [p for p, _ in prompts],
                          "turns": args.turns if args.workload == "sessions" else None,
                          "max_tokens": args.max_tokens, "threads": args.threads, "greedy": True, "llama_context": args.context,
                          "llama_draft_max": args.llama_draft_max, "llama_args": args.llama_arg,
