@@ -19,8 +19,16 @@ the raw text matches only the stretches between escapes. This drafter works on t
    a draft).
 
 Edits: at the start of ``new_string`` (nothing written to match yet) the draft is the call's
-``old_string`` from its start (an edit changes a few lines of what it replaces). Where a copied
-string ends in the source (the end of ``old_string``), the draft closes the JSON string too.
+``old_string`` from its start (an edit changes a few lines of what it replaces); a ``Write``'s
+``content`` starts as the file the prompt shows whole, any other argument as the prompt's last
+call had it. Where a copied string ends in the source (the end of ``old_string``), the draft
+closes the JSON string too.
+
+Changed lines: where the tail matches nowhere (the model changed the line, or re-indented it),
+the last finished line the source has, whitespace aside, anchors the next one (``_by_lines``):
+the line as many lines further down is drafted, indented as the model indents. A numbered
+listing (the model copying a ``Read``'s line numbers into the file, as small models do, with a
+separator of its own) is drafted line by line with the next number (``_numbered``).
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ MIN_MATCH = 8      # characters of the string's tail a copy must match
 MAX_MATCH = 64     # the longest tail looked up
 _LINE_BACK = 8     # lines back a line-anchored copy looks for a line the source has
 _LINE_KEY = 4      # characters (whitespace aside) a line needs to anchor one
+# a line number leading a line of a numbered listing: its indentation, its digits, the separator
+_NUMBERED = re.compile(r"^( *)(\d+)(\t|→|\| ?|\.|:)?(?=\S| |$)")
 # arguments that write a whole file: at their start, the file the prompt shows
 _FILE_KEYS = frozenset({"content", "file_text"})
 # a draft's per-token confidence by the length of the tail it matched
@@ -178,6 +188,18 @@ def _reindent(text: str, delta: int, *, full_first: bool = False) -> str:
             continue
         lines[i] = " " * delta + line if delta > 0 else line[min(-delta, _spaces(line, 0)):]
     return "\n".join(lines)
+
+
+def _line_kind(line: str) -> str:
+    return "empty" if not line.strip() else ("indented" if line[0] in " \t" else "flush")
+
+
+def _lead(lead: str, first: int, num: int) -> str:
+    """The spaces before ``num`` in a listing whose line ``first`` had ``lead`` before it: as
+    many, or fewer by the digits gained where the listing keeps a width (cat -n's 6)."""
+    if len(lead) + len(str(first)) == 6:
+        return " " * max(0, 6 - len(str(num)))
+    return lead
 
 
 def _backslashes_before(text: str, i: int) -> int:
@@ -378,6 +400,9 @@ class JsonCopyDrafter:
         nl = cur.rfind("\n")
         if nl >= 0 and nl < len(cur) - 1 and not cur[nl + 1:].strip(" "):
             typed, base = cur[nl + 1:], cur[:nl + 1]
+        found = self._numbered(r, raw, sources, n)
+        if found is not None:
+            return found
         top = min(self.max_match, len(base))
         lines_tried = False
         for L in sorted({top, *(x for x in (32, 16, self.min_match) if self.min_match <= x < top)}, reverse=True):
@@ -523,6 +548,70 @@ class JsonCopyDrafter:
                     cont = cont[:end + 1]
                 if cont and cont != "\n":
                     return cont[:n], 0.8, kind
+            return None
+        return None
+
+    def _numbered(self, r: _Req, raw: str, sources: list, n: int) -> tuple[str, float, str] | None:
+        """A numbered listing: the string's last lines each start with a line number, one more each
+        line (the model copying a file with the gutters its ``Read`` showed, as small models do,
+        with a separator of its own or none). The last numbered line found in a source, its
+        gutter aside, anchors the next: drafted with its number, the separator the model last
+        wrote before a line of the same kind (flush, indented, empty), then the source's line."""
+        lo = max(0, len(raw) - 1500)
+        while lo > 0 and _backslashes_before(raw, lo) % 2 == 1:
+            lo += 1
+        done = unescape_json(raw[lo:]).split("\n")
+        partial = done.pop()
+        if lo > 0:
+            done = done[1:]
+        gutters = [_NUMBERED.match(x) for x in done[-3:]]
+        if len(gutters) < 2 or not all(gutters):
+            return None
+        nums = [int(m.group(2)) for m in gutters]
+        if any(b != a + 1 for a, b in zip(nums, nums[1:])):
+            return None
+        seps: dict[str, str] = {}
+        for line in done[-_LINE_BACK:]:   # the separator by the kind of line it goes before
+            m = _NUMBERED.match(line)
+            if m is not None:
+                seps[_line_kind(line[m.end():])] = m.group(3) or ""
+        last = gutters[-1]
+        for back in range(1, len(gutters) + 1):
+            m = gutters[-back]
+            rest = done[-back][m.end():]
+            key = rest.strip()
+            if len(key) < _LINE_KEY:
+                continue
+            for si, (src, kind) in enumerate(sources):
+                lines, index = self._line_index(r, src, cache=si > 0)
+                js = index.get(key)
+                if not js:
+                    continue
+                j = js[-1]
+                delta = _spaces(rest, 0) - _spaces(lines[j], 0)
+                nxt = nums[-1] + 1
+                lead = last.group(1)
+                if len(lead) + len(last.group(2)) == 6:   # cat -n's width: the spaces give way to digits
+                    lead = " " * max(0, 6 - len(str(nxt)))
+                out: list[str] = []
+                size = 0
+                for k, p in enumerate(range(j + back, len(lines))):
+                    line = lines[p]
+                    if _END in line:
+                        break
+                    line = _reindent("\n" + line, delta)[1:]
+                    kind_k = _line_kind(line)
+                    text = f"{lead if k == 0 else _lead(lead, nxt, nxt + k)}{nxt + k}{seps.get(kind_k, last.group(3) or '')}{line}"
+                    if k == 0:
+                        if not text.startswith(partial):
+                            return None
+                        text = text[len(partial):]
+                    out.append(text)
+                    size += len(text) + 1
+                    if size >= n:
+                        break
+                cont = "\n".join(out)
+                return (cont, 0.8, kind) if cont else None
             return None
         return None
 

@@ -268,3 +268,16 @@ def test_a_write_starts_as_the_file_read_and_a_path_as_the_one_read(tok):
     written = head + 'agentspec/text.py", "content": "'
     assert json.dumps(src)[1:].startswith(_draft_after(tok, prompt, written)[:200])
     assert len(_draft_after(tok, prompt, written)) >= 100
+
+
+def test_a_numbered_listing_is_drafted_with_its_numbers(tok):
+    """The real 1.5B, made to Write a file it had Read, copied the Read's line numbers into it with
+    a separator of its own ("     7.class X:", "     8    def f():", "     9."): once two lines show
+    the listing, each next line is drafted with its number, that separator and the file's line."""
+    src = (ROOT / "agentspec/text.py").read_text()
+    prompt = "<|im_start|>user\n" + _gutter(src) + "<|im_end|>\n<|im_start|>assistant\n"
+    listing = "".join(f"{i:6d}{'' if line[:1] == ' ' else '.'}{line}\n" for i, line in enumerate(src.splitlines(), 1))
+    output = _call("Write", file_path="agentspec/text.py", content=listing)
+    n = len(tok.encode(output))
+    steps, accepted, drafted, _ = _replay(tok, prompt, output)
+    assert accepted > 0.8 * n and steps < n / 6, (steps, accepted, drafted, n)
