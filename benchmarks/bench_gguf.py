@@ -350,7 +350,8 @@ def run_prompts(base: str, model: str, prompts, max_tokens: int, extra: dict, co
     if api == "messages":
         import anthropic
 
-        client = anthropic.Anthropic(base_url=base, api_key="none", timeout=3600, max_retries=0)
+        # (retries: llama-server once dropped a pooled connection between two requests, before any answer)
+        client = anthropic.Anthropic(base_url=base, api_key="none", timeout=3600, max_retries=2)
         turn = stream_message_turn
     else:
         import openai
@@ -666,7 +667,8 @@ def grid(server: Path | None, args, methods: list[str], tmp: Path) -> dict:
                 log(f"{m} {key}" + (f" (repeat {rep + 1}/{args.grid_repeats})" if args.grid_repeats > 1 else ""))
                 port = free_port()
                 if m in ("agentspec:plain", "agentspec:plain-kv-bf16"):
-                    cmd = agentspec_cmd(args.model, port, args.threads,
+                    # the context the cell needs (the server's default stops at 8192)
+                    cmd = agentspec_cmd(args.model, port, args.threads, "--max-context", str(ctx + args.grid_tokens + 256),
                                         *(["--kv-dtype", "bfloat16"] if m.endswith("kv-bf16") else []))
                     p = Process(cmd, port, tmp / f"grid-{m.replace(':', '-')}-{key}.log", "/health", args.start_timeout,
                                 env=dict(os.environ))

@@ -613,6 +613,15 @@ class JsonCopyDrafter:
                 cont = "\n".join(out)
                 return (cont, 0.8, kind) if cont else None
             return None
+        # no line to anchor on: a listing whose last lines say the same after their numbers (empty
+        # ones, as a model caught in a loop writes them) goes on the same way
+        rests = {done[-k][m.end():] for k, m in zip(range(len(gutters), 0, -1), gutters)}
+        if len(rests) == 1:
+            rest = rests.pop()
+            sep, nxt = last.group(3) or "", nums[-1] + 1
+            lines = [f"{_lead(last.group(1), nums[-1], nxt + k)}{nxt + k}{sep}{rest}" for k in range(max(1, n // 16))]
+            if lines[0].startswith(partial):
+                return "\n".join(lines)[len(partial):n], 0.8, "output"
         return None
 
     def _from_index(self, r: _Req, cur: str, n: int) -> tuple[str, float, str] | None:

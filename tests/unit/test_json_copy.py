@@ -281,3 +281,15 @@ def test_a_numbered_listing_is_drafted_with_its_numbers(tok):
     n = len(tok.encode(output))
     steps, accepted, drafted, _ = _replay(tok, prompt, output)
     assert accepted > 0.8 * n and steps < n / 6, (steps, accepted, drafted, n)
+
+
+def test_a_listing_caught_in_a_loop_goes_on_with_its_numbers(tok):
+    """The real 1.5B, once, wrote a Write's content as lines of numbers alone ("  9.\\n 10.\\n
+    11.\\n ..."): nothing in the file anchors such lines; the listing goes on as it has been."""
+    src = (ROOT / "agentspec/text.py").read_text()
+    prompt = "<|im_start|>user\n" + _gutter(src) + "<|im_end|>\n<|im_start|>assistant\n"
+    listing = "".join(f"{i:3d}.\n" for i in range(1, 120))
+    output = _call("Write", file_path="agentspec/text.py", content=listing)
+    n = len(tok.encode(output))
+    steps, accepted, drafted, _ = _replay(tok, prompt, output)
+    assert accepted > 0.8 * n and steps < n / 6, (steps, accepted, drafted, n)
