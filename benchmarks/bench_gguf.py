@@ -123,6 +123,23 @@ def agent_turns(data: Path, n: int, max_chars: int) -> list[tuple[str, list[dict
     return out
 
 
+def elide_observations(msgs: list[dict], keep: int, chars: int = 200) -> list[dict]:
+    """``msgs`` (system, task, then assistant turns and their observations) with every observation
+    but the last ``keep`` cut to its first ``chars`` characters and a note of what was cut, as
+    agents shorten old tool output to keep a long session in its context (Claude Code clears old
+    tool results; mini-swe-agent-style agents truncate them): each request then differs from the
+    one before inside its history, where an observation aged past the window."""
+    obs = [i for i, m in enumerate(msgs) if i >= 2 and m["role"] != "assistant"]
+    old = set(obs[:max(0, len(obs) - keep)])
+    out = []
+    for i, m in enumerate(msgs):
+        text = m["content"]
+        if i in old and len(text) > chars:
+            m = {**m, "content": f"{text[:chars]}\n[... {len(text) - chars} characters of this output elided]"}
+        out.append(m)
+    return out
+
+
 def agent_sessions(data: Path, n: int, turns: int, max_chars: int) -> list[tuple[str, list[list[dict]]]]:
     """The first ``n`` recorded trajectories with at least ``turns`` turns whose ``turns``-th prompt
     holds at most ``max_chars`` characters, each as its first ``turns`` requests: request k is the
@@ -525,14 +542,15 @@ def ours(model: Path, prompts, args, spec: bool, tmp: Path, extra_args: list[str
     return out, server_kernels(p.log_path)
 
 
-def llama(server: Path, model: Path, prompts, args, spec_type: str | None, tmp: Path) -> dict:
+def llama(server: Path, model: Path, prompts, args, spec_type: str | None, tmp: Path, extra: list[str] = ()) -> dict:
     port = free_port()
     # --parallel C slots, each with the --context a single request gets
     cmd = llama_cmd(server, model, port, args.threads, args.context * args.concurrency, parallel=args.concurrency,
-                    spec_type=spec_type, draft_max=args.llama_draft_max, extra=args.llama_arg,
+                    spec_type=spec_type, draft_max=args.llama_draft_max, extra=[*args.llama_arg, *extra],
                     draft_model=args.llama_draft_model, draft_model_max=args.llama_draft_model_max,
                     draft_p_min=args.llama_draft_p_min)
-    p = Process(cmd, port, tmp / f"llama-{(spec_type or 'plain').replace(',', '+')}.log", "/health", args.start_timeout)
+    p = Process(cmd, port, tmp / f"llama-{(spec_type or 'plain').replace(',', '+')}{'-'.join(['', *extra])}.log", "/health",
+                args.start_timeout)
     try:
         if args.workload == "sessions":   # its prompt cache on, as a user runs it
             out = run_sessions(p.base, model.name, prompts, args.max_tokens, {"cache_prompt": True}, args.concurrency)
@@ -727,6 +745,11 @@ def main() -> int:
                          "tool_choice any); both servers serve both")
     ap.add_argument("--prompts", type=int, default=4, help="prompts (--workload sessions: sessions)")
     ap.add_argument("--turns", type=int, default=6, help="--workload sessions: requests per session")
+    ap.add_argument("--elide-observations", type=int, metavar="KEEP",
+                    help="--workload sessions: every observation but the last KEEP cut to 200 characters in each "
+                         "request, as agents shorten old tool output (each prompt then changes inside the history)")
+    ap.add_argument("--llama-cache-reuse", type=int, default=256,
+                    help="llama.cpp:plain-cache-reuse: llama-server's --cache-reuse chunk size")
     ap.add_argument("--max-chars", type=int,
                     help="skip recorded prompts longer than this (default 4000; sessions: the last turn's, 24000)")
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -735,7 +758,9 @@ def main() -> int:
     ap.add_argument("--methods", default="agentspec:plain,agentspec:spec,llama.cpp:plain",
                     help="comma-separated: agentspec:plain, agentspec:spec, agentspec:plain-kv-bf16 (a bfloat16 KV "
                          "cache), agentspec:workspace (needs --workspace), agentspec:spec-suffix / "
-                         "agentspec:spec-no-json-copy / agentspec:spec-no-forced (fewer draft sources), llama.cpp:plain")
+                         "agentspec:spec-no-json-copy / agentspec:spec-no-forced (fewer draft sources), llama.cpp:plain, "
+                         "agentspec:spec-draft-model (needs --llama-draft-model), llama.cpp:plain-cache-reuse (its "
+                         "--cache-reuse on: cached chunks shifted past a change in the prompt)")
     ap.add_argument("--workspace", type=Path,
                     help="agentspec:workspace: the folder to index, one subfolder per repository "
                          "(python -m benchmarks.workspaces DIR --repos ...)")
@@ -799,8 +824,13 @@ def main() -> int:
         ap.error(f"--api {args.api} is for --workload tools / tools-write, not {args.workload!r}")
     if args.max_chars is None:
         args.max_chars = 24000 if args.workload == "sessions" else 4000
+    if args.elide_observations is not None and (args.workload != "sessions" or args.elide_observations < 0):
+        ap.error(f"--elide-observations takes a count >= 0 with --workload sessions, got {args.elide_observations} "
+                 f"with --workload {args.workload}")
     if args.workload == "sessions":
         prompts = agent_sessions(args.data, args.prompts, args.turns, args.max_chars)
+        if args.elide_observations is not None:
+            prompts = [(task, [elide_observations(m, args.elide_observations) for m in reqs]) for task, reqs in prompts]
     elif args.workload in ("tools", "tools-write"):
         from benchmarks.tool_turns import tool_turns
 
@@ -835,6 +865,9 @@ def main() -> int:
                 kernels = kernels or kern
             elif m == "llama.cpp:plain":
                 results[m] = llama(server, args.model, prompts, args, None, tmp)
+            elif m == "llama.cpp:plain-cache-reuse":   # its prompt cache shifting chunks past a change
+                results[m] = llama(server, args.model, prompts, args, None, tmp,
+                                   extra=["--cache-reuse", str(args.llama_cache_reuse)])
             else:
                 raise SystemExit(f"unknown method {m!r}")
         for s in llama_specs:
@@ -897,6 +930,8 @@ def main() -> int:
               "config": {"model": str(args.model), "model_bytes": args.model.stat().st_size, "workload": args.workload,
                          "api": args.api, "concurrency": args.concurrency, "prompts": [p for p, _ in prompts],
                          "turns": args.turns if args.workload == "sessions" else None,
+                         "elide_observations": args.elide_observations,
+                         "llama_cache_reuse": args.llama_cache_reuse if "llama.cpp:plain-cache-reuse" in methods else None,
                          "max_tokens": args.max_tokens, "threads": args.threads, "greedy": True, "llama_context": args.context,
                          "llama_draft_max": args.llama_draft_max, "llama_args": args.llama_arg,
                          "llama_draft_model": str(args.llama_draft_model) if args.llama_draft_model else None,

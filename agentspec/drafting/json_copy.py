@@ -228,6 +228,7 @@ class _Req:
     text: str = ""                     # the output's text, as far as fed
     open_at: int = -1                  # where the JSON string being written opens in ``text``
     sources: list[str] | None = None   # the prompt's unescaped sources (built on first use)
+    prompt_text: str = ""              # the prompt as text (with the sources)
     files: list[str] = field(default_factory=list)   # files the prompt shows whole (a Read's), gutters stripped
     lines: dict = field(default_factory=dict)        # id(source) -> (its lines, stripped line -> indices)
     out_source: str = ""               # the output's finished string values, unescaped, _END-separated
@@ -365,7 +366,7 @@ class JsonCopyDrafter:
 
     def _prompt_sources(self, r: _Req) -> list[str]:
         if r.sources is None:
-            prompt = self.tokenizer.decode(r.prompt_ids)
+            prompt = r.prompt_text = self.tokenizer.decode(r.prompt_ids)
             # a Read's file without its gutters first (the model writes the file, not the gutters),
             # then the prompt unescaped (an earlier call's arguments), then as it is
             plain = _GUTTER_RUN.sub(lambda m: _GUTTER.sub("", m.group(0)) + _END, prompt)
@@ -452,7 +453,7 @@ class JsonCopyDrafter:
                 if f.startswith(cur) and len(f) > len(cur):
                     return f[len(cur):len(cur) + n] + (_END if len(f) - len(cur) <= n else ""), 0.6, "prompt"
             return None
-        prompt = r.sources[-1]   # the prompt as it is
+        prompt = r.prompt_text   # (its calls' arguments as the model wrote them: JSON)
         for m in reversed(list(re.finditer(r'"' + re.escape(key) + r'"\s*:\s*"((?:[^"\\]|\\.)*)"', prompt))):
             v = unescape_json(m.group(1))
             if v.startswith(cur) and len(v) > len(cur):
@@ -491,8 +492,8 @@ class JsonCopyDrafter:
             done = done[1:]   # (the first line may be cut short)
         ws = partial[:len(partial) - len(partial.lstrip(" \t"))]
         typed = partial[len(ws):]
-        piece = self._piece.get(r.ids[-1])
-        last_ws = piece is not None and piece != "" and not piece.strip(" ")
+        piece = self._piece_of(r.ids[-1])
+        last_ws = piece != "" and not piece.strip(" ")
         for back in range(1, min(_LINE_BACK, len(done)) + 1):
             key = done[-back].strip()
             if len(key) < _LINE_KEY:
@@ -666,12 +667,16 @@ class JsonCopyDrafter:
             return list(backend.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer.encode(text))
 
+    def _piece_of(self, token: int) -> str:
+        piece = self._piece.get(token)
+        if piece is None:
+            piece = self._piece[token] = self.tokenizer.decode([token])
+        return piece
+
     def _tokens(self, last: int, text: str) -> list[int]:
         """``text``'s tokens as they follow the committed token ``last``: tokenized together with
         that token's text where it stays one token there (the boundary the model sees), else alone."""
-        piece = self._piece.get(last)
-        if piece is None:
-            piece = self._piece[last] = self.tokenizer.decode([last])
+        piece = self._piece_of(last)
         if piece and "\ufffd" not in piece:
             ids = self._encode(piece + text)
             if ids and ids[0] == last:

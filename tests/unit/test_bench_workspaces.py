@@ -131,3 +131,18 @@ def test_workspace_copy_names_a_missing_repository(tmp_path):
     (tmp_path / "ws").mkdir()
     with pytest.raises(SystemExit, match="no folder for django .*--repos django"):
         workspace_copy(tmp_path / "ws", [("gemini/r/django__django-1#t002", [])], tmp_path / "copy")
+
+
+def test_elided_observations_keep_the_last_ones_and_say_what_was_cut():
+    from benchmarks.bench_gguf import elide_observations
+
+    msgs = [{"role": "system", "content": "s" * 500}, {"role": "user", "content": "task " * 100}]
+    for k in range(4):
+        msgs += [{"role": "assistant", "content": f"run {k} " * 80}, {"role": "user", "content": f"out {k} " * 80}]
+    got = elide_observations(msgs, keep=2)
+    assert got[:2] == msgs[:2] and [m["role"] for m in got] == [m["role"] for m in msgs]
+    assert all(a == b for a, b in zip(got, msgs) if a["role"] == "assistant")   # the model's own turns stay
+    cut = [i for i, (a, b) in enumerate(zip(got, msgs)) if a != b]
+    assert cut == [3, 5]   # the first two observations; the last two whole
+    assert got[3]["content"].startswith(msgs[3]["content"][:200]) and "elided" in got[3]["content"]
+    assert elide_observations(msgs, keep=4) == msgs
