@@ -47,6 +47,7 @@ MIN_MATCH = 8      # characters of the string's tail a copy must match
 MAX_MATCH = 64     # the longest tail looked up
 _LINE_BACK = 8     # lines back a line-anchored copy looks for a line the source has
 _LINE_KEY = 4      # characters (whitespace aside) a line needs to anchor one
+_LINE_CONF = 0.9   # a line-anchored draft's per-token confidence (a whole line matched, as a 32-character tail)
 # a line number leading a line of a numbered listing: its indentation, its digits, the separator
 _NUMBERED = re.compile(r"^( *)(\d+)(\t|→|\| ?|\.|:)?(?=\S| |$)")
 # arguments that write a whole file: at their start, the file the prompt shows
@@ -401,12 +402,14 @@ class JsonCopyDrafter:
         nl = cur.rfind("\n")
         if nl >= 0 and nl < len(cur) - 1 and not cur[nl + 1:].strip(" "):
             typed, base = cur[nl + 1:], cur[:nl + 1]
-        found = self._numbered(r, raw, sources, n)
-        if found is not None:
-            return found
         top = min(self.max_match, len(base))
-        lines_tried = False
+        numbered_tried = lines_tried = False
         for L in sorted({top, *(x for x in (32, 16, self.min_match) if self.min_match <= x < top)}, reverse=True):
+            if L < 32 and not numbered_tried:   # a numbered listing's next line, where the tail is no copy
+                numbered_tried = True
+                found = self._numbered(r, raw, sources, n)
+                if found is not None:
+                    return found
             if L < 16 and not lines_tried:   # before a short tail's guess: the lines around a changed one
                 lines_tried = True
                 found = self._by_lines(r, raw, sources, n)
@@ -428,6 +431,10 @@ class JsonCopyDrafter:
                     cont = cont[len(typed):]
                 if cont:
                     return cont, next(c for m, c in _CONF if L >= m), kind
+        if not numbered_tried:
+            found = self._numbered(r, raw, sources, n)
+            if found is not None:
+                return found
         if not lines_tried:
             found = self._by_lines(r, raw, sources, n)
             if found is not None:
@@ -548,7 +555,7 @@ class JsonCopyDrafter:
                 if end >= 0:
                     cont = cont[:end + 1]
                 if cont and cont != "\n":
-                    return cont[:n], 0.8, kind
+                    return cont[:n], _LINE_CONF, kind
             return None
         return None
 
@@ -612,7 +619,7 @@ class JsonCopyDrafter:
                     if size >= n:
                         break
                 cont = "\n".join(out)
-                return (cont, 0.8, kind) if cont else None
+                return (cont, _LINE_CONF, kind) if cont else None
             return None
         # no line to anchor on: a listing whose last lines say the same after their numbers (empty
         # ones, as a model caught in a loop writes them) goes on the same way
