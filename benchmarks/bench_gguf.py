@@ -29,12 +29,20 @@ from ``/proc``):
   llama.cpp:draft-simple, llama.cpp:ngram-simple,ngram-mod,draft-simple
                       with ``--llama-draft-model FILE`` (the 0.5B for the 1.5B): its draft model alone,
                       and its n-gram modes before it (the first mode that drafts wins)
+  llama.cpp:plain-cache-reuse  plain with ``--cache-reuse N`` (``--llama-cache-reuse``): its prompt
+                      cache shifting cached chunks past a change in the prompt (not exact)
 
 ``--workload tools`` sends the recorded rewrites as the turn an agent sends after reading the file
 (``benchmarks/tool_turns.py``: ``Read`` / ``Edit`` / ``Write`` offered, the file in the history as
 a ``Read`` result, ``tool_choice: "auto"``); ``tools-write`` offers ``Write`` alone with
 ``tool_choice: "required"``. Their answers are timed whatever they are (a call, or text), the decode
 phase apart (first streamed token to the last), and each server's real (parsed) tool calls are counted.
+``--api messages`` sends the same turns as Anthropic Messages requests (``tool_use`` /
+``tool_result`` blocks, the ``anthropic`` client) to both servers' ``/v1/messages``.
+
+``--workload sessions`` replays recorded trajectories turn by turn, prompt caches on;
+``--elide-observations KEEP`` cuts every observation but the last KEEP to 200 characters in each
+request, as agents shorten old tool output, so that each prompt changes inside its history.
 
 Reported per method: tokens/s (every completion token over the run's wall time, prefill
 included), per-prompt times and times to first token, agentspec's mean acceptance length (MAT) per
