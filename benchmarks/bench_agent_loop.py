@@ -44,6 +44,7 @@ from benchmarks.harness import (  # noqa: E402
     start_server,
 )
 from benchmarks.harness import conversations as turns_of  # noqa: E402
+from agentspec.drafting.draft import common_prefix  # noqa: E402
 
 log = logger("bench_agent_loop")
 
@@ -59,17 +60,9 @@ def conversations(data: Path, tokenizer, *, turns: int, max_prompt: int, n: int)
 
     out = []
     for task, ids in turns_of(data / "agent_turns.jsonl", Encoder, tasks=n, turns=turns, max_prompt=max_prompt):
-        shared = [lcp(a, b) / len(b) for a, b in itertools.pairwise(ids)]
+        shared = [common_prefix(a, b) / len(b) for a, b in itertools.pairwise(ids)]
         out.append({"task": task, "turns": ids, "shared_prefix": [round(x, 3) for x in shared]})
     return out
-
-
-def lcp(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def serve(tmp: Path, cache: bool):

@@ -203,6 +203,20 @@ def _lead(lead: str, first: int, num: int) -> str:
     return lead
 
 
+def _tail_lines(raw: str, chars: int) -> tuple[list[str], str] | None:
+    """The last ``chars`` of a JSON string body (``raw``, escaped), unescaped and split into its
+    finished lines (the first dropped where the cut fell inside it) and the line being written;
+    None without a line break."""
+    lo = max(0, len(raw) - chars)
+    while lo > 0 and _backslashes_before(raw, lo) % 2 == 1:
+        lo += 1
+    done = unescape_json(raw[lo:]).split("\n")
+    if len(done) < 2:
+        return None
+    partial = done.pop()
+    return (done[1:] if lo > 0 else done), partial
+
+
 def _backslashes_before(text: str, i: int) -> int:
     n = 0
     while i - n - 1 >= 0 and text[i - n - 1] == "\\":
@@ -488,15 +502,10 @@ class JsonCopyDrafter:
         one for one), or a line near it that starts as this one does. Copied from there with the
         indentation the model gives it: what it typed, or, still at the line's start, the depth it
         gave the anchor line relative to the source (re-indented code stays re-indented)."""
-        lo = max(0, len(raw) - 3000)
-        while lo > 0 and _backslashes_before(raw, lo) % 2 == 1:
-            lo += 1
-        done = unescape_json(raw[lo:]).split("\n")
-        if len(done) < 2:
+        tail = _tail_lines(raw, 3000)
+        if tail is None:
             return None
-        partial = done.pop()
-        if lo > 0:
-            done = done[1:]   # (the first line may be cut short)
+        done, partial = tail
         ws = partial[:len(partial) - len(partial.lstrip(" \t"))]
         typed = partial[len(ws):]
         piece = self._piece_of(r.ids[-1])
@@ -565,13 +574,10 @@ class JsonCopyDrafter:
         with a separator of its own or none). The last numbered line found in a source, its
         gutter aside, anchors the next: drafted with its number, the separator the model last
         wrote before a line of the same kind (flush, indented, empty), then the source's line."""
-        lo = max(0, len(raw) - 1500)
-        while lo > 0 and _backslashes_before(raw, lo) % 2 == 1:
-            lo += 1
-        done = unescape_json(raw[lo:]).split("\n")
-        partial = done.pop()
-        if lo > 0:
-            done = done[1:]
+        tail = _tail_lines(raw, 1500)
+        if tail is None:
+            return None
+        done, partial = tail
         gutters = [_NUMBERED.match(x) for x in done[-3:]]
         if len(gutters) < 2 or not all(gutters):
             return None
@@ -598,9 +604,6 @@ class JsonCopyDrafter:
                 j = js[-1]
                 delta = _spaces(rest, 0) - _spaces(lines[j], 0)
                 nxt = nums[-1] + 1
-                lead = last.group(1)
-                if len(lead) + len(last.group(2)) == 6:   # cat -n's width: the spaces give way to digits
-                    lead = " " * max(0, 6 - len(str(nxt)))
                 out: list[str] = []
                 size = 0
                 for k, p in enumerate(range(j + back, len(lines))):
@@ -609,7 +612,7 @@ class JsonCopyDrafter:
                         break
                     line = _reindent("\n" + line, delta)[1:]
                     kind_k = _line_kind(line)
-                    text = f"{lead if k == 0 else _lead(lead, nxt, nxt + k)}{nxt + k}{seps.get(kind_k, last.group(3) or '')}{line}"
+                    text = f"{_lead(last.group(1), nums[-1], nxt + k)}{nxt + k}{seps.get(kind_k, last.group(3) or '')}{line}"
                     if k == 0:
                         if not text.startswith(partial):
                             return None
