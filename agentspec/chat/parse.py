@@ -82,6 +82,11 @@ class JsonState:
     _expect_key: bool = False
     _string_is_key: bool = False
 
+    @property
+    def in_key(self) -> bool:
+        """Inside an object key's string."""
+        return self.in_string and self._string_is_key
+
     def feed(self, ch: str) -> None:
         if self.in_string:
             if self.escape:
@@ -159,7 +164,16 @@ class OutputParser:
 
     @property
     def in_string(self) -> bool:
-        return self._mode == "args" and self.json.in_string
+        """Inside a string value of a call's arguments (not a key)."""
+        return self._mode == "args" and self.json.in_string and not self.json.in_key
+
+    @property
+    def open_arguments(self) -> tuple[str, str] | None:
+        """Inside a call's arguments: the tool's name and the arguments' text written so far
+        (None elsewhere)."""
+        if self._mode != "args" or self._open is None:
+            return None
+        return self._open.name, self._call_text[self._args_from:]
 
     @property
     def argument(self) -> str | None:

@@ -20,9 +20,15 @@ the raw text matches only the stretches between escapes. This drafter works on t
 
 Edits: at the start of ``new_string`` (nothing written to match yet) the draft is the call's
 ``old_string`` from its start (an edit changes a few lines of what it replaces); a ``Write``'s
-``content`` starts as the file the prompt shows whole, any other argument as the prompt's last
-call had it. Where a copied string ends in the source (the end of ``old_string``), the draft
-closes the JSON string too.
+``content`` starts as the file the prompt shows whole; any other argument as an earlier call had
+it (the path a ``Read`` took), else, from its first characters, as the line of a file shown whole
+that they start (an ``old_string`` quoting the file). Where a copied string ends in the source
+(the end of ``old_string``, of the path read), the draft closes the JSON string too.
+
+Between arguments: after a string value, the separator, the next key the tool's schema requires
+(the schemas as the prompt shows them) and its value's opening quote, laid out as the model lays
+out its arguments (``,`` and the whitespace it puts before a key, its ``: ``); a draft that
+closes a string goes on with them.
 
 Changed lines: where the tail matches nowhere (the model changed the line, or re-indented it),
 the last finished line the source has, whitespace aside, anchors the next one (``_by_lines``):
@@ -34,6 +40,7 @@ separator of its own) is drafted line by line with the next number (``_numbered`
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,6 +61,9 @@ _NUMBERED = re.compile(r"^( *)(\d+)(\t|→|\| ?|\.|:)?(?=\S| |$)")
 _FILE_KEYS = frozenset({"content", "file_text"})
 # a draft's per-token confidence by the length of the tail it matched
 _CONF = ((64, 0.95), (32, 0.9), (16, 0.8), (0, 0.6))
+# what may follow a value up to the next key's name (part of it), and an object's "{" up to its first key's
+_SEPARATOR = re.compile(r'\s*(?:,\s*(?:"[^"\\]*)?)?')
+_FIRST = re.compile(r'\s*(?:"[^"\\]*)?')
 _END = "\x00"      # between string values in the output's source: a copy stops there, closing the string
 
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", '"': '"', "\\": "\\", "/": "/"}
@@ -217,6 +227,72 @@ def _tail_lines(raw: str, chars: int) -> tuple[list[str], str] | None:
     return (done[1:] if lo > 0 else done), partial
 
 
+def _layout(args: str) -> tuple[list[str], str, str, str] | None:
+    """How an arguments object is laid out so far, where its text ends after a top-level string
+    value and maybe part of what follows it up to the next key (``,``, whitespace, the key's
+    first characters), or after its ``{`` and maybe part of its first key: (the keys written at
+    its top level, the whitespace the model puts before a key after a ``,``, what it puts between
+    a key and its value (``: ``), the text after that value or ``{``); None elsewhere (inside a
+    value, a nested value). Before a second key the layout is guessed from the first: the
+    whitespace after ``{`` (a space where there was none, as ``json.dumps`` writes), ``: ``."""
+    depth, in_str, esc, is_key = 0, False, False, False
+    expect_key = False
+    keys: list[str] = []
+    buf: list[str] = []
+    ws: list[str] | None = None      # whitespace after the top level's "{" or "," so far
+    before_key, kv, after_comma = "", None, False
+    kv_buf: list[str] | None = None  # after a top-level key, up to its value
+    value_end = -1
+    for i, ch in enumerate(args):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+                if is_key:
+                    keys.append("".join(buf))
+                    kv_buf = []
+                elif depth == 1:
+                    value_end = i
+            elif is_key:
+                buf.append(ch)
+            continue
+        if kv_buf is not None:
+            if ch.isspace() or ch == ":":
+                kv_buf.append(ch)
+                continue
+            kv, kv_buf = "".join(kv_buf), None
+        if ws is not None:
+            if ch.isspace():
+                ws.append(ch)
+                continue
+            if ch == '"':
+                before_key, after_comma = "".join(ws), depth == 1 and args[:i].rstrip().endswith(",")
+            ws = None
+        if ch == '"':
+            in_str, is_key, buf = True, expect_key and depth == 1, []
+            expect_key = False
+        elif ch in "{[":
+            depth += 1
+            expect_key = ch == "{"
+            if depth == 1:
+                ws, value_end = [], i
+        elif ch in "}]":
+            depth -= 1
+        elif ch == ",":
+            expect_key = True
+            if depth == 1:
+                ws = []
+    tail = args[value_end + 1:]
+    if (in_str and not is_key) or depth != 1 or value_end < 0 or not (_SEPARATOR if keys else _FIRST).fullmatch(tail):
+        return None
+    if not after_comma:
+        before_key = before_key or " "
+    return keys, before_key, ": " if kv is None else kv, tail
+
+
 def _backslashes_before(text: str, i: int) -> int:
     n = 0
     while i - n - 1 >= 0 and text[i - n - 1] == "\\":
@@ -251,7 +327,10 @@ class _Req:
     forms: dict = field(default_factory=dict)   # how the model writes what may go either way (learn_escapes)
     scanned: int = 0                   # the output's text read into ``forms`` up to here
     scan_prev: str | None = None       # the last character read there (in the current string)
-    stats: dict = field(default_factory=lambda: {"proposals": 0, "edit": 0, "output": 0, "prompt": 0, "index": 0})
+    key_values: dict = field(default_factory=dict)   # argument -> its values in the prompt's calls, last first
+    schemas: dict | None = None        # tool name -> (its argument keys in order, the required ones, key -> type)
+    stats: dict = field(default_factory=lambda: {"proposals": 0, "edit": 0, "output": 0, "prompt": 0, "index": 0,
+                                                 "keys": 0})
 
 
 class JsonCopyDrafter:
@@ -305,7 +384,7 @@ class JsonCopyDrafter:
         if r is None or budget <= 0 or not r.ids or (r.parser is None and r.json_state is None):
             return EMPTY_DRAFT
         if not self._sync(r):
-            return EMPTY_DRAFT
+            return self._next_key(r, budget)
         raw = r.text[r.open_at + 1:]
         # an escape half written: the next characters finish it
         pending = _backslashes_before(raw, len(raw)) % 2 == 1
@@ -333,6 +412,9 @@ class JsonCopyDrafter:
             esc = esc[1:]
         if closes:
             esc += '"'
+            args = r.parser.open_arguments if r.parser is not None else None
+            if args is not None:   # and the next argument's key, as the model lays them out
+                esc += self._key_text(r, args[0], args[1] + esc) or ""
         ids = self._tokens(r.ids[-1], esc)
         if not closes and len(ids) > 1:
             ids = ids[:-1]   # the last token may be a word cut short
@@ -408,6 +490,10 @@ class JsonCopyDrafter:
         n = 8 * 64   # characters copied at most (tokens are fewer)
         if len(cur) < self.min_match and lo == 0:
             return self._at_start(r, cur, n)
+        if lo == 0 and self._argument(r) not in _FILE_KEYS and self._argument(r) != "new_string":
+            found = self._same_key(r, cur)   # a path, a name, a command as an earlier call wrote it
+            if found is not None:
+                return found
         out = self._output_source(r)
         sources = [(out, "output")] + [(s, "prompt") for s in self._prompt_sources(r)]
         # in a line's indentation: match up to the line break, then the next line's indentation
@@ -465,7 +551,7 @@ class JsonCopyDrafter:
             old = self._call_value(r, "old_string")
             if old is not None and old.startswith(cur) and len(old) > len(cur):
                 return old[len(cur):len(cur) + n] + (_END if len(old) - len(cur) <= n else ""), 0.8, "edit"
-            return None
+            return self._quoted(r, cur, n)
         if key is None:
             return None
         self._prompt_sources(r)
@@ -474,12 +560,115 @@ class JsonCopyDrafter:
                 if f.startswith(cur) and len(f) > len(cur):
                     return f[len(cur):len(cur) + n] + (_END if len(f) - len(cur) <= n else ""), 0.6, "prompt"
             return None
-        prompt = r.prompt_text   # (its calls' arguments as the model wrote them: JSON)
-        for m in reversed(list(re.finditer(r'"' + re.escape(key) + r'"\s*:\s*"((?:[^"\\]|\\.)*)"', prompt))):
-            v = unescape_json(m.group(1))
-            if v.startswith(cur) and len(v) > len(cur):
-                return v[len(cur):] + _END, 0.8, "prompt"
+        return self._same_key(r, cur) or self._quoted(r, cur, n)
+
+    def _same_key(self, r: _Req, cur: str) -> tuple[str, float, str] | None:
+        """The string being written as the same argument of an earlier call has it, where that
+        value starts with all of it: the output's own calls last first, then the prompt's (the
+        path a ``Read`` took); the draft closes the string where that value ends."""
+        key = self._argument(r)
+        if key is None:
+            return None
+        self._prompt_sources(r)
+        values = r.key_values.get(key)
+        if values is None:   # (the prompt's calls' arguments as the model wrote them: JSON)
+            values = r.key_values[key] = [unescape_json(m.group(1)) for m in reversed(list(re.finditer(
+                r'"' + re.escape(key) + r'"\s*:\s*"((?:[^"\\]|\\.)*)"', r.prompt_text)))]
+        own = self._call_value(r, key)
+        for v, kind in ([(own, "output")] if own is not None else []) + [(v, "prompt") for v in values]:
+            if v.startswith(cur):
+                return v[len(cur):] + _END, 0.8, kind
         return None
+
+    def _quoted(self, r: _Req, cur: str, n: int) -> tuple[str, float, str] | None:
+        """A string that starts quoting a file the prompt shows whole (an ``old_string``, a search
+        pattern): what follows every place the file has the characters typed, as far as those
+        places agree. Places at a line's start (indentation aside, unless typed) first; where
+        there is none, places where a word starts (three characters typed at least)."""
+        lead = cur.lstrip(" \t")
+        if len(lead) < 2 or "\n" in cur:
+            return None
+        self._prompt_sources(r)
+        if not r.files:
+            return None
+        conts: list[str] = []
+        at_line = re.compile((r"^[ \t]*" + re.escape(cur)) if lead == cur else ("^" + re.escape(cur)), re.M)
+        for f in r.files:
+            conts += [f[m.end():m.end() + n] for m in at_line.finditer(f)]
+        if not conts and len(lead) >= 3 and lead == cur:
+            in_line = re.compile(r"(?<!\w)" + re.escape(cur) if cur[0].isalnum() or cur[0] == "_" else re.escape(cur))
+            for f in r.files:
+                conts += [f[m.end():m.end() + n] for m in in_line.finditer(f)]
+        if not conts:
+            return None
+        common = os.path.commonprefix(conts)
+        return (common, 0.8 if len(set(conts)) == 1 else 0.7, "prompt") if common else None
+
+    # ---- between arguments --------------------------------------------------------------------
+
+    def _schemas(self, r: _Req) -> dict:
+        """The offered tools' argument keys, from their schemas as the prompt shows them (every
+        chat template writes a tool's ``parameters`` as JSON): name -> (keys in order, required
+        keys, key -> JSON type)."""
+        if r.schemas is None:
+            r.schemas = {}
+            self._prompt_sources(r)
+            prompt, tools = r.prompt_text, (r.parser.tools if r.parser is not None else frozenset())
+            names = list(re.finditer(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"', prompt))
+            dec = json.JSONDecoder()
+            for m in re.finditer(r'"(?:parameters|input_schema)"\s*:\s*(?=\{)', prompt):
+                try:
+                    schema, _ = dec.raw_decode(prompt, m.end())
+                except ValueError:
+                    continue
+                props = schema.get("properties") if isinstance(schema, dict) else None
+                if not isinstance(props, dict):
+                    continue
+                # the tool's name: the nearest "name" before its schema that names an offered tool
+                name = next((x.group(1) for x in reversed(names) if x.start() < m.start() and x.group(1) in tools),
+                            None)
+                if name is None or name in r.schemas:
+                    continue
+                req = schema.get("required")
+                r.schemas[name] = (list(props), set(req) if isinstance(req, list) else set(),
+                                   {k: v.get("type") if isinstance(v, dict) else None for k, v in props.items()})
+        return r.schemas
+
+    def _key_text(self, r: _Req, name: str, args: str) -> str | None:
+        """What follows ``args`` (a call's arguments, ending after a string value and maybe part
+        of the separator after it): the rest of the separator, the next required key of the
+        tool's schema and its value's opening quote, laid out as the model laid out the keys
+        before (``,`` and the whitespace it put before a key, its ``: ``). None: no such key."""
+        layout = _layout(args)
+        schema = self._schemas(r).get(name) if layout is not None else None
+        if schema is None:
+            return None
+        keys, before_key, kv, tail = layout
+        order, required, types = schema
+        nxt = next((k for k in order if k not in keys and k in required), None)
+        if nxt is None:
+            return None
+        key = json.dumps(nxt) + kv + ('"' if types.get(nxt) == "string" else "")
+        if keys:
+            text = "," + before_key + key
+        elif '"' in tail:   # the first key, once its quote is typed (the whitespace before it may be any)
+            text = tail[:tail.index('"')] + key
+        else:
+            return None
+        return text[len(tail):] if text.startswith(tail) and len(text) > len(tail) else None
+
+    def _next_key(self, r: _Req, budget: int) -> Draft:
+        """Between a call's arguments (``_key_text``)."""
+        args = r.parser.open_arguments if r.parser is not None else None
+        text = self._key_text(r, *args) if args is not None else None
+        if not text:
+            return EMPTY_DRAFT
+        ids = self._tokens(r.ids[-1], text)[:budget]
+        if not ids:
+            return EMPTY_DRAFT
+        r.stats["proposals"] += 1
+        r.stats["keys"] += 1
+        return Draft.chain(ids, 0.9, source="json_copy")
 
     def _line_index(self, r: _Req, src: str, cache: bool) -> tuple[list[str], dict[str, list[int]]]:
         got = r.lines.get(id(src)) if cache else None

@@ -293,3 +293,68 @@ def test_a_listing_caught_in_a_loop_goes_on_with_its_numbers(tok):
     n = len(tok.encode(output))
     steps, accepted, drafted, _ = _replay(tok, prompt, output)
     assert accepted > 0.8 * n and steps < n / 6, (steps, accepted, drafted, n)
+
+
+EDIT = {"type": "object", "properties": {"file_path": {"type": "string"}, "old_string": {"type": "string"},
+                                          "new_string": {"type": "string"}, "replace_all": {"type": "boolean"}},
+        "required": ["file_path", "old_string", "new_string"]}
+# the tools as Qwen2.5's chat template lists them in the system prompt (one JSON object a line)
+TOOLS = ("<|im_start|>system\nYou may call one or more functions.\n<tools>\n"
+         + json.dumps({"type": "function", "function": {"name": "Read", "description": "Read a file.", "parameters": {
+             "type": "object", "properties": {"file_path": {"type": "string"}}, "required": ["file_path"]}}}) + "\n"
+         + json.dumps({"type": "function", "function": {"name": "Edit", "description": 'Replace "old_string".',
+                                                        "parameters": EDIT}})
+         + "\n</tools><|im_end|>\n")
+
+
+@pytest.mark.parametrize("indent", [None, 4])
+def test_the_next_argument_is_drafted_as_the_model_lays_out_its_arguments(tok, indent):
+    """After an argument's string value: the separator, the next key the tool's schema requires
+    and its value's quote, with the whitespace the model put before its keys (a space after a
+    comma where it wrote `{"` compact, as json.dumps does); the same from any point of the
+    separator and from inside the key. After the last required argument nothing is guessed."""
+    prompt = TOOLS + "<|im_start|>user\nFix x.py<|im_end|>\n<|im_start|>assistant\n"
+    args = {"file_path": "x.py", "old_string": "a = 1", "new_string": "a = 2"}
+    call = "<tool_call>\n" + json.dumps({"name": "Edit", "arguments": args}, indent=indent) + "\n</tool_call>"
+    sep = ",\n" + " " * (2 * indent) if indent else ", "
+    after_path = call.index('"x.py"') + len('"x.py"')
+    assert _draft_after(tok, prompt, call[:after_path]) == sep + '"old_string": "'
+    for cut in range(after_path + 1, call.index('"old_string"') + len('"old_')):
+        assert sep + '"old_string": "' == call[after_path:cut] + _draft_after(tok, prompt, call[:cut]), cut
+    after_old = call.index('"a = 1"') + len('"a = 1"')
+    assert _draft_after(tok, prompt, call[:after_old]) == sep + '"new_string": "'
+    after_new = call.index('"a = 2"') + len('"a = 2"')
+    assert _draft_after(tok, prompt, call[:after_new]) == ""   # replace_all is optional: the model may close
+    # a whole call: separators and keys are drafted (the values are the model's)
+    _, accepted, _, stats = _replay(tok, prompt, call)
+    assert stats["keys"] >= 2 and accepted >= len(tok.encode(sep + '"new_string": "')) * 2 - 2
+    # no schema in the prompt: no keys
+    _, _, _, stats = _replay(tok, "<|im_start|>user\nFix x.py<|im_end|>\n<|im_start|>assistant\n", call)
+    assert stats["keys"] == 0
+
+
+def test_an_argument_written_whole_as_an_earlier_call_had_it_closes_and_the_next_key_follows(tok):
+    read = '<tool_call>\n{"name": "Read", "arguments": {"file_path": "agentspec/text.py"}}\n</tool_call>'
+    prompt = (TOOLS + f"<|im_start|>user\nFix it.<|im_end|>\n<|im_start|>assistant\n{read}<|im_end|>\n"
+              "<|im_start|>user\n<tool_response>\n     1→x = 1\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    head = '<tool_call>\n{"name": "Edit", "arguments": {"file_path": "agentspec/text'
+    assert _draft_after(tok, prompt, head) == '.py", "old_string": "'
+    assert _draft_after(tok, prompt, head + '.py') == '", "old_string": "'
+
+
+def test_old_string_starts_as_the_line_of_the_file_it_quotes(tok):
+    """An Edit's old_string quotes the file read: from its first characters on, before a copy's
+    eight characters are written, the draft is the rest of the line those characters start (the
+    continuation all such lines agree on), indented or not."""
+    src = (ROOT / "agentspec/drafting/suffix.py").read_text()
+    prompt = f"<|im_start|>user\n{_gutter(src)}\nFix it.<|im_end|>\n<|im_start|>assistant\n"
+    lines = src.splitlines()
+    starts = [line.strip()[:3] for line in lines]
+    line = next(x for x in lines if len(x.strip()) > 30 and x.startswith("    ") and starts.count(x.strip()[:3]) == 1)
+    head = '<tool_call>\n{"name": "Edit", "arguments": {"file_path": "suffix.py", "old_string": "'
+    for typed in (line.strip()[:3], line[:len(line) - len(line.lstrip()) + 3]):
+        rest = src[src.index(line) + len(line) - len(line.lstrip()) + 3:]
+        got = _draft_after(tok, prompt, head + json.dumps(typed)[1:-1])
+        assert len(got) > 20 and json.dumps(rest)[1:].startswith(got), (typed, got)
+    # characters no line starts with: nothing
+    assert _draft_after(tok, prompt, head + "qzx") == ""
