@@ -693,8 +693,12 @@ def grid(server: Path | None, args, methods: list[str], tmp: Path) -> dict:
                 log(f"{m} {key}" + (f" (repeat {rep + 1}/{args.grid_repeats})" if args.grid_repeats > 1 else ""))
                 port = free_port()
                 if m in ("agentspec:plain", "agentspec:plain-kv-bf16"):
-                    # the context the cell needs (the server's default stops at 8192)
+                    # the context the cell needs (the server's default stops at 8192), and no request
+                    # timeout (the default 600 s ends a 32k-token prefill on 2 cores)
+                    config = tmp / "grid-server.toml"
+                    config.write_text("[server]\nrequest_timeout_s = 86400\n")
                     cmd = agentspec_cmd(args.model, port, args.threads, "--max-context", str(ctx + args.grid_tokens + 256),
+                                        "--config", str(config),
                                         *(["--kv-dtype", "bfloat16"] if m.endswith("kv-bf16") else []))
                     p = Process(cmd, port, tmp / f"grid-{m.replace(':', '-')}-{key}.log", "/health", args.start_timeout,
                                 env=dict(os.environ))
