@@ -176,6 +176,22 @@ class OutputParser:
         return self._open.name, self._call_text[self._args_from:]
 
     @property
+    def call_head(self) -> tuple[str, str] | None:
+        """Before a call's arguments: how the call opened ("tag": after the format's start
+        marker; "json": an answer held as what may be a bare or fenced call) and its text so far
+        (after the marker; the held text, leading whitespace aside). None elsewhere."""
+        if self._mode == "call":
+            return "tag", self._call_text
+        if self._mode == "held_json" or (self._mode == "start" and self._buf.lstrip()[:1] in ("`", "{")):
+            return "json", self._buf.lstrip()
+        return None
+
+    @property
+    def call_closing(self) -> bool:
+        """After a call's arguments, before the call's end."""
+        return self._mode == "call_tail"
+
+    @property
     def argument(self) -> str | None:
         """The argument (top-level key of the arguments object) being written, inside a call."""
         return self.json.key if self._mode == "args" else None

@@ -28,7 +28,11 @@ that they start (an ``old_string`` quoting the file). Where a copied string ends
 Between arguments: after a string value, the separator, the next key the tool's schema requires
 (the schemas as the prompt shows them) and its value's opening quote, laid out as the model lays
 out its arguments (``,`` and the whitespace it puts before a key, its ``: ``); a draft that
-closes a string goes on with them.
+closes a string goes on with them. Around the arguments, the call's envelope: a fence's ``json``
+and ``{``, the ``"name": "`` key, the tool's name once what is typed names one tool, the
+``"arguments": {`` after it and the first key one level deeper, and after the last required
+argument the closing braces and the fence's or the format's end, all laid out as the model laid
+out the call's opening (compact, or indented).
 
 Changed lines: where the tail matches nowhere (the model changed the line, or re-indented it),
 the last finished line the source has, whitespace aside, anchors the next one (``_by_lines``):
@@ -64,6 +68,12 @@ _CONF = ((64, 0.95), (32, 0.9), (16, 0.8), (0, 0.6))
 # what may follow a value up to the next key's name (part of it), and an object's "{" up to its first key's
 _SEPARATOR = re.compile(r'\s*(?:,\s*(?:"[^"\\]*)?)?')
 _FIRST = re.compile(r'\s*(?:"[^"\\]*)?')
+# a call's JSON opening up to its arguments: the indentation of its line, the whitespace before "name"
+_CALL_OPEN = re.compile(r'(?:^|(?<=\n))([ \t]*)\{(\s*)"name"\s*:\s*"(?:[^"\\]|\\.)*"\s*,\s*"(?:arguments|parameters)"\s*:\s*',
+                        re.M)
+_HEAD_WS = re.compile(r'\{\s*')                                 # a call's "{" and the whitespace after it
+_HEAD_NAME = re.compile(r'\{(\s*)"name"\s*:\s*"([^"\\]*)(?:"(.*))?', re.S)   # its name typed (and what follows)
+_FENCE = re.compile(r"```[a-zA-Z]*[ \t]*\n")
 _END = "\x00"      # between string values in the output's source: a copy stops there, closing the string
 
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", '"': '"', "\\": "\\", "/": "/"}
@@ -330,7 +340,7 @@ class _Req:
     key_values: dict = field(default_factory=dict)   # argument -> its values in the prompt's calls, last first
     schemas: dict | None = None        # tool name -> (its argument keys in order, the required ones, key -> type)
     stats: dict = field(default_factory=lambda: {"proposals": 0, "edit": 0, "output": 0, "prompt": 0, "index": 0,
-                                                 "keys": 0})
+                                                 "keys": 0, "envelope": 0})
 
 
 class JsonCopyDrafter:
@@ -414,7 +424,8 @@ class JsonCopyDrafter:
             esc += '"'
             args = r.parser.open_arguments if r.parser is not None else None
             if args is not None:   # and the next argument's key, as the model lays them out
-                esc += self._key_text(r, args[0], args[1] + esc) or ""
+                after = self._key_text(r, args[0], args[1] + esc, len(r.text) - len(args[1]))
+                esc += after[0] if after is not None else ""
         ids = self._tokens(r.ids[-1], esc)
         if not closes and len(ids) > 1:
             ids = ids[:-1]   # the last token may be a word cut short
@@ -634,11 +645,13 @@ class JsonCopyDrafter:
                                    {k: v.get("type") if isinstance(v, dict) else None for k, v in props.items()})
         return r.schemas
 
-    def _key_text(self, r: _Req, name: str, args: str) -> str | None:
+    def _key_text(self, r: _Req, name: str, args: str, at: int) -> tuple[str, str] | None:
         """What follows ``args`` (a call's arguments, ending after a string value and maybe part
         of the separator after it): the rest of the separator, the next required key of the
         tool's schema and its value's opening quote, laid out as the model laid out the keys
-        before (``,`` and the whitespace it put before a key, its ``: ``). None: no such key."""
+        before (``,`` and the whitespace it put before a key, its ``: ``); where the schema requires
+        no more, what closes the call. ``at``: where ``args`` starts in the output. (The text,
+        "keys" or "envelope"); None: nothing."""
         layout = _layout(args)
         schema = self._schemas(r).get(name) if layout is not None else None
         if schema is None:
@@ -646,29 +659,125 @@ class JsonCopyDrafter:
         keys, before_key, kv, tail = layout
         order, required, types = schema
         nxt = next((k for k in order if k not in keys and k in required), None)
-        if nxt is None:
-            return None
-        key = json.dumps(nxt) + kv + ('"' if types.get(nxt) == "string" else "")
-        if keys:
-            text = "," + before_key + key
-        elif '"' in tail:   # the first key, once its quote is typed (the whitespace before it may be any)
-            text = tail[:tail.index('"')] + key
+        env = self._envelope(r, at)
+        if nxt is None:   # the call closes (or the model adds an optional argument)
+            if env is None or not keys or not _SEPARATOR.fullmatch(tail) or "," in tail:
+                return None
+            text, kind = env[2], "envelope"
         else:
+            kind = "keys"
+            key = json.dumps(nxt) + kv + ('"' if types.get(nxt) == "string" else "")
+            if keys:
+                text = "," + before_key + key
+            elif '"' in tail:   # the first key, once its quote is typed
+                text = tail[:tail.index('"')] + key
+            elif env is not None and (env[1] or not tail):   # the first key, indented as the call's keys one level deeper
+                text = env[1] + key
+            else:
+                return None
+        return (text[len(tail):], kind) if text.startswith(tail) and len(text) > len(tail) else None
+
+    def _envelope(self, r: _Req, at: int | None) -> tuple[str, str, str] | None:
+        """The call whose arguments start at ``at`` in the output (None: the last call opened),
+        as the model laid it out: (the whitespace before its ``"name"``, the whitespace its
+        arguments' first key takes (one level deeper; none where the call is compact), the text
+        that closes the arguments and the call: the closing braces laid out the same way, then
+        the fence's or the format's end)."""
+        head = r.text if at is None else r.text[:at]
+        m = None
+        for m in _CALL_OPEN.finditer(head):
+            pass
+        if m is None or (at is not None and m.end() != len(head)):
             return None
-        return text[len(tail):] if text.startswith(tail) and len(text) > len(tail) else None
+        ws, indent = m.group(2), m.group(1)
+        fmt = r.parser.fmt
+        before = head[:m.start()].rstrip(" \t")
+        if before.endswith("```json\n") or before.endswith("```\n"):
+            end = "\n```"
+        elif fmt is not None and fmt.start and before.endswith(fmt.start + fmt.head):
+            end = fmt.tail + fmt.end
+        else:
+            end = ""
+        if "\n" in ws:
+            unit = ws[ws.rindex("\n") + 1:]
+            return ws, ws + unit[len(indent):], "\n" + ws[ws.rindex("\n") + 1:] + "}\n" + indent + "}" + end
+        return ws, "", "}}" + end
+
+    def _head_text(self, r: _Req) -> str | None:
+        """Before a call's arguments: the rest of its opening as the format and the tools allow
+        (a fence's ``json``, ``{"name": "``, a tool's name once what is typed names one tool, and
+        ``", "arguments": {`` laid out as the model laid out ``"name"``)."""
+        got = r.parser.call_head if r.parser is not None else None
+        if got is None:
+            return None
+        kind, text = got
+        fmt = r.parser.fmt
+        if kind == "json" and text.startswith("`"):
+            if "```json\n{".startswith(text):
+                return "```json\n{"[len(text):]
+            f = _FENCE.match(text)
+            if f is None:
+                return None
+            text = text[f.end():]
+        elif kind == "tag":
+            opening = fmt.head + "{"
+            if opening.startswith(text):
+                return opening[len(text):]
+            text = text.lstrip()
+        m = _HEAD_WS.match(text)
+        if m is not None:   # the name's key, once its quote is typed (the whitespace before it may be any)
+            opening = m.group(0) + '"name": "'
+            if opening.startswith(text) and len(text) > len(m.group(0)):
+                return opening[len(text):]
+        m = _HEAD_NAME.fullmatch(text)
+        if m is None:
+            return None
+        ws, typed, rest = m.group(1), m.group(2), m.group(3)
+        names = sorted(t for t in r.parser.tools if t.startswith(typed))
+        if not names:
+            return None
+        after = "," + (ws if "\n" in ws else " ") + json.dumps(fmt.args_key) + ": {"
+        if rest is None:
+            if len(names) > 1:
+                common = os.path.commonprefix(names)[len(typed):]
+                return common or None
+            return names[0][len(typed):] + '"' + after
+        if typed not in r.parser.tools or not after.startswith(rest) or after == rest:
+            return None
+        return after[len(rest):]
+
+    def _closing_text(self, r: _Req) -> str | None:
+        """After a call's arguments closed: the rest of what closes the call (``_envelope``)."""
+        env = self._envelope(r, None)
+        q = r.text.rfind('"')
+        written = r.text[q + 1:]
+        if env is None or q < 0 or "}" not in written or not env[2].startswith(written) or env[2] == written:
+            return None
+        return env[2][len(written):]
 
     def _next_key(self, r: _Req, budget: int) -> Draft:
-        """Between a call's arguments (``_key_text``)."""
-        args = r.parser.open_arguments if r.parser is not None else None
-        text = self._key_text(r, *args) if args is not None else None
+        """Outside the arguments' strings: between arguments and after the last (``_key_text``),
+        before them (``_head_text``), after them (``_closing_text``)."""
+        if r.parser is None:
+            return EMPTY_DRAFT
+        args = r.parser.open_arguments
+        conf, kind = 0.9, "envelope"
+        if args is not None:
+            got = self._key_text(r, *args, len(r.text) - len(args[1]))
+            text, kind = got if got is not None else (None, kind)
+        elif r.parser.call_closing:
+            text = self._closing_text(r)
+        else:
+            text = self._head_text(r)
+            conf = 0.6 if text == "json\n{" else 0.9   # (a fence may open code, not a call)
         if not text:
             return EMPTY_DRAFT
         ids = self._tokens(r.ids[-1], text)[:budget]
         if not ids:
             return EMPTY_DRAFT
         r.stats["proposals"] += 1
-        r.stats["keys"] += 1
-        return Draft.chain(ids, 0.9, source="json_copy")
+        r.stats[kind] += 1
+        return Draft.chain(ids, conf, source="json_copy")
 
     def _line_index(self, r: _Req, src: str, cache: bool) -> tuple[list[str], dict[str, list[int]]]:
         got = r.lines.get(id(src)) if cache else None

@@ -117,12 +117,13 @@ def test_nothing_is_drafted_outside_strings_or_without_a_format(tok):
     # free text copying the file: no output format, no drafts (the suffix index drafts raw text)
     _, accepted, drafted, stats = _replay(tok, prompt, src, fmt=None)
     assert drafted == 0 and stats["proposals"] == 0
-    # a call whose strings hold nothing the prompt has: keys and structure are not copied
+    # a call whose strings hold nothing the prompt has: only the call's envelope is drafted (its
+    # braces, name key and tags, from the format), nothing inside its strings
     _, _, drafted, stats = _replay(tok, prompt, _call("Read", file_path="zz_no_such_path_qq.txt"))
-    assert drafted == 0
-    # the call tags outside a call's JSON: nothing either, with the format told
-    _, _, drafted, _ = _replay(tok, prompt, "I will read it.\n" + _call("Read", file_path="x"))
-    assert drafted == 0
+    assert stats["proposals"] == stats["envelope"] and stats["prompt"] == stats["output"] == stats["edit"] == 0
+    # prose before a call: nothing drafted for it either
+    _, _, drafted, stats = _replay(tok, prompt, "I will read it.\n" + _call("Read", file_path="x"))
+    assert stats["proposals"] == stats["envelope"]
 
 
 def test_a_pending_escape_and_ascii_escapes_are_continued_as_written(tok):
@@ -312,7 +313,7 @@ def test_the_next_argument_is_drafted_as_the_model_lays_out_its_arguments(tok, i
     """After an argument's string value: the separator, the next key the tool's schema requires
     and its value's quote, with the whitespace the model put before its keys (a space after a
     comma where it wrote `{"` compact, as json.dumps does); the same from any point of the
-    separator and from inside the key. After the last required argument nothing is guessed."""
+    separator and from inside the key. After the last required argument, what closes the call."""
     prompt = TOOLS + "<|im_start|>user\nFix x.py<|im_end|>\n<|im_start|>assistant\n"
     args = {"file_path": "x.py", "old_string": "a = 1", "new_string": "a = 2"}
     call = "<tool_call>\n" + json.dumps({"name": "Edit", "arguments": args}, indent=indent) + "\n</tool_call>"
@@ -324,7 +325,8 @@ def test_the_next_argument_is_drafted_as_the_model_lays_out_its_arguments(tok, i
     after_old = call.index('"a = 1"') + len('"a = 1"')
     assert _draft_after(tok, prompt, call[:after_old]) == sep + '"new_string": "'
     after_new = call.index('"a = 2"') + len('"a = 2"')
-    assert _draft_after(tok, prompt, call[:after_new]) == ""   # replace_all is optional: the model may close
+    # the last required argument: the call closes, laid out as it opened (replace_all is optional)
+    assert _draft_after(tok, prompt, call[:after_new]) == call[after_new:]
     # a whole call: separators and keys are drafted (the values are the model's)
     _, accepted, _, stats = _replay(tok, prompt, call)
     assert stats["keys"] >= 2 and accepted >= len(tok.encode(sep + '"new_string": "')) * 2 - 2
@@ -358,3 +360,40 @@ def test_old_string_starts_as_the_line_of_the_file_it_quotes(tok):
         assert len(got) > 20 and json.dumps(rest)[1:].startswith(got), (typed, got)
     # characters no line starts with: nothing
     assert _draft_after(tok, prompt, head + "qzx") == ""
+
+
+@pytest.mark.parametrize("form", ["fence-4", "fence-2", "tags", "tags-4"])
+def test_a_calls_envelope_is_drafted_as_the_model_lays_it_out(tok, form):
+    """Around the arguments: a fence's `json` and `{`, the `"name": "` key once its quote is
+    typed, the tool's name once what is typed names one tool and `"arguments": {` laid out as
+    `"name"` was, the first argument's key one level deeper, and after the last required argument
+    the closing braces and the fence's or the tags' end. The real 1.5B, after a Read, wrote its
+    Edit call as an indented fenced block."""
+    prompt = TOOLS + "<|im_start|>user\nFix x.py<|im_end|>\n<|im_start|>assistant\n"
+    indent = int(form[-1]) if form[-1].isdigit() else None
+    call = json.dumps({"name": "Edit", "arguments": {"file_path": "x.py", "old_string": "a = 1", "new_string": "a = 2"}},
+                      indent=indent)
+    text = ("```json\n" + call + "\n```") if form.startswith("fence") else ("<tool_call>\n" + call + "\n</tool_call>")
+    pad = "\n" + " " * indent if indent else ""
+    points = {text.index('"name"') + 1: 'name": "',                           # the key, once its quote is typed
+              text.index('"Edit"') + 3: 'it",' + (pad or " ") + '"arguments": {',   # "Ed" names one tool
+              text.index('"arguments": {') + len('"arguments": {'): (pad + " " * (indent or 0) if indent else "") + '"file_path": "',
+              text.index('"a = 2"') + len('"a = 2"'): text[text.index('"a = 2"') + len('"a = 2"'):]}
+    if form.startswith("fence"):
+        points[3] = "json\n{"
+    else:
+        points[len("<tool_call>")] = "\n{"
+    if indent:
+        closed = text.index("}", text.index('"a = 2"')) + 1   # after the arguments' brace
+        points[closed] = text[closed:]
+    for at, want in sorted(points.items()):
+        assert _draft_after(tok, prompt, text[:at]) == want, (at, text[:at][-30:])
+    n = len(tok.encode(text))
+    steps, accepted, _, stats = _replay(tok, prompt, text)
+    assert accepted > 0.6 * n and stats["keys"] >= 2 and stats["envelope"] >= 3, (steps, accepted, n, stats)
+
+
+def test_a_name_two_tools_share_is_drafted_as_far_as_they_agree(tok):
+    fmt = OutputFormat(tool_format="hermes", tools=("Read", "ReadMany", "Edit"))
+    assert _draft_after(tok, "<|im_start|>user\nhi<|im_end|>\n", '<tool_call>\n{"name": "Re', fmt) == "ad"
+    assert _draft_after(tok, "<|im_start|>user\nhi<|im_end|>\n", '<tool_call>\n{"name": "E', fmt) == 'dit", "arguments": {'
