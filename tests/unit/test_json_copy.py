@@ -397,3 +397,22 @@ def test_a_name_two_tools_share_is_drafted_as_far_as_they_agree(tok):
     fmt = OutputFormat(tool_format="hermes", tools=("Read", "ReadMany", "Edit"))
     assert _draft_after(tok, "<|im_start|>user\nhi<|im_end|>\n", '<tool_call>\n{"name": "Re', fmt) == "ad"
     assert _draft_after(tok, "<|im_start|>user\nhi<|im_end|>\n", '<tool_call>\n{"name": "E', fmt) == 'dit", "arguments": {'
+
+
+_VALUES = st.lists(st.sampled_from(list('ab "\\\n\t{}[],:é/\u2603') + ["x = 1", "def f():"]), max_size=20).map("".join)
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["Edit", "Read", "Write", "Other"]), indent=st.sampled_from([None, 2, 4]),
+       wrap=st.sampled_from(["tags", "fence", "bare", "prose"]), values=st.lists(_VALUES, min_size=1, max_size=3),
+       cut=st.floats(0.05, 1.0))
+def test_drafting_around_any_call_never_fails(tok, name, indent, wrap, values, cut):
+    """Arbitrary calls (any name, layout, wrapping, escapes; cut anywhere): every draft is a chain
+    of at most the budget, and whatever it proposes never raises."""
+    args = dict(zip(["file_path", "old_string", "new_string"], values))
+    call = json.dumps({"name": name, "arguments": args}, indent=indent)
+    text = {"tags": f"<tool_call>\n{call}\n</tool_call>", "fence": f"```json\n{call}\n```", "bare": call,
+            "prose": f"Let me see.\n{call}"}[wrap]
+    text = text[:max(1, int(len(text) * cut))]
+    prompt = TOOLS + '<|im_start|>user\n     1→x = 1\n     2→def f():\n<|im_end|>\n<|im_start|>assistant\n'
+    _replay(tok, prompt, text, budget=16)
