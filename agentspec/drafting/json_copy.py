@@ -659,9 +659,9 @@ class JsonCopyDrafter:
         keys, before_key, kv, tail = layout
         order, required, types = schema
         nxt = next((k for k in order if k not in keys and k in required), None)
-        env = self._envelope(r, at)
         if nxt is None:   # the call closes (or the model adds an optional argument)
-            if env is None or not keys or not _SEPARATOR.fullmatch(tail) or "," in tail:
+            env = self._envelope(r, at) if keys and "," not in tail else None
+            if env is None:
                 return None
             text, kind = env[2], "envelope"
         else:
@@ -671,8 +671,8 @@ class JsonCopyDrafter:
                 text = "," + before_key + key
             elif '"' in tail:   # the first key, once its quote is typed
                 text = tail[:tail.index('"')] + key
-            elif env is not None and (env[1] or not tail):   # the first key, indented as the call's keys one level deeper
-                text = env[1] + key
+            elif (env := self._envelope(r, at)) is not None and (env[1] or not tail):
+                text = env[1] + key   # the first key, one level deeper than the call's keys
             else:
                 return None
         return (text[len(tail):], kind) if text.startswith(tail) and len(text) > len(tail) else None
@@ -699,8 +699,8 @@ class JsonCopyDrafter:
         else:
             end = ""
         if "\n" in ws:
-            unit = ws[ws.rindex("\n") + 1:]
-            return ws, ws + unit[len(indent):], "\n" + ws[ws.rindex("\n") + 1:] + "}\n" + indent + "}" + end
+            spaces = ws[ws.rindex("\n") + 1:]   # the call's keys' indentation: one level past its brace's
+            return ws, ws + spaces[len(indent):], "\n" + spaces + "}\n" + indent + "}" + end
         return ws, "", "}}" + end
 
     def _head_text(self, r: _Req) -> str | None:
