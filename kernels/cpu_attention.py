@@ -79,6 +79,8 @@ def decode_attention(
     L: int,                     # keys in use: slots [0, L)
     *,
     threads: int = 0,           # 0: torch's OpenMP thread count
+    group: int = 0,             # rows that share each read of the cache (1-8; 0: the kernel's choice).
+                                # Any grouping gives the same bits.
 ) -> torch.Tensor:              # [T, H, D] float32 (rows first: the layout the output projection reads)
     H, T, D = q.shape
     Hkv, cap, Dk = k.shape
@@ -94,7 +96,7 @@ def decode_attention(
     out = torch.empty(T, H, D, dtype=torch.float32)
     mask, mask_ptr, mask_st = _mask_arg(mask, T, L)
     _cpu.attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), cap,
-                   mask_ptr, mask_st, out.data_ptr(), H, Hkv, T, L, D, threads, k.dtype == torch.bfloat16)
+                   mask_ptr, mask_st, out.data_ptr(), H, Hkv, T, L, D, threads, k.dtype == torch.bfloat16, group)
     return out
 
 
@@ -105,6 +107,7 @@ def segment_attention(
                                 # every cache float32, or every cache bfloat16
     *,
     threads: int = 0,
+    group: int = 0,             # as decode_attention's
 ) -> torch.Tensor:              # [R, H, D] float32
     """Several requests' rows in one native call (continuous batching): writes each segment's new
     keys/values at its cache slots ``[L - T, L)`` (rounded as torch rounds them into a bfloat16
@@ -128,7 +131,7 @@ def segment_attention(
     out = torch.empty(R, H, D, dtype=torch.float32)
     _cpu.attention_segments(q.data_ptr(), q.stride(0), q.stride(1), kv_new[0].data_ptr(), kv_new[1].data_ptr(),
                             kv_new.stride(1), kv_new.stride(2), segs.data_ptr(), len(rows), out.data_ptr(), H, Hkv,
-                            D, threads, kv_dtype == torch.bfloat16)
+                            D, threads, kv_dtype == torch.bfloat16, group)
     return out
 
 

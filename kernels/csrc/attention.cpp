@@ -17,8 +17,9 @@
 // multiplies, and GCC spilled the accumulators of a per-lane fmaf loop.)
 //
 // `attention` serves one request's rows, `attention_segments` several requests' (continuous
-// batching); both run row_task per (row, kv head), over keys transposed (copies: no arithmetic)
-// per call into scratch or, for one or two rows, a block at a time as the row reads them.
+// batching); both run group_task per (group of a segment's rows, kv head), over keys transposed
+// (copies: no arithmetic) per call into scratch or, for one or two groups, a block at a time as
+// the group reads them.
 #include <nanobind/nanobind.h>
 
 #include <omp.h>
@@ -39,9 +40,21 @@ using namespace attn;
 
 namespace {
 
-// Rows of one call (one segment) up to which each row transposes its keys a block at a time
-// (decode: the cache read once); more rows share one transposed copy per call.
+// Groups of rows (of one segment and kv head) up to which each group transposes its keys a
+// block at a time (decode: the cache read once); more groups share one transposed copy per call.
 constexpr int LOCAL_T = 2;
+// Rows per group at most (they share each block of keys and values), and the values' chunk
+// (keys at a time per row: 64 x head_dim values, L1-sized).
+constexpr int MAXR = 8;
+constexpr int VC = 64;
+
+// Rows per group for a call of `units` (row, kv head) tasks on `threads` threads: as many as
+// keep two groups per thread for the dynamic schedule, 1 to MAXR. Any grouping gives the same bits.
+// `group` > 0 asks for that many (at most MAXR): the tests' and benchmarks' handle.
+static inline int group_rows(int units, int threads, int group) {
+    if (group > 0) return std::min(MAXR, group);
+    return std::max(1, std::min(MAXR, units / std::max(1, 2 * threads)));
+}
 
 // 16 consecutive cache values as floats: float32, or bfloat16 (exact: the value shifted into a
 // float's high half), so a bfloat16 cache computes what a float32 cache holding the same values does.
@@ -97,7 +110,7 @@ static inline __attribute__((always_inline)) void transpose_block(const Args& a,
 }
 
 // the dispatched (target_clones) transposes: head_dim 64 / 128, a float32 (f) or bfloat16 (h)
-// cache; called (not inlined) from row_body too, so the shuffles are compiled once per variant
+// cache; called (not inlined) from group_body too, so the shuffles are compiled once per variant
 // rather than once per query-head count (eight times the compile time otherwise)
 AGENTSPEC_CLONES
 void transpose_block_64f(const Args& a, int hk, int jb, int nb, float* dst, int64_t dst_st) {
@@ -123,126 +136,165 @@ void transpose_into(const Args& a, int hk, int jb, int nb, float* dst, int64_t d
     else (f ? transpose_block_128f : transpose_block_128h)(a, hk, jb, nb, dst, dst_st);
 }
 
-// One (row t, kv head hk): the G query heads h = hk*G + g of row t; HD: head_dim (64 or 128);
-// KV: the cache's element type (float, or uint16_t for bfloat16).
+// One (kv head hk, rows t0 .. t0 + nr): for each row t, the G query heads h = hk*G + g of row t;
+// HD: head_dim (64 or 128); KV: the cache's element type (float, or uint16_t for bfloat16).
+// The rows of a group share the reads of the cache: each 64-key block of keys (transposed) and
+// each 64-key chunk of values is loaded once and used by every row of the group while it sits
+// in L1 (a row alone would stream the whole cache from memory: at 4k context, its 4 MB per kv
+// head and layer, about as long as the row's share of the weights). Each row's arithmetic is
+// the one-row kernel's, in the same order (its partial sums of p @ v go through its output
+// between chunks: stores and loads, exact), so a row's bits depend neither on the group nor on
+// the other rows.
 template <int G, int HD, typename KV>
-static inline __attribute__((always_inline)) void row_body(const Args& a, int hk, int t, Scratch& sc) {
+static inline __attribute__((always_inline)) void group_body(const Args& a, int hk, int t0, int nr, Scratch& sc) {
     const int Lr = a.Lr;
-    sc.s.resize((size_t)G * Lr);
-    sc.idx.resize((size_t)Lr);
-    float* S = sc.s.data();
-    int32_t* idx = sc.idx.data();
-
-    const uint8_t* mr = a.mask == nullptr ? nullptr : a.mask + (int64_t)t * a.m_st;
-    const int n = visible_slots(a, mr, idx);
-    float* outp = a.out + ((int64_t)t * a.H + (int64_t)hk * G) * HD;
-    if (n == 0) {  // a row that sees nothing: zeros (never produced by the engine)
-        std::memset(outp, 0, sizeof(float) * G * HD);
-        return;
+    sc.s.resize((size_t)nr * G * Lr);
+    sc.idx.resize((size_t)nr * Lr);
+    sc.q.resize((size_t)nr * G * HD);
+    int nv[MAXR], lastr[MAXR];
+    const uint8_t* mrs[MAXR];
+    int last = -1, nmax = 0;
+    for (int r = 0; r < nr; ++r) {
+        const int t = t0 + r;
+        const uint8_t* mr = a.mask == nullptr ? nullptr : a.mask + (int64_t)t * a.m_st;
+        int32_t* idx = sc.idx.data() + (size_t)r * Lr;
+        mrs[r] = mr;
+        nv[r] = visible_slots(a, mr, idx);
+        float* outp = a.out + ((int64_t)t * a.H + (int64_t)hk * G) * HD;
+        std::memset(outp, 0, sizeof(float) * G * HD);  // a row that sees nothing: zeros (never produced by the engine)
+        lastr[r] = nv[r] ? idx[nv[r] - 1] : -1;
+        last = std::max(last, lastr[r]);
+        nmax = std::max(nmax, nv[r]);
+        float* qs = sc.q.data() + (size_t)r * G * HD;
+        for (int g = 0; g < G; ++g) {
+            const float* qr = a.q + (int64_t)(hk * G + g) * a.q_sh + (int64_t)t * a.q_st;
+            for (int d = 0; d < HD; ++d) qs[g * HD + d] = qr[d] * a.scale;
+        }
     }
-
-    float qs[G][HD];
-    for (int g = 0; g < G; ++g) {
-        const float* qr = a.q + (int64_t)(hk * G + g) * a.q_sh + (int64_t)t * a.q_st;
-        for (int d = 0; d < HD; ++d) qs[g][d] = qr[d] * a.scale;
-    }
+    if (nmax == 0) return;
 
     // scores of the 64-slot blocks holding a visible key: one lane per slot, summed over d in order.
-    // The keys come transposed: from the call's shared copy (a.kt, several rows per kv head), or
-    // (a.kt null: one row) transposed here a block at a time into an L1/L2-sized buffer, so the
-    // cache is read once and no copy of it goes through memory. The same values either way.
+    // The keys come transposed: from the call's shared copy (a.kt, several groups per kv head), or
+    // (a.kt null) transposed here a block at a time into an L1-sized buffer, so the cache is read
+    // once and no copy of it goes through memory. The same values either way.
     const bool shared = a.kt != nullptr;
     const float* kt = shared ? a.kt + (int64_t)hk * HD * a.Lr : nullptr;
     const int64_t kst = shared ? a.Lr : KB;
     alignas(64) float kblk[HD * KB];   // unused with the shared copy
-    const int last = idx[n - 1];
     for (int jb = 0; jb <= last; jb += KB) {
-        if (mr != nullptr) {  // skip blocks with no visible key (pad rows, masked prefixes)
-            int je = std::min(jb + KB, a.L);
-            bool any = false;
-            for (int j = jb; j < je; ++j) any |= mr[j] != 0;
-            if (!any) continue;
+        const int je = std::min(jb + KB, a.L);
+        bool need[MAXR], any = false;
+        for (int r = 0; r < nr; ++r) {
+            bool nd = jb <= lastr[r];
+            if (nd && mrs[r] != nullptr) {  // skip blocks with no visible key (pad rows, masked prefixes)
+                bool v = false;
+                for (int j = jb; j < je; ++j) v |= mrs[r][j] != 0;
+                nd = v;
+            }
+            need[r] = nd;
+            any |= nd;
         }
+        if (!any) continue;
         const int nc = std::min(KB, Lr - jb) / 16;  // Lr is a multiple of 16
         const float* kb = shared ? kt + jb : kblk;
         if (!shared) transpose_into<HD, KV>(a, hk, jb, nc, kblk, KB);
-        if (nc == 4) {
-            v16 acc[G][4];
-            for (int g = 0; g < G; ++g)
-                for (int c = 0; c < 4; ++c) acc[g][c] = v16{};
-            for (int d = 0; d < HD; ++d) {
-                const float* kr = kb + (int64_t)d * kst;
-                v16 k0 = load16(kr), k1 = load16(kr + 16), k2 = load16(kr + 32), k3 = load16(kr + 48);
-                for (int g = 0; g < G; ++g) {
-                    const float qd = qs[g][d];
-                    acc[g][0] = acc[g][0] + qd * k0;
-                    acc[g][1] = acc[g][1] + qd * k1;
-                    acc[g][2] = acc[g][2] + qd * k2;
-                    acc[g][3] = acc[g][3] + qd * k3;
-                }
-            }
-            for (int g = 0; g < G; ++g)
-                for (int c = 0; c < 4; ++c) store16(S + (int64_t)g * Lr + jb + 16 * c, acc[g][c]);
-        } else {
-            for (int c = 0; c < nc; ++c) {
-                v16 acc[G];
-                for (int g = 0; g < G; ++g) acc[g] = v16{};
+        for (int r = 0; r < nr; ++r) {
+            if (!need[r]) continue;
+            const float* qs = sc.q.data() + (size_t)r * G * HD;
+            float* S = sc.s.data() + (size_t)r * G * Lr;
+            if (nc == 4) {
+                v16 acc[G][4];
+                for (int g = 0; g < G; ++g)
+                    for (int c = 0; c < 4; ++c) acc[g][c] = v16{};
                 for (int d = 0; d < HD; ++d) {
-                    v16 k0 = load16(kb + (int64_t)d * kst + 16 * c);
-                    for (int g = 0; g < G; ++g) acc[g] = acc[g] + qs[g][d] * k0;
+                    const float* kr = kb + (int64_t)d * kst;
+                    v16 k0 = load16(kr), k1 = load16(kr + 16), k2 = load16(kr + 32), k3 = load16(kr + 48);
+                    for (int g = 0; g < G; ++g) {
+                        const float qd = qs[g * HD + d];
+                        acc[g][0] = acc[g][0] + qd * k0;
+                        acc[g][1] = acc[g][1] + qd * k1;
+                        acc[g][2] = acc[g][2] + qd * k2;
+                        acc[g][3] = acc[g][3] + qd * k3;
+                    }
                 }
-                for (int g = 0; g < G; ++g) store16(S + (int64_t)g * Lr + jb + 16 * c, acc[g]);
+                for (int g = 0; g < G; ++g)
+                    for (int c = 0; c < 4; ++c) store16(S + (int64_t)g * Lr + jb + 16 * c, acc[g][c]);
+            } else {
+                for (int c = 0; c < nc; ++c) {
+                    v16 acc[G];
+                    for (int g = 0; g < G; ++g) acc[g] = v16{};
+                    for (int d = 0; d < HD; ++d) {
+                        v16 k0 = load16(kb + (int64_t)d * kst + 16 * c);
+                        for (int g = 0; g < G; ++g) acc[g] = acc[g] + qs[g * HD + d] * k0;
+                    }
+                    for (int g = 0; g < G; ++g) store16(S + (int64_t)g * Lr + jb + 16 * c, acc[g]);
+                }
             }
         }
     }
 
-    for (int g = 0; g < G; ++g) softmax_visible(S + (int64_t)g * Lr, n, mr != nullptr, idx);
+    for (int r = 0; r < nr; ++r)
+        if (nv[r])
+            for (int g = 0; g < G; ++g)
+                softmax_visible(sc.s.data() + ((size_t)r * G + g) * Lr, nv[r], mrs[r] != nullptr,
+                                sc.idx.data() + (size_t)r * Lr);
 
-    // o = p @ v, sequentially over the visible keys, one lane per d; 64 dims at a time (each lane's
-    // sum is its own, so splitting d changes no bits and keeps the accumulators in registers)
+    // o = p @ v, sequentially over each row's visible keys, one lane per d; 64 dims at a time (each
+    // lane's sum is its own, so splitting d changes no bits and keeps the accumulators in
+    // registers), VC keys at a time for every row of the group (the partial sums kept in the
+    // row's output between chunks, which started at zeros above)
     const KV* v = reinterpret_cast<const KV*>(a.v) + (int64_t)hk * a.cap * HD;
-    for (int d0 = 0; d0 < HD; d0 += 64) {
-        v16 acc[G][4];
-        for (int g = 0; g < G; ++g)
-            for (int c = 0; c < 4; ++c) acc[g][c] = v16{};
-        for (int i = 0; i < n; ++i) {
-            const KV* vr = v + (int64_t)idx[i] * HD + d0;
-            v16 v0 = load_kv(vr), v1 = load_kv(vr + 16), v2 = load_kv(vr + 32), v3 = load_kv(vr + 48);
-            for (int g = 0; g < G; ++g) {
-                const float w = S[(int64_t)g * Lr + i];
-                acc[g][0] = acc[g][0] + w * v0;
-                acc[g][1] = acc[g][1] + w * v1;
-                acc[g][2] = acc[g][2] + w * v2;
-                acc[g][3] = acc[g][3] + w * v3;
+    for (int c0 = 0; c0 < nmax; c0 += VC) {
+        for (int r = 0; r < nr; ++r) {
+            if (nv[r] <= c0) continue;
+            const int c1 = std::min(c0 + VC, nv[r]);
+            const int32_t* idx = sc.idx.data() + (size_t)r * Lr;
+            const float* S = sc.s.data() + (size_t)r * G * Lr;
+            float* outp = a.out + ((int64_t)(t0 + r) * a.H + (int64_t)hk * G) * HD;
+            for (int d0 = 0; d0 < HD; d0 += 64) {
+                v16 acc[G][4];
+                for (int g = 0; g < G; ++g)
+                    for (int c = 0; c < 4; ++c) acc[g][c] = load16(outp + g * HD + d0 + 16 * c);
+                for (int i = c0; i < c1; ++i) {
+                    const KV* vr = v + (int64_t)idx[i] * HD + d0;
+                    v16 v0 = load_kv(vr), v1 = load_kv(vr + 16), v2 = load_kv(vr + 32), v3 = load_kv(vr + 48);
+                    for (int g = 0; g < G; ++g) {
+                        const float w = S[(int64_t)g * Lr + i];
+                        acc[g][0] = acc[g][0] + w * v0;
+                        acc[g][1] = acc[g][1] + w * v1;
+                        acc[g][2] = acc[g][2] + w * v2;
+                        acc[g][3] = acc[g][3] + w * v3;
+                    }
+                }
+                for (int g = 0; g < G; ++g)
+                    for (int c = 0; c < 4; ++c) store16(outp + g * HD + d0 + 16 * c, acc[g][c]);
             }
         }
-        for (int g = 0; g < G; ++g)
-            for (int c = 0; c < 4; ++c) store16(outp + g * HD + d0 + 16 * c, acc[g][c]);
     }
 }
 
 template <int HD, typename KV>
-static inline __attribute__((always_inline)) void row_task_t(const Args& a, int hk, int t, Scratch& sc) {
+static inline __attribute__((always_inline)) void group_task_t(const Args& a, int hk, int t0, int nr, Scratch& sc) {
     switch (a.H / a.Hkv) {
-        case 1: return row_body<1, HD, KV>(a, hk, t, sc);
-        case 2: return row_body<2, HD, KV>(a, hk, t, sc);
-        case 3: return row_body<3, HD, KV>(a, hk, t, sc);
-        case 4: return row_body<4, HD, KV>(a, hk, t, sc);
-        case 5: return row_body<5, HD, KV>(a, hk, t, sc);
-        case 6: return row_body<6, HD, KV>(a, hk, t, sc);
-        case 7: return row_body<7, HD, KV>(a, hk, t, sc);
-        default: return row_body<8, HD, KV>(a, hk, t, sc);
+        case 1: return group_body<1, HD, KV>(a, hk, t0, nr, sc);
+        case 2: return group_body<2, HD, KV>(a, hk, t0, nr, sc);
+        case 3: return group_body<3, HD, KV>(a, hk, t0, nr, sc);
+        case 4: return group_body<4, HD, KV>(a, hk, t0, nr, sc);
+        case 5: return group_body<5, HD, KV>(a, hk, t0, nr, sc);
+        case 6: return group_body<6, HD, KV>(a, hk, t0, nr, sc);
+        case 7: return group_body<7, HD, KV>(a, hk, t0, nr, sc);
+        default: return group_body<8, HD, KV>(a, hk, t0, nr, sc);
     }
 }
 
 AGENTSPEC_CLONES
-void row_task_64f(const Args& a, int hk, int t, Scratch& sc) { row_task_t<64, float>(a, hk, t, sc); }
+void group_task_64f(const Args& a, int hk, int t0, int nr, Scratch& sc) { group_task_t<64, float>(a, hk, t0, nr, sc); }
 AGENTSPEC_CLONES
-void row_task_128f(const Args& a, int hk, int t, Scratch& sc) { row_task_t<128, float>(a, hk, t, sc); }
+void group_task_128f(const Args& a, int hk, int t0, int nr, Scratch& sc) { group_task_t<128, float>(a, hk, t0, nr, sc); }
 AGENTSPEC_CLONES
-void row_task_64h(const Args& a, int hk, int t, Scratch& sc) { row_task_t<64, uint16_t>(a, hk, t, sc); }
+void group_task_64h(const Args& a, int hk, int t0, int nr, Scratch& sc) { group_task_t<64, uint16_t>(a, hk, t0, nr, sc); }
 AGENTSPEC_CLONES
-void row_task_128h(const Args& a, int hk, int t, Scratch& sc) { row_task_t<128, uint16_t>(a, hk, t, sc); }
+void group_task_128h(const Args& a, int hk, int t0, int nr, Scratch& sc) { group_task_t<128, uint16_t>(a, hk, t0, nr, sc); }
 
 // Keys of kv head hk, slots [j0, j1) (multiple of 16), transposed to kt[hk][d][j]
 template <int HD, typename KV>
@@ -252,10 +304,10 @@ void transpose_keys(const Args& a, int hk, int j0, int j1) {
 }
 
 template <int HD, typename KV>
-void row_task(const Args& a, int hk, int t, Scratch& sc) {
+void group_task(const Args& a, int hk, int t0, int nr, Scratch& sc) {
     constexpr bool f = std::is_same_v<KV, float>;
-    if constexpr (HD == 64) (f ? row_task_64f : row_task_64h)(a, hk, t, sc);
-    else (f ? row_task_128f : row_task_128h)(a, hk, t, sc);
+    if constexpr (HD == 64) (f ? group_task_64f : group_task_64h)(a, hk, t0, nr, sc);
+    else (f ? group_task_128f : group_task_128h)(a, hk, t0, nr, sc);
 }
 
 template <typename T> struct Tag { using type = T; };
@@ -284,7 +336,7 @@ namespace {
 
 template <int HD, typename KV>
 void attention_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v, int64_t cap,
-                 uintptr_t mask, int64_t m_st, uintptr_t out, int H, int Hkv, int T, int L, int threads) {
+                 uintptr_t mask, int64_t m_st, uintptr_t out, int H, int Hkv, int T, int L, int threads, int group) {
     if (T <= 0 || L <= 0 || L > cap) throw std::invalid_argument("bad T / L / capacity");
     Args a;
     a.q = reinterpret_cast<const float*>(q); a.q_sh = q_sh; a.q_st = q_st;
@@ -296,12 +348,13 @@ void attention_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t
     a.scale = (float)(1.0 / std::sqrt((double)HD));
     a.Lr = (L + 15) / 16 * 16;
     nb::gil_scoped_release nogil;
-    static thread_local std::vector<float> kt;
-    if (T > LOCAL_T) kt.resize((size_t)Hkv * HD * a.Lr);
-    a.kt = T > LOCAL_T ? kt.data() : nullptr;
-    const int nchunk = T > LOCAL_T ? (a.Lr + 255) / 256 : 0;
-    const int ntask = Hkv * T;
     if (threads <= 0) threads = omp_get_max_threads();
+    const int rg = group_rows(Hkv * T, threads, group), ng = (T + rg - 1) / rg;
+    static thread_local std::vector<float> kt;
+    if (ng > LOCAL_T) kt.resize((size_t)Hkv * HD * a.Lr);
+    a.kt = ng > LOCAL_T ? kt.data() : nullptr;
+    const int nchunk = ng > LOCAL_T ? (a.Lr + 255) / 256 : 0;
+    const int ntask = Hkv * ng;
     threads = std::max(1, std::min(threads, std::max(ntask, Hkv * nchunk)));
 #pragma omp parallel num_threads(threads)
     {
@@ -312,7 +365,10 @@ void attention_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t
             transpose_keys<HD, KV>(a, hk, ch * 256, std::min(a.Lr, ch * 256 + 256));
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < ntask; ++i) row_task<HD, KV>(a, i % Hkv, i / Hkv, sc);
+        for (int i = 0; i < ntask; ++i) {
+            const int t0 = (i / Hkv) * rg;
+            group_task<HD, KV>(a, i % Hkv, t0, std::min(rg, T - t0), sc);
+        }
     }
 }
 
@@ -320,11 +376,11 @@ void attention_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t
 
 void attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v, int64_t cap,
                uintptr_t mask, int64_t m_st, uintptr_t out, int H, int Hkv, int T, int L, int head_dim,
-               int threads, bool kv_bf16) {
+               int threads, bool kv_bf16, int group) {
     check_heads_f32(H, Hkv, head_dim);
     auto run = [&](auto hd, auto kv) {
         attention_t<decltype(hd)::value, typename decltype(kv)::type>(q, q_sh, q_st, k, v, cap, mask, m_st, out, H,
-                                                                        Hkv, T, L, threads);
+                                                                        Hkv, T, L, threads, group);
     };
     dispatch(head_dim, kv_bf16, run);
 }
@@ -332,19 +388,24 @@ void attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v
 // Several requests' rows in one call (continuous batching): segment s owns rows
 // [row_off, row_off + T) of q / k_new / v_new / out and one layer of its own KV cache. The new
 // keys and values are first written at cache slots [L - T, L); then every (segment, kv head,
-// row) runs row_task exactly as `attention` would for that segment alone, so the bits do not
-// depend on the other segments. segs: int64 [S, 8] = k, v, capacity, L, mask, mask_stride,
+// group of rows) runs group_task; each row computes exactly what `attention` does for it, so
+// the bits do not depend on the other segments (nor rows). segs: int64 [S, 8] = k, v, capacity, L, mask, mask_stride,
 // row_off, T.
 namespace {
 
 template <int HD, typename KV>
 void attention_segments_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new, uintptr_t v_new, int64_t kn_sh,
-                          int64_t kn_st, uintptr_t segs_ptr, int S, uintptr_t out, int H, int Hkv, int threads) {
+                          int64_t kn_st, uintptr_t segs_ptr, int S, uintptr_t out, int H, int Hkv, int threads,
+                          int group) {
     if (S <= 0) throw std::invalid_argument("no segments");
     const int64_t* sg = reinterpret_cast<const int64_t*>(segs_ptr);
     std::vector<Args> args(S);
     std::vector<size_t> kt_off(S + 1, 0);
-    std::vector<int> row_base(S + 1, 0), tr_base(S + 1, 0);
+    std::vector<int> row_base(S + 1, 0), tr_base(S + 1, 0), task_base(S + 1, 0);
+    if (threads <= 0) threads = omp_get_max_threads();
+    int units = 0;
+    for (int s = 0; s < S; ++s) units += Hkv * (int)sg[(int64_t)s * 8 + 7];
+    const int rg = group_rows(units, threads, group);
     const float scale = (float)(1.0 / std::sqrt((double)HD));
     for (int s = 0; s < S; ++s) {
         const int64_t* r = sg + (int64_t)s * 8;
@@ -359,19 +420,20 @@ void attention_segments_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_n
         a.out = reinterpret_cast<float*>(out) + off * (int64_t)H * HD;
         a.H = H; a.Hkv = Hkv; a.scale = scale;
         a.Lr = (a.L + 15) / 16 * 16;
-        const bool copy = a.T > LOCAL_T;   // a shared transposed copy of the keys (else per block, in row_body)
+        const int ng = (a.T + rg - 1) / rg;
+        const bool copy = ng > LOCAL_T;   // a shared transposed copy of the keys (else per block, in group_body)
         kt_off[s + 1] = kt_off[s] + (copy ? (size_t)Hkv * HD * a.Lr : 0);
         row_base[s + 1] = row_base[s] + Hkv * a.T;
+        task_base[s + 1] = task_base[s] + Hkv * ng;
         tr_base[s + 1] = tr_base[s] + (copy ? Hkv * ((a.Lr + 255) / 256) : 0);
     }
     nb::gil_scoped_release nogil;
     static thread_local std::vector<float> kt;
     kt.resize(kt_off[S]);
-    for (int s = 0; s < S; ++s) args[s].kt = args[s].T > LOCAL_T ? kt.data() + kt_off[s] : nullptr;
+    for (int s = 0; s < S; ++s) args[s].kt = kt_off[s + 1] > kt_off[s] ? kt.data() + kt_off[s] : nullptr;
     const float* kn = reinterpret_cast<const float*>(k_new);
     const float* vn = reinterpret_cast<const float*>(v_new);
-    const int nrows = row_base[S], ntr = tr_base[S];
-    if (threads <= 0) threads = omp_get_max_threads();
+    const int nrows = row_base[S], ntr = tr_base[S], ntask = task_base[S];
     threads = std::max(1, std::min(threads, std::max(nrows, ntr)));
 #pragma omp parallel num_threads(threads)
     {
@@ -403,10 +465,10 @@ void attention_segments_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_n
             transpose_keys<HD, KV>(a, hk, ch * 256, std::min(a.Lr, ch * 256 + 256));
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < nrows; ++i) {
-            int s = int(std::upper_bound(row_base.begin(), row_base.end(), i) - row_base.begin()) - 1;
-            int j = i - row_base[s];
-            row_task<HD, KV>(args[s], j % Hkv, j / Hkv, sc);
+        for (int i = 0; i < ntask; ++i) {
+            int s = int(std::upper_bound(task_base.begin(), task_base.end(), i) - task_base.begin()) - 1;
+            int j = i - task_base[s], t0 = (j / Hkv) * rg;
+            group_task<HD, KV>(args[s], j % Hkv, t0, std::min(rg, args[s].T - t0), sc);
         }
     }
 }
@@ -415,12 +477,12 @@ void attention_segments_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_n
 
 void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new, uintptr_t v_new, int64_t kn_sh,
                         int64_t kn_st, uintptr_t segs_ptr, int S, uintptr_t out, int H, int Hkv, int head_dim,
-                        int threads, bool kv_bf16) {
+                        int threads, bool kv_bf16, int group) {
     check_heads_f32(H, Hkv, head_dim);
     auto run = [&](auto hd, auto kv) {
         attention_segments_t<decltype(hd)::value, typename decltype(kv)::type>(q, q_sh, q_st, k_new, v_new, kn_sh,
                                                                                  kn_st, segs_ptr, S, out, H, Hkv,
-                                                                                 threads);
+                                                                                 threads, group);
     };
     dispatch(head_dim, kv_bf16, run);
 }

@@ -73,6 +73,7 @@ struct Args {
 struct Scratch {
     std::vector<float> s;      // [G, Lr] scores, then compact probabilities
     std::vector<int32_t> idx;  // compact visible slots
+    std::vector<float> q;      // [rows, G, head_dim] a group's scaled queries (attention.cpp)
     std::vector<uint16_t> pb;  // [G, Lr + 2] probabilities in bfloat16 (bfloat16 models)
 };
 

@@ -177,6 +177,38 @@ def test_segment_attention_equals_each_segment_alone():
 
 
 @pytest.mark.usefixtures("shape")
+@pytest.mark.usefixtures("shape")
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_rows_sharing_the_cache_reads_get_the_bits_of_each_row_alone(kv_dtype):
+    """Rows of one request share each block of keys and chunk of values they read (groups of 1 to 8
+    rows, the kernel's choice by default): whatever the grouping, each row gets the bits it gets
+    alone. Rows that see different prefixes (a masked prefix, a pad row that sees only itself,
+    trees whose branches end at different depths) and contexts that end mid-block and mid-chunk."""
+    g = torch.Generator().manual_seed(21)
+    rng = random.Random(21)
+    for start, T in ((0, 5), (63, 9), (200, 17), (1000, 13)):
+        L = start + T
+        k, v = (x.to(kv_dtype) for x in make_cache(g, L + 16))
+        q = torch.randn(H, T, D, generator=g)
+        mask = torch.zeros(T, L, dtype=torch.bool)
+        mask[:, :start] = True
+        mask[:, start:] = tree_mask(random_parents(rng, T))
+        if start:
+            mask[1, :start // 2] = False        # a row with a masked prefix
+            mask[T - 1, :] = False              # a pad row: only itself
+            mask[T - 1, L - 1] = True
+        alone = torch.cat([cpu_attention.decode_attention(q[:, t:t + 1].contiguous(), k, v, mask[t:t + 1], L)
+                           for t in range(T)])
+        for group in (0, 1, 2, 3, 8):
+            for threads in (1, 2):
+                out = cpu_attention.decode_attention(q, k, v, mask, L, threads=threads, group=group)
+                assert torch.equal(out, alone), (start, T, group, threads)
+        segs = [(k.clone(), v.clone(), L, mask, 0, T)]
+        kv = torch.stack([k[:, L - T:L], v[:, L - T:L]]).float().contiguous()
+        for group in (0, 1, 8):
+            assert torch.equal(cpu_attention.segment_attention(q, kv, segs, group=group), alone), (start, T, group)
+
+
 @pytest.mark.parametrize("T", [1, 2, 3, 17])
 def test_bfloat16_cache_equals_a_float32_cache_of_its_values(T):
     """A bfloat16 cache is read as the floats it holds: the bits of a float32 cache holding the same
