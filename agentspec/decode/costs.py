@@ -30,6 +30,12 @@ load-aware budget weighs draft rows with. (The per-cell factors cannot say it: a
 steps always carry drafts the draft-free row count is never observed, and the hull pulls its
 cell down towards the small row counts the batch never runs.)
 
+A verified row also attends over its request's whole context, so a row costs more at 4k tokens
+than the profile's 1k says (measured on the 1.5B: ~12 against ~7 ms a row). ``row_context_cost``
+(seconds per row per token of context, measured at start-up: ``step_profile``) prices that:
+``extra_cost(rows, context)`` adds ``row_context_cost * rows * (context - prior_context)``, and
+the offset learns what is left beyond it.
+
 Torch-free and clock-free: the caller times its steps and passes seconds in, so tests feed it
 synthetic timings.
 """
@@ -118,6 +124,8 @@ class StepCostModel:
         self._curves: dict[int, dict[int, float]] = {}      # context bucket -> corrected, hulled curve
         self.observed = 0                                   # observations since the prior was set
         self.offset = 0.0                                   # seconds beyond the prior, recent steps
+        self.row_context_cost = 0.0                         # seconds per row per token of context
+        self.prior_context = 0.0                            # the context the prior was measured at
         self.set_prior(prior)
 
     def set_prior(self, prior: Mapping[int, float]) -> None:
@@ -166,7 +174,7 @@ class StepCostModel:
             c.n += w
         self._curves.pop(b, None)
         # the additive offset: the same rate, an error clipped to what ``clip`` allows at these rows
-        p = interpolate(self.grid, self.prior, rows)
+        p = self._base(rows, context)
         lim = p * (math.exp(clip) - 1.0)
         self.offset = max(self.offset + self.alpha * max(-lim, min(lim, seconds - p - self.offset)), -p)
         self.observed += 1
@@ -190,10 +198,29 @@ class StepCostModel:
             c = self._curves[b] = lower_convex_hull(raw)
         return c
 
-    def extra_cost(self, rows: float) -> float:
-        """Seconds of a step of ``rows`` rows as the latest steps say: the prior at ``rows`` plus
-        ``offset`` (what those steps took beyond the prior at theirs)."""
-        return max(interpolate(self.grid, self.prior, rows) + self.offset, 1e-9)
+    def set_row_context_cost(self, seconds_per_row_token: float, prior_context: float) -> None:
+        """What a verified row's attention adds per token of its request's context
+        (``seconds_per_row_token``), and the context the prior was measured at. The offset learnt
+        so far was relative to the old pricing: forgotten."""
+        if not (seconds_per_row_token >= 0.0 and math.isfinite(seconds_per_row_token)) or not prior_context >= 0:
+            raise ValueError(f"row context cost must be finite and >= 0, got {seconds_per_row_token!r} at "
+                             f"context {prior_context!r}")
+        self.row_context_cost, self.prior_context = float(seconds_per_row_token), float(prior_context)
+        self.offset = 0.0
+
+    def extra_cost(self, rows: float, context: float | None = None) -> float:
+        """Seconds of a step of ``rows`` rows as the latest steps say: the prior at ``rows``, the
+        rows' attention beyond the prior's context at ``context`` (requests' mean), plus
+        ``offset`` (what those steps took beyond that at theirs)."""
+        return max(self._base(rows, context) + self.offset, 1e-9)
+
+    def _base(self, rows: float, context: float | None) -> float:
+        """The prior at ``rows``, its rows' attention moved to ``context`` (at least a tenth of the
+        prior: a context far below the prior's prices no row below zero)."""
+        p = interpolate(self.grid, self.prior, rows)
+        if context is None or not self.row_context_cost:
+            return p
+        return max(p + self.row_context_cost * rows * (context - self.prior_context), 0.1 * p)
 
     def correction(self, rows: int, context: float) -> float:
         """The learnt factor at (``rows``, ``context``): ``cost`` over the prior's (1.0: none)."""

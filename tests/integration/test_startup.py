@@ -259,13 +259,17 @@ def test_step_costs_miss_then_cached(cache_env, fake_engine, fake_profile):
     assert be.step_costs_source == "stand-in" and fake_profile == []  # not measured yet
     assert be.step_cost(2) > 0
     assert be.step_costs == lower_convex_hull(MEASURED)  # read with no scheduler: measured now
-    assert be.step_costs_source == "measured" and fake_profile == [(step_profile.GRID, 1024, step_profile.REPEAT)]
+    # then what a row's attention adds per token of context: a row and 33 at two contexts
+    assert be.step_costs_source == "measured"
+    assert fake_profile == [(step_profile.GRID, 1024, step_profile.REPEAT),
+                            ((2, 33), 256, step_profile.REPEAT), ((2, 33), 1024, step_profile.REPEAT)]
+    assert be.profile.row_context_cost == 0.0 and be.costs.row_context_cost == 0.0   # the same at both here
     be.close()
     be2 = BatchEngine(fake_engine, background=False)
-    assert be2.step_costs_source == "cached" and len(fake_profile) == 1
+    assert be2.step_costs_source == "cached" and len(fake_profile) == 3
     assert be2.step_costs == lower_convex_hull(MEASURED)
     # reading it ran the check: two points timed again, in agreement, so the cached one stands
-    assert fake_profile[1:] == [(step_profile.CHECK, 1024, step_profile.REPEAT)] and be2.step_costs_source == "cached"
+    assert fake_profile[3:] == [(step_profile.CHECK, 1024, step_profile.REPEAT)] and be2.step_costs_source == "cached"
     be2.close()
     given = BatchEngine(fake_engine, background=False, step_costs={2: 1.0, 264: 2.0})
     assert given.step_costs_source == "given" and given.step_costs == {2: 1.0, 264: 2.0}
@@ -282,7 +286,8 @@ def test_the_batch_measures_only_what_the_engine_start_left(cache_env, fake_engi
     assert be.profile is start and be.step_costs_source == "stand-in"
     assert be.step_costs == lower_convex_hull(MEASURED) and be.step_costs_source == "measured"
     rest = tuple(n for n in step_profile.GRID if n not in (1, 33))
-    assert fake_profile == [((1, 33), 1024, step_profile.REPEAT), (rest, 1024, step_profile.REPEAT)]
+    assert fake_profile == [((1, 33), 1024, step_profile.REPEAT), (rest, 1024, step_profile.REPEAT),
+                            ((1, 33), 256, step_profile.REPEAT), ((1, 33), 1024, step_profile.REPEAT)]
     assert profile_cache.load(start.key, profile_cache.valid_step_costs) == MEASURED
     be.close()
 
@@ -299,7 +304,8 @@ def test_a_cached_profile_that_the_machine_no_longer_matches_is_measured_again(c
     be = BatchEngine(fake_engine, background=False)
     assert be.step_costs_source == "cached" and be._step_costs == lower_convex_hull(stale)
     assert be.step_costs == lower_convex_hull(MEASURED) and be.step_costs_source == "measured"
-    assert fake_profile == [(step_profile.CHECK, 1024, step_profile.REPEAT), (step_profile.GRID, 1024, step_profile.REPEAT)]
+    assert fake_profile == [(step_profile.CHECK, 1024, step_profile.REPEAT), (step_profile.GRID, 1024, step_profile.REPEAT),
+                            ((2, 33), 256, step_profile.REPEAT), ((2, 33), 1024, step_profile.REPEAT)]
     assert profile_cache.load(key, profile_cache.valid_step_costs) == MEASURED
     be.close()
 
@@ -365,7 +371,7 @@ def test_step_costs_measured_by_the_idle_scheduler(cache_env, fake_engine, fake_
         deadline = time.monotonic() + 30
         while be.step_costs_source != "measured" and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert be.step_costs_source == "measured" and fake_profile == [(step_profile.GRID, 1024, step_profile.REPEAT)]
+        assert be.step_costs_source == "measured" and fake_profile[0] == (step_profile.GRID, 1024, step_profile.REPEAT)
         assert be.step_costs == lower_convex_hull(MEASURED)
     assert profile_cache.load(be.profile.key, profile_cache.valid_step_costs) == MEASURED
 
@@ -505,7 +511,7 @@ def test_a_profile_that_no_idle_machine_gives_is_measured_again_and_never_kept(c
     monkeypatch.setattr(step_profile, "measure", measure)
     assert not step_profile.plausible(bad) and step_profile.plausible(MEASURED)
     be = BatchEngine(fake_engine, background=False)
-    assert be.step_costs == lower_convex_hull(MEASURED) and len(runs) == 2   # the bad one measured again
+    assert be.step_costs == lower_convex_hull(MEASURED) and runs[:2] == [step_profile.GRID] * 2  # the bad one again
     key = be.profile.key
     be.close()
     profile_cache.store(key, [[n, c] for n, c in sorted(bad.items())])     # an older start kept a bad one
@@ -516,3 +522,14 @@ def test_a_profile_that_no_idle_machine_gives_is_measured_again_and_never_kept(c
     assert len(runs) == step_profile.ATTEMPTS
     assert profile_cache.load(key, profile_cache.valid_step_costs) == bad   # ... and not stored over
     be.close()
+
+
+def test_row_context_cost_from_two_contexts():
+    """The marginal row at two contexts, its growth per token, clamped to what is plausible."""
+    short = {2: 0.030, 33: 0.030 + 31 * 0.005}      # 5 ms a row at 256 tokens
+    long = {2: 0.035, 33: 0.035 + 31 * 0.007}       # 7 ms a row at 1024
+    assert step_profile.row_context_cost_of(short, long, 2, 256, 1024) == pytest.approx(0.002 / 768)
+    assert step_profile.row_context_cost_of(long, short, 2, 256, 1024) == 0.0          # never negative
+    huge = {2: 0.035, 33: 0.035 + 31 * 0.5}
+    assert step_profile.row_context_cost_of(short, huge, 2, 256, 1024) == pytest.approx(0.5 / 1024)
+    assert step_profile.row_context_cost_of(short, {2: 0.035}, 2, 256, 1024) == 0.0   # a point missing

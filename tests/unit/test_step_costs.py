@@ -166,3 +166,30 @@ def test_offset_adds_what_the_steps_take_beyond_the_prior_whatever_their_rows():
     assert m.offset - before <= m.alpha * interpolate(sorted(PRIOR), PRIOR, 40) + 1e-9
     m.set_prior(PRIOR)
     assert m.offset == 0.0
+
+
+def test_rows_over_a_longer_context_cost_their_attention_there():
+    """Each verified row attends over its request's context: with the per-row-token cost set,
+    a draft row at 4k tokens costs its profiled price plus 3k tokens of attention, the offset
+    learns only what is left beyond that, and the budget takes fewer slots there than at 1k."""
+    a = 0.1 / 1024                                   # a row's attention at 1k = the profile's whole row
+    m = StepCostModel(PRIOR)
+    m.set_row_context_cost(a, 1024)
+    assert m.extra_cost(16, 1024) == pytest.approx(PRIOR[16])
+    assert m.extra_cost(16) == pytest.approx(PRIOR[16])                  # no context given: the prior
+    assert m.extra_cost(33, 4096) - m.extra_cost(16, 4096) == pytest.approx(
+        PRIOR[33] - PRIOR[16] + a * 17 * 3072)
+    assert m.extra_cost(16, 64) >= 0.1 * PRIOR[16]                        # never priced below a tenth
+    # steps that take exactly that at 4k (plus a fixed 2 s of KV reads): the offset learns the 2 s
+    truth = lambda n: interpolate(sorted(PRIOR), PRIOR, n) + a * n * 3072 + 2.0  # noqa: E731
+    feed(m, truth, context=4096, steps=100, rows=range(4, 40))
+    assert m.offset == pytest.approx(2.0, rel=0.02)
+    assert m.extra_cost(10, 4096) == pytest.approx(truth(10), rel=0.01)
+    surv = [[0.25] * 8 for _ in range(4)]
+    at_1k = sum(select_slots(surv, 4, 4.0, lambda r: m.extra_cost(r, 1024)))
+    at_4k = sum(select_slots(surv, 4, 4.0, lambda r: m.extra_cost(r, 4096)))
+    assert at_4k < at_1k
+    with pytest.raises(ValueError):
+        m.set_row_context_cost(-1.0, 1024)
+    m.set_row_context_cost(a, 1024)
+    assert m.offset == 0.0                                               # relative to the old pricing: forgotten

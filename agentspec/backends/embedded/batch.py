@@ -363,7 +363,7 @@ class BatchEngine:
             prior_base = c.cost(base_rows)
             scale = base / prior_base if self.step_costs_source == "stand-in" and prior_base > 0 else 1.0
             return lambda rows: base + max(c.cost(rows) - prior_base, 0.0) * scale
-        return c.extra_cost
+        return lambda rows: c.extra_cost(rows, context)
 
     # ---- the step-cost profile ---------------------------------------------------------------
 
@@ -401,6 +401,8 @@ class BatchEngine:
         p = self.profile
         if p.complete:
             self._set_step_costs(p.points, p.source)
+            if p.row_context_cost is not None:
+                self.costs.set_row_context_cost(p.row_context_cost, p.context)
         else:
             self._set_step_costs(step_profile.stand_in(self.engine.row_cost), "stand-in")
         self._profile = p.pending()

@@ -31,7 +31,7 @@ from typing import Any
 from suffix_index.atomic import write_atomic
 
 __all__ = ["FORMAT", "cache_dir", "enabled", "engine_key", "load", "path_for", "store",
-           "valid_step_costs"]
+           "valid_row_context_cost", "valid_step_costs"]
 
 FORMAT = 2  # bump when the key or the stored value changes meaning
 KEEP = 64   # profiles kept per folder (each ~1 KB); older ones go when a new one is stored
@@ -201,6 +201,13 @@ def _prune(folder: Path, keep: int) -> None:
 
 
 # ---- value checks --------------------------------------------------------------------------------
+
+
+def valid_row_context_cost(value: Any) -> float | None:
+    """A row's attention cost per token of context, stored as seconds: finite, >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
 
 
 def valid_step_costs(value: Any) -> dict[int, float] | None:

@@ -9,7 +9,10 @@ One curve, one cache entry (``"step_costs"``), two readers:
   drafts with it from the first request, so on a miss the engine measures these two points at
   start-up (a few seconds, mostly the context's prefill) and stores them;
 - the batch scheduler's **step costs** (``BatchEngine.step_costs``): the whole ``GRID``, for the
-  load-aware budget. The points still missing are measured one forward at a time in the
+  load-aware budget, and what a verified row's attention adds per token of context
+  (``row_context_cost``: a row and ``ROW_COST_ROWS`` timed at ``SHORT_CONTEXT`` and at ``CONTEXT``
+  one after the other, its own cache entry), so the budget prices rows over a 4k-token history
+  at what they cost there, not at the 1k profile's price. The points still missing are measured one forward at a time in the
   scheduler's idle time (``StepProfile.pending``) and the complete profile stored; a complete
   cached profile is checked against two of its points timed again (``CHECK``).
 
@@ -31,11 +34,12 @@ from ...kernels.tree import tree_mask
 from . import profile_cache
 from .model import round_up
 
-__all__ = ["CHECK", "CONTEXT", "GRID", "REPEAT", "ROW_COST_ROWS", "StepProfile", "measure", "plausible",
-           "profile", "row_cost_of", "stand_in"]
+__all__ = ["CHECK", "CONTEXT", "GRID", "REPEAT", "ROW_COST_ROWS", "SHORT_CONTEXT", "StepProfile", "measure",
+           "plausible", "profile", "row_context_cost_of", "row_cost_of", "stand_in"]
 
 GRID = (1, 2, 8, 16, 33, 66, 132, 264)   # rows per forward (segments of up to 33 rows)
 CONTEXT = 1024                            # tokens cached per segment
+SHORT_CONTEXT = 256                       # the second context of ``row_context_cost``
 REPEAT = 3                                # timed runs per point (after one untimed)
 ROW_COST_ROWS = 33                        # the row cost's draft-sized step
 CHECK = (2, 33)                           # a cached profile's points timed again
@@ -61,6 +65,22 @@ def row_cost_of(costs: Mapping[int, float], base: int, rows: int = ROW_COST_ROWS
     if base not in costs or rows not in costs or rows <= base or costs[base] <= 0:
         return None
     return float(min(max((costs[rows] - costs[base]) / ((rows - base) * costs[base]), 0.0), 1.0))
+
+
+def row_context_cost_of(short: Mapping[int, float], long: Mapping[int, float], base: int, short_context: int,
+                        long_context: int, rows: int = ROW_COST_ROWS) -> float:
+    """Seconds a verified row's attention adds per token of context: the marginal row of a
+    ``base``-row step (``rows - base`` more rows) at two contexts, its growth per token.
+    Clamped to [0, the marginal row at ``long_context`` / ``long_context``]: noise never makes
+    rows cheaper at longer contexts, nor more than all of a row's cost attention."""
+    if long_context <= short_context or any(n not in m for n in (base, rows) for m in (short, long)) or rows <= base:
+        return 0.0
+    row_short = (short[rows] - short[base]) / (rows - base)
+    row_long = (long[rows] - long[base]) / (rows - base)
+    if not row_long > 0:
+        return 0.0
+    a = (row_long - row_short) / (long_context - short_context)
+    return float(min(max(a, 0.0), row_long / long_context))
 
 
 def stand_in(row_cost: float, grid: Sequence[int] = GRID) -> dict[int, float]:
@@ -152,6 +172,11 @@ class StepProfile:
         self.source = "cached" if self.points else "none"
         self._checked = False
         self._attempts = 0
+        self.context_key = profile_cache.engine_key("row_context_cost", engine, rows=[base, ROW_COST_ROWS],
+                                                    contexts=[SHORT_CONTEXT, self.context], repeat=REPEAT)
+        # seconds per verified row per token of context (None: not measured yet)
+        self.row_context_cost: float | None = profile_cache.load(self.context_key,
+                                                                 profile_cache.valid_row_context_cost)
 
     @property
     def complete(self) -> bool:
@@ -186,7 +211,18 @@ class StepProfile:
             return self._merged(measure(self.engine, missing, self.context, REPEAT))
         if self.source == "cached" and not self._checked:
             return self._check()
+        if self.row_context_cost is None and self.context > SHORT_CONTEXT:
+            return self._row_context_cost()
         return None
+
+    def _row_context_cost(self) -> Measurement:
+        """``row_context_cost``'s two contexts, one right after the other (a machine whose speed
+        drifts over the day gives both the same speed)."""
+        rows = [self.base, ROW_COST_ROWS]
+        short = yield from measure(self.engine, rows, SHORT_CONTEXT, REPEAT)
+        long = yield from measure(self.engine, rows, self.context, REPEAT)
+        ok = plausible(short) and plausible(long)
+        return ("row_context_cost", row_context_cost_of(short, long, self.base, SHORT_CONTEXT, self.context), ok)
 
     def _merged(self, gen: Measurement) -> Measurement:
         new = yield from gen
@@ -208,7 +244,12 @@ class StepProfile:
         """Take a finished ``pending`` measurement: None (the check confirmed the cached profile)
         or the complete profile. An implausible one is measured again, whole (the points kept
         from before may be the disturbed ones), up to ``ATTEMPTS`` times, then used but never
-        stored."""
+        stored. (Or ``row_context_cost``'s, stored when both its measurements were plausible.)"""
+        if isinstance(result, tuple) and result[0] == "row_context_cost":
+            self.row_context_cost = result[1]
+            if result[2]:
+                profile_cache.store(self.context_key, result[1])
+            return
         self._checked = True
         if result is None:
             return
