@@ -14,6 +14,14 @@ With ``--plain-prompt N`` (N > 0) it also times plain decoding end to end with t
 (``--plain-tokens`` greedy tokens after an N-token prompt, no speculation), the modes alternating
 over the same rounds (``Settings.decode_attention``): milliseconds per token, medians.
 
+``verify-groups``: the float32-query attention (the layered rows path: ``head_dim`` 128, here
+Qwen2.5-Coder-1.5B's shape, 28 layers, 12 query heads, 2 kv heads) of a batched verification
+step, ``S`` requests of ``T`` rows (a draft chain) over ``--contexts``-token caches each, one
+``segment_attention`` call per layer: a request's rows in groups that share each read of its
+cache (the kernel's choice) against one row at a time (``group=1``), alternating within each
+round; milliseconds per layer (best of ``--repeat``, median over ``--rounds``) and the speed-up.
+Both give the same bits (checked).
+
 ``prefill``: prompt attention and projections, AMX against torch (CPUs with AMX-BF16 only):
 
 1. One layer of the bundled model's shape, a 256-token prompt chunk after ``--contexts`` keys:
@@ -39,6 +47,7 @@ rate a tight loop of each body's own instruction sequence reaches on this CPU wi
 weights in registers: ``of_peak`` is how close the body comes to its instructions' ceiling.
 
     python -m benchmarks.bench_kernels decode-attention --plain-prompt 3000 --out FILE
+    python -m benchmarks.bench_kernels verify-groups --out FILE
     python -m benchmarks.bench_kernels prefill --out FILE
     python -m benchmarks.bench_kernels quant-linears --model FILE.gguf --out FILE
 
@@ -389,6 +398,54 @@ def quant_linears(args) -> dict:
             "peak_loops": peaks, "results": results, "machine": machine_record()}
 
 
+# --- verification rows in groups ------------------------------------------------------------------
+
+def verify_groups(args) -> dict:
+    import torch
+
+    from agentspec.kernels import cpu_attention
+    from agentspec.kernels.tree import tree_mask
+
+    if not cpu_attention.available():
+        raise SystemExit("agentspec.kernels._cpu is not built: run scripts/setup.sh")
+    torch.set_num_threads(args.threads)
+    h, hkv, d, layers = 12, 2, 128, 28
+    shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")]
+    results = []
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        for n_req, rows in shapes:
+            g = torch.Generator().manual_seed(0)
+            q = torch.randn(h, n_req * rows, d, generator=g)
+            kv = torch.randn(2, hkv, n_req * rows, d, generator=g)
+            segs = []
+            for r in range(n_req):
+                k = torch.randn(hkv, ctx + rows, d, generator=g)
+                v = torch.randn(hkv, ctx + rows, d, generator=g)
+                m = torch.zeros(rows, ctx + rows, dtype=torch.bool)
+                m[:, :ctx] = True
+                m[:, ctx:] = tree_mask(list(range(-1, rows - 1)))
+                segs.append((k, v, ctx + rows, m, r * rows, rows))
+            per: dict[int, list[float]] = {1: [], 0: []}
+            outs = {}
+            for _ in range(args.rounds):
+                for group in (1, 0):
+                    best = float("inf")
+                    for _ in range(args.repeat + 1):
+                        t = time.perf_counter()
+                        outs[group] = cpu_attention.segment_attention(q, kv, segs, threads=args.threads, group=group)
+                        best = min(best, time.perf_counter() - t)
+                    per[group].append(best)
+            same = bool(torch.equal(outs[0], outs[1]))
+            one, grouped = (statistics.median(per[x]) * 1e3 for x in (1, 0))
+            results.append({"context": ctx, "requests": n_req, "rows_each": rows, "one_row_ms": round(one, 3),
+                            "grouped_ms": round(grouped, 3), "speedup": round(one / grouped, 2),
+                            "step_ms_grouped": round(grouped * layers, 1), "same_bits": same})
+            log(f"context {ctx}, {n_req} x {rows} rows: {one:.3f} -> {grouped:.3f} ms a layer ({one / grouped:.2f}x)")
+    return {"benchmark": "bench_kernels verify-groups", "shape": {"heads": h, "kv_heads": hkv, "head_dim": d,
+            "layers": layers}, "threads": args.threads, "repeat": args.repeat, "rounds": args.rounds,
+            "results": results, "machine": machine_record()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="kernel", required=True)
@@ -400,6 +457,13 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--rounds", type=int, default=3)
     d.add_argument("--plain-prompt", type=int, default=0, help="also plain decoding after an N-token prompt")
     d.add_argument("--plain-tokens", type=int, default=48)
+    v = sub.add_parser("verify-groups", help="verification rows sharing each read of the cache, against one "
+                       "row at a time")
+    v.add_argument("--contexts", default="1024,4096,16384")
+    v.add_argument("--shapes", default="1x1,1x8,1x16,4x1,4x4,4x8", help="REQUESTSxROWS, comma-separated")
+    v.add_argument("--threads", type=int, default=2)
+    v.add_argument("--repeat", type=int, default=3)
+    v.add_argument("--rounds", type=int, default=3)
     p = sub.add_parser("prefill", help="prompt attention and projections: AMX against torch")
     p.add_argument("--contexts", default="0,1024,2048,3840", help="keys before the 256-token chunk (part 1)")
     p.add_argument("--repeat", type=int, default=15)
@@ -413,10 +477,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="ISA levels (default: avx2, avx512 and, with AMX, avx512bf16, where the CPU has them)")
     q.add_argument("--threads", type=int, default=2)
     q.add_argument("--repeat", type=int, default=5)
-    for s in (d, p, q):
+    for s in (d, v, p, q):
         s.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    report = {"decode-attention": decode_attention, "prefill": prefill, "quant-linears": quant_linears}[args.kernel](args)
+    report = {"decode-attention": decode_attention, "verify-groups": verify_groups, "prefill": prefill,
+              "quant-linears": quant_linears}[args.kernel](args)
     emit_report(report, args.out, indent=1)
     return 0
 

@@ -61,3 +61,14 @@ def test_peak_loop_program_checks_its_arguments(tmp_path):
     p = subprocess.run([str(exe), "avx2", "2", "0.05"], capture_output=True, text=True, check=True)
     r = json.loads(p.stdout)
     assert r["loop"] == "avx2" and r["threads"] == 2 and r["gmacs_per_s"] > 0
+
+
+def test_verify_groups_reports_both_ways_with_the_same_bits(tmp_path):
+    out = tmp_path / "v.json"
+    assert main(["verify-groups", "--contexts", "100", "--shapes", "2x3", "--repeat", "1", "--rounds", "1",
+                 "--threads", "1", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    (c,) = r["results"]
+    assert (c["context"], c["requests"], c["rows_each"]) == (100, 2, 3) and c["same_bits"] is True
+    assert c["one_row_ms"] > 0 and c["grouped_ms"] > 0 and c["speedup"] > 0
+    assert r["machine"]["cpu"]
