@@ -12,8 +12,8 @@ One curve, one cache entry (``"step_costs"``), two readers:
   load-aware budget, and what a verified row's attention adds per token of context
   (``row_context_cost``: a row and ``ROW_COST_ROWS`` timed at ``SHORT_CONTEXT`` and at ``CONTEXT``
   one after the other, its own cache entry), so the budget prices rows over a 4k-token history
-  at what they cost there, not at the 1k profile's price. The points still missing are measured one forward at a time in the
-  scheduler's idle time (``StepProfile.pending``) and the complete profile stored; a complete
+  at what they cost there, not at the 1k profile's price. The points still missing are measured
+  one forward at a time in the scheduler's idle time (``StepProfile.pending``) and the complete profile stored; a complete
   cached profile is checked against two of its points timed again (``CHECK``).
 
 Each point is the fastest of ``REPEAT`` runs after one untimed run: the fastest is the least
@@ -217,12 +217,15 @@ class StepProfile:
 
     def _row_context_cost(self) -> Measurement:
         """``row_context_cost``'s two contexts, one right after the other (a machine whose speed
-        drifts over the day gives both the same speed)."""
+        drifts over the day gives both the same speed); taken here, and stored when both
+        measurements are plausible. Returns None: ``finish`` has nothing more to take."""
         rows = [self.base, ROW_COST_ROWS]
         short = yield from measure(self.engine, rows, SHORT_CONTEXT, REPEAT)
         long = yield from measure(self.engine, rows, self.context, REPEAT)
-        ok = plausible(short) and plausible(long)
-        return ("row_context_cost", row_context_cost_of(short, long, self.base, SHORT_CONTEXT, self.context), ok)
+        self.row_context_cost = row_context_cost_of(short, long, self.base, SHORT_CONTEXT, self.context)
+        if plausible(short) and plausible(long):
+            profile_cache.store(self.context_key, self.row_context_cost)
+        return None
 
     def _merged(self, gen: Measurement) -> Measurement:
         new = yield from gen
@@ -244,12 +247,7 @@ class StepProfile:
         """Take a finished ``pending`` measurement: None (the check confirmed the cached profile)
         or the complete profile. An implausible one is measured again, whole (the points kept
         from before may be the disturbed ones), up to ``ATTEMPTS`` times, then used but never
-        stored. (Or ``row_context_cost``'s, stored when both its measurements were plausible.)"""
-        if isinstance(result, tuple) and result[0] == "row_context_cost":
-            self.row_context_cost = result[1]
-            if result[2]:
-                profile_cache.store(self.context_key, result[1])
-            return
+        stored."""
         self._checked = True
         if result is None:
             return
