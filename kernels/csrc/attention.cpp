@@ -136,6 +136,71 @@ void transpose_into(const Args& a, int hk, int jb, int nb, float* dst, int64_t d
     else (f ? transpose_block_128f : transpose_block_128h)(a, hk, jb, nb, dst, dst_st);
 }
 
+// Query heads per pass of the inner loops at most: a pass over a key block keeps GC x 4
+// accumulators (and the block's 4 key vectors) in registers, 20 of AVX-512's 32 at GC = 4. A kv
+// head's G query heads go in passes of at most GC (7 = 4 + 3) over the same block, read from L1.
+// Each head's arithmetic is its own (nothing is summed across heads), so the passes change no
+// bits; they keep the compiled code to 4 inner shapes instead of one body per G.
+constexpr int GC = 4;
+
+// scores of GN heads (queries qs[g * HD + d], scaled) against the nc 16-key chunks of a
+// transposed key block (kb[d * kst + j]), into S[g * Lr + jb + j]
+template <int GN, int HD>
+static inline __attribute__((always_inline)) void score_heads(const float* qs, const float* kb, int64_t kst, int nc,
+                                                            float* S, int64_t Lr, int jb) {
+    if (nc == 4) {
+        v16 acc[GN][4];
+        for (int g = 0; g < GN; ++g)
+            for (int c = 0; c < 4; ++c) acc[g][c] = v16{};
+        for (int d = 0; d < HD; ++d) {
+            const float* kr = kb + (int64_t)d * kst;
+            v16 k0 = load16(kr), k1 = load16(kr + 16), k2 = load16(kr + 32), k3 = load16(kr + 48);
+            for (int g = 0; g < GN; ++g) {
+                const float qd = qs[g * HD + d];
+                acc[g][0] = acc[g][0] + qd * k0;
+                acc[g][1] = acc[g][1] + qd * k1;
+                acc[g][2] = acc[g][2] + qd * k2;
+                acc[g][3] = acc[g][3] + qd * k3;
+            }
+        }
+        for (int g = 0; g < GN; ++g)
+            for (int c = 0; c < 4; ++c) store16(S + (int64_t)g * Lr + jb + 16 * c, acc[g][c]);
+    } else {
+        for (int c = 0; c < nc; ++c) {
+            v16 acc[GN];
+            for (int g = 0; g < GN; ++g) acc[g] = v16{};
+            for (int d = 0; d < HD; ++d) {
+                v16 k0 = load16(kb + (int64_t)d * kst + 16 * c);
+                for (int g = 0; g < GN; ++g) acc[g] = acc[g] + qs[g * HD + d] * k0;
+            }
+            for (int g = 0; g < GN; ++g) store16(S + (int64_t)g * Lr + jb + 16 * c, acc[g]);
+        }
+    }
+}
+
+// o[g, d0 .. d0 + 64) += sum over the visible keys i in [c0, c1) of p[g, i] * v[idx[i], d0 ..],
+// sequentially in i, for GN heads (o: the row's output, the running sums between chunks)
+template <int GN, int HD, typename KV>
+static inline __attribute__((always_inline)) void pv_heads(float* o, const float* S, int64_t Lr, const KV* v,
+                                                         const int32_t* idx, int c0, int c1, int d0) {
+    v16 acc[GN][4];
+    for (int g = 0; g < GN; ++g)
+        for (int c = 0; c < 4; ++c) acc[g][c] = load16(o + g * HD + d0 + 16 * c);
+    for (int i = c0; i < c1; ++i) {
+        const KV* vr = v + (int64_t)idx[i] * HD + d0;
+        v16 v0 = load_kv(vr), v1 = load_kv(vr + 16), v2 = load_kv(vr + 32), v3 = load_kv(vr + 48);
+        for (int g = 0; g < GN; ++g) {
+            const float w = S[(int64_t)g * Lr + i];
+            acc[g][0] = acc[g][0] + w * v0;
+            acc[g][1] = acc[g][1] + w * v1;
+            acc[g][2] = acc[g][2] + w * v2;
+            acc[g][3] = acc[g][3] + w * v3;
+        }
+    }
+    for (int g = 0; g < GN; ++g)
+        for (int c = 0; c < 4; ++c) store16(o + g * HD + d0 + 16 * c, acc[g][c]);
+}
+
 // One (kv head hk, rows t0 .. t0 + nr): for each row t, the G query heads h = hk*G + g of row t;
 // HD: head_dim (64 or 128); KV: the cache's element type (float, or uint16_t for bfloat16).
 // The rows of a group share the reads of the cache: each 64-key block of keys (transposed) and
@@ -145,9 +210,9 @@ void transpose_into(const Args& a, int hk, int jb, int nb, float* dst, int64_t d
 // the one-row kernel's, in the same order (its partial sums of p @ v go through its output
 // between chunks: stores and loads, exact), so a row's bits depend neither on the group nor on
 // the other rows.
-template <int G, int HD, typename KV>
+template <int HD, typename KV>
 static inline __attribute__((always_inline)) void group_body(const Args& a, int hk, int t0, int nr, Scratch& sc) {
-    const int Lr = a.Lr;
+    const int Lr = a.Lr, G = a.H / a.Hkv;
     sc.s.resize((size_t)nr * G * Lr);
     sc.idx.resize((size_t)nr * Lr);
     sc.q.resize((size_t)nr * G * HD);
@@ -202,32 +267,14 @@ static inline __attribute__((always_inline)) void group_body(const Args& a, int 
             if (!need[r]) continue;
             const float* qs = sc.q.data() + (size_t)r * G * HD;
             float* S = sc.s.data() + (size_t)r * G * Lr;
-            if (nc == 4) {
-                v16 acc[G][4];
-                for (int g = 0; g < G; ++g)
-                    for (int c = 0; c < 4; ++c) acc[g][c] = v16{};
-                for (int d = 0; d < HD; ++d) {
-                    const float* kr = kb + (int64_t)d * kst;
-                    v16 k0 = load16(kr), k1 = load16(kr + 16), k2 = load16(kr + 32), k3 = load16(kr + 48);
-                    for (int g = 0; g < G; ++g) {
-                        const float qd = qs[g * HD + d];
-                        acc[g][0] = acc[g][0] + qd * k0;
-                        acc[g][1] = acc[g][1] + qd * k1;
-                        acc[g][2] = acc[g][2] + qd * k2;
-                        acc[g][3] = acc[g][3] + qd * k3;
-                    }
-                }
-                for (int g = 0; g < G; ++g)
-                    for (int c = 0; c < 4; ++c) store16(S + (int64_t)g * Lr + jb + 16 * c, acc[g][c]);
-            } else {
-                for (int c = 0; c < nc; ++c) {
-                    v16 acc[G];
-                    for (int g = 0; g < G; ++g) acc[g] = v16{};
-                    for (int d = 0; d < HD; ++d) {
-                        v16 k0 = load16(kb + (int64_t)d * kst + 16 * c);
-                        for (int g = 0; g < G; ++g) acc[g] = acc[g] + qs[g * HD + d] * k0;
-                    }
-                    for (int g = 0; g < G; ++g) store16(S + (int64_t)g * Lr + jb + 16 * c, acc[g]);
+            for (int g0 = 0; g0 < G; g0 += GC) {
+                const float* q0 = qs + g0 * HD;
+                float* S0 = S + (int64_t)g0 * Lr;
+                switch (std::min(GC, G - g0)) {
+                    case 1: score_heads<1, HD>(q0, kb, kst, nc, S0, Lr, jb); break;
+                    case 2: score_heads<2, HD>(q0, kb, kst, nc, S0, Lr, jb); break;
+                    case 3: score_heads<3, HD>(q0, kb, kst, nc, S0, Lr, jb); break;
+                    default: score_heads<4, HD>(q0, kb, kst, nc, S0, Lr, jb); break;
                 }
             }
         }
@@ -251,50 +298,29 @@ static inline __attribute__((always_inline)) void group_body(const Args& a, int 
             const int32_t* idx = sc.idx.data() + (size_t)r * Lr;
             const float* S = sc.s.data() + (size_t)r * G * Lr;
             float* outp = a.out + ((int64_t)(t0 + r) * a.H + (int64_t)hk * G) * HD;
-            for (int d0 = 0; d0 < HD; d0 += 64) {
-                v16 acc[G][4];
-                for (int g = 0; g < G; ++g)
-                    for (int c = 0; c < 4; ++c) acc[g][c] = load16(outp + g * HD + d0 + 16 * c);
-                for (int i = c0; i < c1; ++i) {
-                    const KV* vr = v + (int64_t)idx[i] * HD + d0;
-                    v16 v0 = load_kv(vr), v1 = load_kv(vr + 16), v2 = load_kv(vr + 32), v3 = load_kv(vr + 48);
-                    for (int g = 0; g < G; ++g) {
-                        const float w = S[(int64_t)g * Lr + i];
-                        acc[g][0] = acc[g][0] + w * v0;
-                        acc[g][1] = acc[g][1] + w * v1;
-                        acc[g][2] = acc[g][2] + w * v2;
-                        acc[g][3] = acc[g][3] + w * v3;
+            for (int d0 = 0; d0 < HD; d0 += 64)
+                for (int g0 = 0; g0 < G; g0 += GC) {
+                    float* o0 = outp + g0 * HD;
+                    const float* S0 = S + (int64_t)g0 * Lr;
+                    switch (std::min(GC, G - g0)) {
+                        case 1: pv_heads<1, HD, KV>(o0, S0, Lr, v, idx, c0, c1, d0); break;
+                        case 2: pv_heads<2, HD, KV>(o0, S0, Lr, v, idx, c0, c1, d0); break;
+                        case 3: pv_heads<3, HD, KV>(o0, S0, Lr, v, idx, c0, c1, d0); break;
+                        default: pv_heads<4, HD, KV>(o0, S0, Lr, v, idx, c0, c1, d0); break;
                     }
                 }
-                for (int g = 0; g < G; ++g)
-                    for (int c = 0; c < 4; ++c) store16(outp + g * HD + d0 + 16 * c, acc[g][c]);
-            }
         }
     }
 }
 
-template <int HD, typename KV>
-static inline __attribute__((always_inline)) void group_task_t(const Args& a, int hk, int t0, int nr, Scratch& sc) {
-    switch (a.H / a.Hkv) {
-        case 1: return group_body<1, HD, KV>(a, hk, t0, nr, sc);
-        case 2: return group_body<2, HD, KV>(a, hk, t0, nr, sc);
-        case 3: return group_body<3, HD, KV>(a, hk, t0, nr, sc);
-        case 4: return group_body<4, HD, KV>(a, hk, t0, nr, sc);
-        case 5: return group_body<5, HD, KV>(a, hk, t0, nr, sc);
-        case 6: return group_body<6, HD, KV>(a, hk, t0, nr, sc);
-        case 7: return group_body<7, HD, KV>(a, hk, t0, nr, sc);
-        default: return group_body<8, HD, KV>(a, hk, t0, nr, sc);
-    }
-}
-
 AGENTSPEC_CLONES
-void group_task_64f(const Args& a, int hk, int t0, int nr, Scratch& sc) { group_task_t<64, float>(a, hk, t0, nr, sc); }
+void group_task_64f(const Args& a, int hk, int t0, int nr, Scratch& sc) { group_body<64, float>(a, hk, t0, nr, sc); }
 AGENTSPEC_CLONES
-void group_task_128f(const Args& a, int hk, int t0, int nr, Scratch& sc) { group_task_t<128, float>(a, hk, t0, nr, sc); }
+void group_task_128f(const Args& a, int hk, int t0, int nr, Scratch& sc) { group_body<128, float>(a, hk, t0, nr, sc); }
 AGENTSPEC_CLONES
-void group_task_64h(const Args& a, int hk, int t0, int nr, Scratch& sc) { group_task_t<64, uint16_t>(a, hk, t0, nr, sc); }
+void group_task_64h(const Args& a, int hk, int t0, int nr, Scratch& sc) { group_body<64, uint16_t>(a, hk, t0, nr, sc); }
 AGENTSPEC_CLONES
-void group_task_128h(const Args& a, int hk, int t0, int nr, Scratch& sc) { group_task_t<128, uint16_t>(a, hk, t0, nr, sc); }
+void group_task_128h(const Args& a, int hk, int t0, int nr, Scratch& sc) { group_body<128, uint16_t>(a, hk, t0, nr, sc); }
 
 // Keys of kv head hk, slots [j0, j1) (multiple of 16), transposed to kt[hk][d][j]
 template <int HD, typename KV>

@@ -23,10 +23,13 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="agentspec
 H, HKV, D = 9, 3, 64
 
 
-@pytest.fixture(params=[(9, 3, 64), (12, 2, 128)], ids=["hd64", "hd128"])
+@pytest.fixture(params=[(9, 3, 64), (12, 2, 128), (14, 2, 64), (10, 2, 128), (16, 2, 64)],
+                ids=["hd64", "hd128", "hd64-g7", "hd128-g5", "hd64-g8"])
 def shape(request, monkeypatch):
-    """The float32 kernel's head shapes: SmolLM2's (head_dim 64) and Qwen2.5-Coder-1.5B's (128);
-    the tests below read H, HKV and D from the module."""
+    """The float32 kernel's head shapes: SmolLM2's (head_dim 64, 3 query heads per kv head),
+    Qwen2.5-Coder-1.5B's (128, 6: two passes of the inner loops, 4 + 2 heads) and -0.5B's (64, 7:
+    4 + 3), and 5 and 8 query heads per kv head (4 + 1, 4 + 4); the tests below read H, HKV and D
+    from the module."""
     mod = sys.modules[__name__]
     for name, value in zip(("H", "HKV", "D"), request.param):
         monkeypatch.setattr(mod, name, value)
