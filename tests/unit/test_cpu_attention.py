@@ -212,6 +212,66 @@ def test_rows_sharing_the_cache_reads_get_the_bits_of_each_row_alone(kv_dtype):
             assert torch.equal(cpu_attention.segment_attention(q, kv, segs, group=group), alone), (start, T, group)
 
 
+@pytest.mark.usefixtures("shape")
+def test_each_query_head_gets_the_bits_it_gets_alone():
+    """A kv head's query heads go through the kernel's inner loops a few at a time (7 = 4 + 3):
+    each head's output equals, bit for bit, that head computed alone against its kv head (one
+    query head, one kv head), on tree masks, all-visible rows and a masked prefix."""
+    G = H // HKV
+    g = torch.Generator().manual_seed(G)
+    rng = random.Random(G)
+    for start, T in ((0, 3), (300, 9), (1100, 1)):
+        L = start + T
+        k, v = make_cache(g, L + 5)
+        q = torch.randn(H, T, D, generator=g)
+        mask = torch.zeros(T, L, dtype=torch.bool)
+        mask[:, start // 3:start] = True
+        mask[:, start:] = tree_mask(random_parents(rng, T))
+        for m in (mask, None):
+            out = cpu_attention.decode_attention(q, k, v, m, L)
+            for h in range(H):
+                kv = h // G
+                alone = cpu_attention.decode_attention(q[h:h + 1], k[kv:kv + 1], v[kv:kv + 1], m, L)
+                assert torch.equal(alone[:, 0], out[:, h]), (start, T, h)
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (14, 2), (8, 1)], ids=["g3", "g7", "g8"])
+def test_fused_each_query_head_gets_the_bits_it_gets_alone(heads, monkeypatch):
+    """The bfloat16 rows kernel (QKVAttention, head_dim 64) takes a kv head's query heads a few
+    at a time too: each head's output equals that head alone (its q, its kv head's k and v, a
+    cache holding only that kv head), bit for bit, on every kind of segment of _segments_case."""
+    from agentspec.backends.embedded.model import ModelArgs
+
+    mod = sys.modules[__name__]
+    monkeypatch.setattr(mod, "H", heads[0])
+    monkeypatch.setattr(mod, "HKV", heads[1])
+    monkeypatch.setattr(mod, "D", 64)
+    h_, hkv_, G = heads[0], heads[1], heads[0] // heads[1]
+    segs, qkv, cos, sin = _segments_case(11)
+    q_w = h_ * D
+    # each head's inputs before the call writes the rows' keys / values into the caches
+    singles = []
+    for h in range(h_):
+        kv = h // G
+        rows = torch.cat([qkv[:, h * D:(h + 1) * D], qkv[:, q_w + kv * D:q_w + (kv + 1) * D],
+                          qkv[:, q_w + (hkv_ + kv) * D:q_w + (hkv_ + kv + 1) * D]], 1).contiguous()
+        args1 = ModelArgs(dim=64, n_layers=2, n_heads=1, n_kv_heads=1, hidden_dim=256, vocab_size=300,
+                          max_seq_len=2048)
+        segs1 = []
+        for c, P, L, mask, T in segs:
+            c1 = packed_cache(args1, c.capacity)
+            c1.k[:, 0, :P] = c.k[:, kv, :P]
+            c1.v[:, 0, :P] = c.v[:, kv, :P]
+            cpu_attention.sync_packed(c1, range(P))
+            segs1.append((c1, P, L, mask, T))
+        singles.append((rows, segs1))
+    together = cpu_attention.QKVAttention(segs, cos, sin, n_heads=h_, n_kv_heads=hkv_, head_dim=D,
+                                          mode="rows")(qkv, 1).clone()
+    for h, (rows, segs1) in enumerate(singles):
+        alone = cpu_attention.QKVAttention(segs1, cos, sin, n_heads=1, n_kv_heads=1, head_dim=D, mode="rows")(rows, 1)
+        assert torch.equal(alone, together[:, h * D:(h + 1) * D]), h
+
+
 @pytest.mark.parametrize("T", [1, 2, 3, 17])
 def test_bfloat16_cache_equals_a_float32_cache_of_its_values(T):
     """A bfloat16 cache is read as the floats it holds: the bits of a float32 cache holding the same
@@ -478,7 +538,7 @@ def _segments_case(seed: int):
     part of the prefix, a mask-less segment and a one-row (plain decoding) segment."""
     from agentspec.backends.embedded.model import ModelArgs
 
-    args = ModelArgs(dim=576, n_layers=2, n_heads=H, n_kv_heads=HKV, hidden_dim=256, vocab_size=300,
+    args = ModelArgs(dim=H * D, n_layers=2, n_heads=H, n_kv_heads=HKV, hidden_dim=256, vocab_size=300,
                      max_seq_len=2048)
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
