@@ -134,7 +134,32 @@ setup_serve() {
     # (a venv other than .venv builds in a CMake dir of its own: build/editable/ belongs to .venv)
     local -a build_dir=()
     [ "$VENV" = .venv ] || build_dir=(--config-settings="build-dir=build/editable-$(basename "$VENV")/{wheel_tag}")
-    "${PIP[@]}" --no-build-isolation "${build_dir[@]}" -e .
+    if [ "$MODE" = test ] && ! test_ok; then
+        # everything after this stage needs too, while the extensions compile (the C++ build uses
+        # the cores, pip mostly waits on downloads and unpacking): the package's own dependencies
+        # and the [dev] extras in one pip run beside the build, which then installs the package
+        # alone (--no-deps), so the two never write the same files
+        local -a deps dev_reqs
+        mapfile -t deps < <(pyproject project dependencies)
+        mapfile -t dev_reqs < <(pyproject project optional-dependencies dev)
+        local pip_log pip_pid
+        pip_log="$(mktemp)"
+        "${PIP[@]}" "${deps[@]}" "${dev_reqs[@]}" >"$pip_log" 2>&1 &
+        pip_pid=$!
+        if ! "${PIP[@]}" --no-build-isolation --no-deps "${build_dir[@]}" -e .; then
+            wait "$pip_pid" || true
+            cat "$pip_log" >&2; rm -f "$pip_log"
+            exit 1
+        fi
+        if ! wait "$pip_pid"; then
+            cat "$pip_log" >&2; rm -f "$pip_log"
+            echo "[setup] error: installing the dependencies and the [dev] extras failed (above); re-run $AGAIN" >&2
+            exit 1
+        fi
+        cat "$pip_log" >&2; rm -f "$pip_log"
+    else
+        "${PIP[@]}" --no-build-isolation "${build_dir[@]}" -e .
+    fi
     # The editable's import hook (_editable_skbc_*.py) maps every module to the source tree by itself;
     # the folders scikit-build-core also lists in its .pth (the repo root and its parent, derived from
     # the agentspec/kernels -> kernels mapping) would make kernels/, integrations/ and any sibling of the
