@@ -45,6 +45,7 @@ ROW_COST_ROWS = 33                        # the row cost's draft-sized step
 CHECK = (2, 33)                           # a cached profile's points timed again
 CHECK_TOLERANCE = 1.5
 ATTEMPTS = 3                              # measurements before an implausible one is used (never stored)
+PREFILLED = 64                            # context tokens a measurement prefills (the rest: written)
 
 Measurement = Generator[None, None, Any]
 
@@ -97,19 +98,34 @@ def stand_in(row_cost: float, grid: Sequence[int] = GRID) -> dict[int, float]:
 def measure(engine, grid: Sequence[int], context: int, repeat: int) -> Measurement:
     """Time one forward of n rows for each n in ``grid`` (segments of up to 33 rows, each over
     ``context`` cached tokens), the fastest of ``repeat`` runs after an untimed one. A generator:
-    it yields after each forward (and after each 256-token piece of the untimed prefill), so a
-    scheduler can run requests in between, and returns ``{rows: seconds}``."""
+    it yields after each forward (and after filling the cache), so a scheduler can run requests
+    in between, and returns ``{rows: seconds}``."""
     from .model import Segment
 
     dev = engine.device
     context = min(context, engine.max_context - 64)
     cache = engine.new_cache(round_up(context + 64, 256))
-    ids = torch.arange(100, 100 + context, device=dev) % engine.args.vocab_size
-    for a in range(0, context, 256):
-        b = min(a + 256, context)
-        with torch.inference_mode():  # never across a yield: the scheduler runs in between
-            engine.model(ids[a:b], torch.arange(a, b, device=dev), cache, logits_rows=slice(-1, None))
-            cache.commit(list(range(b - a)))
+    # The first PREFILLED tokens go through a real prefill (it warms the prompt path up: start()
+    # runs this as the first forwards of a process); the rest of the context's keys and values
+    # are written straight into the cache: no attention kernel's time depends on the values
+    # (no data-dependent path; random bfloat16-representable values, no subnormals), and a
+    # prefill of the whole context would take longer than the measurement itself (seconds for
+    # a 1.5B model on 2 cores, at every start that checks a cached profile).
+    warm = min(context, PREFILLED)
+    ids = torch.arange(100, 100 + warm, device=dev) % engine.args.vocab_size
+    with torch.inference_mode():  # never across a yield: the scheduler runs in between
+        engine.model(ids, torch.arange(warm, device=dev), cache, logits_rows=slice(-1, None))
+        cache.commit(list(range(warm)))
+    yield
+    if context > warm:
+        g = torch.Generator().manual_seed(0)
+        n_layers, n_kv, _, head_dim = cache.k.shape
+        with torch.inference_mode():
+            k, v = ((torch.randn(n_layers, n_kv, context - warm, head_dim, generator=g) * 0.5)
+                    .to(torch.bfloat16).to(device=dev, dtype=cache.k.dtype) for _ in range(2))
+            cache.load(warm, k, v)
+            cache.commit(list(range(context - warm)))
+            del k, v
         yield
     costs: dict[int, float] = {}
     for n in grid:
