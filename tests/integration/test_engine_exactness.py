@@ -38,8 +38,9 @@ def test_greedy_identity_rewrites_and_chat(engine, plain_greedy, rewrite_prompts
     rw = [s.stats for _, s in pairs[: len(rewrite_prompts)]]
     assert sum(s.accepted_tokens for s in rw) > 0.3 * sum(s.completion_tokens for s in rw)
     assert sum(s.steps for s in rw) < sum(s.completion_tokens for s in rw)
-    # the whole budget verified every step (no cost cut): same tokens, longer trees
-    for i, ids in enumerate(rewrite_prompts):
+    # the whole budget verified every step (no cost cut): same tokens, longer trees (four rewrites:
+    # test_verification_logits_equal_plain_logits_bitwise checks every row of such steps too)
+    for i, ids in enumerate(rewrite_prompts[:4]):
         full = engine.generate(ids, max_tokens=MAX_TOKENS, spec=SpecConfig(row_cost=0.0))
         assert full.token_ids == pairs[i][0].token_ids, f"full-budget speculation differs on rewrite {i}"
     # chat prompts are where drafts get rejected: the loop must survive that too
@@ -227,14 +228,14 @@ def test_verification_logits_equal_plain_logits_bitwise(engine, rewrite_prompts,
         for ids in rewrite_prompts[:n_prompts]:
             P = len(ids)
             recorded.clear()
-            plain = engine.generate(ids, max_tokens=96, spec=None)
+            plain = engine.generate(ids, max_tokens=64, spec=None)
             plain_logits = {P + j - 1: recorded[j][3][0] for j in range(1, len(recorded))}
             # a bfloat16 model on CPU decodes one row per step (native row-invariant linears)
             rows = {rec[0].shape[0] for rec in recorded[1:]}
             assert rows == ({1} if engine.model.row_invariant(engine.new_cache(16)) else {2})
             for drafter in (default_drafter(), NoisyTreeDrafter(seed=7, vocab=engine.vocab_size)):
                 recorded.clear()
-                g = engine.generate(ids, max_tokens=96, spec=SpecConfig(row_cost=0.0), drafter=drafter)
+                g = engine.generate(ids, max_tokens=64, spec=SpecConfig(row_cost=0.0), drafter=drafter)
                 assert g.token_ids == plain.token_ids
                 out = g.token_ids
                 for tok, pos, mask, logits, start in recorded[1:]:
