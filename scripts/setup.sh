@@ -57,6 +57,7 @@ if [ "$CONSTRAINTS" != none ] && [ ! -f "$CONSTRAINTS" ]; then
     exit 2
 fi
 SERVE_STAMP="$VENV/.agentspec-serve"
+DEV_INSTALLED=0
 TEST_STAMP="$VENV/.agentspec-test"
 
 # Python 3.11+ (the venv's when there is one, else the one that would make it), before anything else
@@ -142,21 +143,19 @@ setup_serve() {
         local -a deps dev_reqs
         mapfile -t deps < <(pyproject project dependencies)
         mapfile -t dev_reqs < <(pyproject project optional-dependencies dev)
-        local pip_log pip_pid
+        local pip_log pip_pid built=0 deps_ok=0
         pip_log="$(mktemp)"
         "${PIP[@]}" "${deps[@]}" "${dev_reqs[@]}" >"$pip_log" 2>&1 &
         pip_pid=$!
-        if ! "${PIP[@]}" --no-build-isolation --no-deps "${build_dir[@]}" -e .; then
-            wait "$pip_pid" || true
-            cat "$pip_log" >&2; rm -f "$pip_log"
-            exit 1
-        fi
-        if ! wait "$pip_pid"; then
-            cat "$pip_log" >&2; rm -f "$pip_log"
+        "${PIP[@]}" --no-build-isolation --no-deps "${build_dir[@]}" -e . && built=1
+        wait "$pip_pid" && deps_ok=1
+        cat "$pip_log" >&2; rm -f "$pip_log"
+        [ "$built" = 1 ] || exit 1
+        if [ "$deps_ok" != 1 ]; then
             echo "[setup] error: installing the dependencies and the [dev] extras failed (above); re-run $AGAIN" >&2
             exit 1
         fi
-        cat "$pip_log" >&2; rm -f "$pip_log"
+        DEV_INSTALLED=1
     else
         "${PIP[@]}" --no-build-isolation "${build_dir[@]}" -e .
     fi
@@ -183,9 +182,11 @@ PY
 setup_test() {
     echo "[setup] installing what the tests and benchmarks need into $VENV (the [dev] extras)" >&2
     # the extras by themselves, not `pip install -e .[dev]`: the package is installed already
-    local -a dev_reqs
-    mapfile -t dev_reqs < <(pyproject project optional-dependencies dev)
-    "${PIP[@]}" "${dev_reqs[@]}"
+    if [ "$DEV_INSTALLED" != 1 ]; then  # (else installed beside the build: setup_serve)
+        local -a dev_reqs
+        mapfile -t dev_reqs < <(pyproject project optional-dependencies dev)
+        "${PIP[@]}" "${dev_reqs[@]}"
+    fi
     "$VENV/bin/python" -c "import pytest, transformers; print('[setup] tests ok: pytest', pytest.__version__, '| transformers', transformers.__version__)" >&2
     echo "$TEST_WANT" > "$TEST_STAMP"
 }

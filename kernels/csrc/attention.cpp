@@ -110,8 +110,8 @@ static inline __attribute__((always_inline)) void transpose_block(const Args& a,
 }
 
 // the dispatched (target_clones) transposes: head_dim 64 / 128, a float32 (f) or bfloat16 (h)
-// cache; called (not inlined) from group_body too, so the shuffles are compiled once per variant
-// rather than once per query-head count (eight times the compile time otherwise)
+// cache; called (not inlined) from group_body and transpose_keys, so the shuffles are compiled
+// once per ISA variant
 AGENTSPEC_CLONES
 void transpose_block_64f(const Args& a, int hk, int jb, int nb, float* dst, int64_t dst_st) {
     transpose_block<64, float>(a, hk, jb, nb, dst, dst_st);
@@ -135,13 +135,6 @@ void transpose_into(const Args& a, int hk, int jb, int nb, float* dst, int64_t d
     if constexpr (HD == 64) (f ? transpose_block_64f : transpose_block_64h)(a, hk, jb, nb, dst, dst_st);
     else (f ? transpose_block_128f : transpose_block_128h)(a, hk, jb, nb, dst, dst_st);
 }
-
-// Query heads per pass of the inner loops at most: a pass over a key block keeps GC x 4
-// accumulators (and the block's 4 key vectors) in registers, 20 of AVX-512's 32 at GC = 4. A kv
-// head's G query heads go in passes of at most GC (7 = 4 + 3) over the same block, read from L1.
-// Each head's arithmetic is its own (nothing is summed across heads), so the passes change no
-// bits; they keep the compiled code to 4 inner shapes instead of one body per G.
-constexpr int GC = 4;
 
 // scores of GN heads (queries qs[g * HD + d], scaled) against the nc 16-key chunks of a
 // transposed key block (kb[d * kst + j]), into S[g * Lr + jb + j]

@@ -17,6 +17,12 @@ namespace attn {
 constexpr int D = 64;        // head_dim (SmolLM2-135M)
 constexpr int KB = 64;       // keys per score block (4 x 16 floats)
 constexpr int MAXG = 8;      // query heads per kv head supported
+// Query heads per pass of the kernels' dot-product loops at most: a kv head's G query heads go in
+// passes of at most GC (7 = 4 + 3) over the same keys / values, read from L1. Each head's
+// arithmetic is its own (nothing is summed across heads), so the passes change no bits; they keep
+// the compiled code to GC inner shapes instead of one body per G. At GC = 4 a pass of the float32
+// kernel keeps 4 x 4 accumulators and a block's 4 key vectors in registers (20 of AVX-512's 32).
+constexpr int GC = 4;
 
 static inline v16 load16(const float* p) { v16 x; std::memcpy(&x, p, sizeof x); return x; }
 static inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
