@@ -404,7 +404,9 @@ class Block(nn.Module):
         return self._mlp(self.proj(lin, 1, o, residual=x), lin)
 
 
-PREFILL_BLOCK = 128
+PREFILL_BLOCK = 32   # queries per prompt-attention block: a chunk that starts or ends inside a block pays
+# for the whole block (an agent's turn after a cached history: both ends), so the block is small; SDPA's CPU
+# flash kernel runs 32-query blocks internally anyway, so a 32-row call costs a quarter of a 128-row one
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int = 0) -> torch.Tensor:
@@ -451,7 +453,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, star
     return out.view(H, T, D).to(q.dtype)
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=16)
 def _block_mask(b0: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``[B, b0 + B]`` additive mask of the query block at ``b0``: every key before it, the causal
     triangle within it (built once per block and shared by the layers: SDPA would convert a
