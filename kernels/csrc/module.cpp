@@ -9,7 +9,7 @@ namespace nb = nanobind;
 
 NB_MODULE(_cpu, m) {
     m.doc() = "agentspec CPU kernels: exact decode / tree-verification attention, row-invariant bf16 linears";
-    m.def("abi_version", []() { return 15; });
+    m.def("abi_version", []() { return 16; });
     m.def("linear_q", &linear_q, nb::arg("x"), nb::arg("x_stride"), nb::arg("M"), nb::arg("q"), nb::arg("scales"),
           nb::arg("mins"), nb::arg("sub_scales"), nb::arg("sub_mins"), nb::arg("fmt"), nb::arg("block"), nb::arg("N"), nb::arg("K"), nb::arg("out"),
           nb::arg("out_stride"), nb::arg("threads") = 0, nb::arg("act") = 0, nb::arg("norm_weight") = 0,

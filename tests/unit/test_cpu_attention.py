@@ -184,12 +184,12 @@ def test_segment_attention_equals_each_segment_alone():
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_rows_sharing_the_cache_reads_get_the_bits_of_each_row_alone(kv_dtype):
     """Rows of one request share each block of keys and chunk of values they read (groups of 1 to 8
-    rows, the kernel's choice by default): whatever the grouping, each row gets the bits it gets
-    alone. Rows that see different prefixes (a masked prefix, a pad row that sees only itself,
+    rows, the kernel's choice by default: one pass per kv head where the threads allow): whatever
+    the grouping, each row gets the bits it gets alone. Rows that see different prefixes (a masked prefix, a pad row that sees only itself,
     trees whose branches end at different depths) and contexts that end mid-block and mid-chunk."""
     g = torch.Generator().manual_seed(21)
     rng = random.Random(21)
-    for start, T in ((0, 5), (63, 9), (200, 17), (1000, 13)):
+    for start, T in ((0, 5), (63, 9), (200, 17), (1000, 13), (500, 3), (300, 7)):
         L = start + T
         k, v = (x.to(kv_dtype) for x in make_cache(g, L + 16))
         q = torch.randn(H, T, D, generator=g)
