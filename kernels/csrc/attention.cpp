@@ -65,7 +65,7 @@ static inline int group_rows(int units, int threads, int group) {
 // a layer, 5 rows 1.88 -> 1.59. Any grouping gives the same bits.
 static inline int segment_group_rows(int T, int Hkv, int threads, int group) {
     if (group > 0) return std::min(MAXR, group);
-    const int ng = std::max(1, std::min(T, threads / std::gcd(std::max(1, Hkv), std::max(1, threads))));
+    const int ng = std::max(1, std::min(T, threads / std::gcd(Hkv, threads)));   // Hkv, threads >= 1
     return std::min(MAXR, (T + ng - 1) / ng);
 }
 

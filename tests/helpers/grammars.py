@@ -5,9 +5,10 @@ weights."""
 from __future__ import annotations
 
 import functools
+import re
 
-__all__ = ["LARK_GRAMMAR", "PERSON_SCHEMA", "TOOL_ARGS_SCHEMA", "bundled_tokenizer", "json_grammar", "lark_grammar",
-           "tool_call_grammar"]
+__all__ = ["LARK_GRAMMAR", "LARK_STATEMENT", "LARK_STATEMENT_START", "PERSON_SCHEMA", "TOOL_ARGS_SCHEMA",
+           "bundled_tokenizer", "json_grammar", "lark_grammar", "tool_call_grammar"]
 
 # a nested object, an enum, an array, a string that may hold escapes (short strings: a small
 # model's output completes within a test's few dozen tokens)
@@ -55,6 +56,11 @@ OP: " + " | " * " | " - "
 NAME: /[a-z][a-z0-9_]{0,8}/
 NUMBER: /[0-9]{1,4}/
 """
+# LARK_GRAMMAR's statement as a regex (an oracle independent of the grammar engine), whole and begun
+_NAME = r"[a-z][a-z0-9_]{0,8}"
+_ATOM = rf"(?:{_NAME}|[0-9]{{1,4}})"
+LARK_STATEMENT = re.compile(rf"let {_NAME} = {_ATOM}(?: [+*-] {_ATOM})*;\n")
+LARK_STATEMENT_START = re.compile(r"(?:l|le|let|let [a-z0-9_ =+*-]*;?)")
 
 
 def json_grammar(schema: dict | None = None, *, compact: bool = True) -> str:

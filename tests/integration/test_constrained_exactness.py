@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 
 import jsonschema
 import pytest
@@ -19,7 +18,8 @@ from agentspec.backends.protocol import GenerationRequest, collect
 from agentspec.decode.constraint import Constraint
 from agentspec.errors import InvalidRequestError
 
-from helpers.grammars import PERSON_SCHEMA, TOOL_ARGS_SCHEMA, json_grammar, lark_grammar, tool_call_grammar
+from helpers.grammars import (LARK_STATEMENT, LARK_STATEMENT_START, PERSON_SCHEMA, TOOL_ARGS_SCHEMA, json_grammar,
+                              lark_grammar, tool_call_grammar)
 
 pytestmark = pytest.mark.slow
 
@@ -39,10 +39,6 @@ TOOL_MESSAGES = [
     {"role": "user", "content": "Now read setup.py"},
 ]
 MAX_TOKENS = 64
-# LARK_GRAMMAR's statement, whole and begun (helpers/grammars.py)
-_ATOM = r"(?:[a-z][a-z0-9_]{0,8}|[0-9]{1,4})"
-STATEMENT = re.compile(rf"let [a-z][a-z0-9_]{{0,8}} = {_ATOM}(?: [+*-] {_ATOM})*;\n")
-STATEMENT_START = re.compile(r"(?:l|le|let|let [a-z0-9_ =+*-]*;?)")
 FREE_TOKENS = 24   # the same prompts without the grammar: enough to see the grammar change them
 
 
@@ -128,12 +124,12 @@ def _check_follows(name: str, g) -> None:
         # ends (how many it writes depends on the CPU's rounding): then every statement but the
         # last is whole and the last is a statement's or "end"'s beginning
         *whole, last = text.split("\n")
-        assert whole and all(STATEMENT.fullmatch(line + "\n") for line in whole), text
+        assert whole and all(LARK_STATEMENT.fullmatch(line + "\n") for line in whole), text
         if g.finish_reason == "stop":
             assert last == "end", text
         else:
             assert g.finish_reason == "length" and len(g.token_ids) == MAX_TOKENS, g.finish_reason
-            assert "end".startswith(last) or STATEMENT_START.fullmatch(last), text
+            assert "end".startswith(last) or LARK_STATEMENT_START.fullmatch(last), text
     else:
         start = text.index("<tool_call>") + len("<tool_call>")
         body = text[start:text.index("</tool_call>", start)]

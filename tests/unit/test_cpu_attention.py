@@ -185,8 +185,9 @@ def test_segment_attention_equals_each_segment_alone():
 def test_rows_sharing_the_cache_reads_get_the_bits_of_each_row_alone(kv_dtype):
     """Rows of one request share each block of keys and chunk of values they read (groups of 1 to 8
     rows, the kernel's choice by default: one pass per kv head where the threads allow): whatever
-    the grouping, each row gets the bits it gets alone. Rows that see different prefixes (a masked prefix, a pad row that sees only itself,
-    trees whose branches end at different depths) and contexts that end mid-block and mid-chunk."""
+    the grouping, each row gets the bits it gets alone. Rows that see different prefixes (a masked
+    prefix, a pad row that sees only itself, trees whose branches end at different depths) and
+    contexts that end mid-block and mid-chunk."""
     g = torch.Generator().manual_seed(21)
     rng = random.Random(21)
     for start, T in ((0, 5), (63, 9), (200, 17), (1000, 13), (500, 3), (300, 7)):
