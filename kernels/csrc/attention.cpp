@@ -221,6 +221,14 @@ static inline __attribute__((always_inline)) void pv_heads(float* o, const float
         for (int c = 0; c < NV; ++c) store16(o + g * HD + 16 * c, acc[g][c]);
 }
 
+// pv_heads for the n (1 .. N) heads of one pass, at the shape compiled for n
+template <int N, int HD, typename KV>
+static inline __attribute__((always_inline)) void pv_pass(int n, float* o, const float* S, int64_t Lr, const KV* v,
+                                                        const int32_t* idx, int c0, int c1) {
+    if (n >= N) pv_heads<N, HD, KV>(o, S, Lr, v, idx, c0, c1);
+    else if constexpr (N > 1) pv_pass<N - 1, HD, KV>(n, o, S, Lr, v, idx, c0, c1);
+}
+
 // One (kv head hk, rows t0 .. t0 + nr): for each row t, the G query heads h = hk*G + g of row t;
 // HD: head_dim (64 or 128); KV: the cache's element type (float, or uint16_t for bfloat16).
 // The rows of a group share the reads of the cache: each 64-key block of keys (transposed) and
@@ -319,16 +327,8 @@ static inline __attribute__((always_inline)) void group_body(const Args& a, int 
             const int32_t* idx = sc.idx.data() + (size_t)r * Lr;
             const float* S = sc.s.data() + (size_t)r * G * Lr;
             float* outp = a.out + ((int64_t)(t0 + r) * a.H + (int64_t)hk * G) * HD;
-            for (int g0 = 0; g0 < G; g0 += PG) {   // PG heads' accumulators (PG x HD / 16 vectors) a pass
-                float* o0 = outp + g0 * HD;
-                const float* S0 = S + (int64_t)g0 * Lr;
-                switch (std::min(PG, G - g0)) {
-                    case 1: pv_heads<1, HD, KV>(o0, S0, Lr, v, idx, c0, c1); break;
-                    case 2: pv_heads<2, HD, KV>(o0, S0, Lr, v, idx, c0, c1); break;
-                    case 3: pv_heads<PG >= 3 ? 3 : 1, HD, KV>(o0, S0, Lr, v, idx, c0, c1); break;
-                    default: pv_heads<PG, HD, KV>(o0, S0, Lr, v, idx, c0, c1); break;
-                }
-            }
+            for (int g0 = 0; g0 < G; g0 += PG)   // PG heads' accumulators (PG x HD / 16 vectors) a pass
+                pv_pass<PG, HD, KV>(std::min(PG, G - g0), outp + g0 * HD, S + (int64_t)g0 * Lr, Lr, v, idx, c0, c1);
         }
     }
 }
