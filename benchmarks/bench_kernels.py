@@ -480,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     for s in (d, v, p, q):
         s.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    from agentspec.kernels import cpu_isa
+
+    cpu_isa.apply_env()   # AGENTSPEC_CPU_ISA caps the kernels timed, not only the machine record
     report = {"decode-attention": decode_attention, "verify-groups": verify_groups, "prefill": prefill,
               "quant-linears": quant_linears}[args.kernel](args)
     emit_report(report, args.out, indent=1)

@@ -28,21 +28,53 @@ static inline v16 load16(const float* p) { v16 x; std::memcpy(&x, p, sizeof x); 
 static inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
 static inline v16 splat(float x) { return v16{} + x; }
 
+// Float vectors of W lanes (16, 8 or 4: one zmm, ymm or xmm) and their int32 / uint32 / uint16
+// companions: the float32 kernel runs at the width its ISA level has registers for (attention.cpp);
+// every operation is elementwise IEEE, so a lane computes the same bits at any width.
+template <int W> struct VecW;
+template <> struct VecW<16> {
+    typedef v16 f;
+    typedef v16i i;
+    typedef v16u u;
+    typedef uint16_t h __attribute__((vector_size(32)));
+};
+template <> struct VecW<8> {
+    typedef float f __attribute__((vector_size(32)));
+    typedef int32_t i __attribute__((vector_size(32)));
+    typedef uint32_t u __attribute__((vector_size(32)));
+    typedef uint16_t h __attribute__((vector_size(16)));
+};
+template <> struct VecW<4> {
+    typedef float f __attribute__((vector_size(16)));
+    typedef int32_t i __attribute__((vector_size(16)));
+    typedef uint32_t u __attribute__((vector_size(16)));
+    typedef uint16_t h __attribute__((vector_size(8)));
+};
+template <typename V> static inline __attribute__((always_inline)) V vload(const float* p) {
+    V x;
+    std::memcpy(&x, p, sizeof x);
+    return x;
+}
+template <typename V> static inline __attribute__((always_inline)) void vstore(float* p, V x) {
+    std::memcpy(p, &x, sizeof x);
+}
+
 // exp(x - m) for x <= m (Cephes expf: range reduction by ln 2, degree-5 polynomial, 2^n from the
-// exponent bits), plain float arithmetic. Arguments below CUT give exactly 0: those terms are
-// < e^-60 of the largest one (no effect on a float32 result), and keeping them would make
-// denormal products in p @ v, which are very slow on x86.
+// exponent bits), plain float arithmetic, lane by lane (V: VecW<W>::f, VI: its VecW<W>::i).
+// Arguments below CUT give exactly 0: those terms are < e^-60 of the largest one (no effect on a
+// float32 result), and keeping them would make denormal products in p @ v, which are very slow on x86.
 constexpr float CUT = -60.0f;
-static inline v16 exp16(v16 x, float m) {
-    v16 t = x - m;
-    v16i low = t < CUT;
-    t = low ? splat(CUT) : t;
-    v16 fx = t * 1.44269504088896341f + 0.5f;
-    v16 fi = __builtin_convertvector(__builtin_convertvector(fx, v16i), v16);  // toward zero
-    fi = fi > fx ? fi - 1.0f : fi;                                             // floor
-    v16 r = t - fi * 0.693359375f;
+template <typename V, typename VI>
+static inline __attribute__((always_inline)) V expv(V x, float m) {
+    V t = x - m;
+    VI low = t < CUT;
+    t = low ? V{} + CUT : t;
+    V fx = t * 1.44269504088896341f + 0.5f;
+    V fi = __builtin_convertvector(__builtin_convertvector(fx, VI), V);  // toward zero
+    fi = fi > fx ? fi - 1.0f : fi;                                       // floor
+    V r = t - fi * 0.693359375f;
     r = r - fi * -2.12194440e-4f;
-    v16 z = splat(1.9875691500e-4f);
+    V z = V{} + 1.9875691500e-4f;
     z = z * r + 1.3981999507e-3f;
     z = z * r + 8.3334519073e-3f;
     z = z * r + 4.1665795894e-2f;
@@ -50,11 +82,12 @@ static inline v16 exp16(v16 x, float m) {
     z = z * r + 5.0000001201e-1f;
     z = z * (r * r) + r;
     z = z + 1.0f;
-    v16i bits = (__builtin_convertvector(fi, v16i) + 127) << 23;
-    v16 pow2 = (v16)bits;
-    v16 p = z * pow2;
-    return low ? v16{} : p;
+    VI bits = (__builtin_convertvector(fi, VI) + 127) << 23;
+    V pow2 = (V)bits;
+    V p = z * pow2;
+    return low ? V{} : p;
 }
+static inline v16 exp16(v16 x, float m) { return expv<v16, v16i>(x, m); }
 
 // The head shapes every attention entry point takes: head_dim 64, 1 to MAXG query heads per kv head.
 static inline void check_heads(int H, int Hkv, int head_dim) {
@@ -97,8 +130,14 @@ static inline __attribute__((always_inline)) int visible_slots(const Args& a, co
 }
 
 // Softmax of one head's scores Sg[slot] over the visible slots idx[0..n) (compacted in place
-// first when `compact`): Sg[i] = p_i / sum for i < n, 0 up to the next multiple of 16.
-static inline __attribute__((always_inline)) void softmax_visible(float* Sg, int n, bool compact, const int32_t* idx) {
+// first when `compact`): Sg[i] = p_i / sum for i < n, 0 up to the next multiple of 16. W: the
+// vector width it runs at; the bits are those of 16 lanes at any W (a 16-lane vector is 16 / W
+// vectors of W: lane l of vector q is lane q * W + l).
+template <int W>
+static inline __attribute__((always_inline)) void softmax_w(float* Sg, int n, bool compact, const int32_t* idx) {
+    using V = typename VecW<W>::f;
+    using VI = typename VecW<W>::i;
+    constexpr int NL = 16 / W;
     const int n16 = (n + 15) / 16 * 16;
     // compact in place (idx[i] >= i, so reading ahead of writing is safe); a leading run with
     // idx[i] == i (the committed prefix) is already in place
@@ -108,34 +147,45 @@ static inline __attribute__((always_inline)) void softmax_visible(float* Sg, int
         for (; i < n; ++i) Sg[i] = Sg[idx[i]];
     }
     for (int i = n; i < n16; ++i) Sg[i] = Sg[0];  // pad to 16 (ignored below)
-    // max: exact in any order
-    v16 mx = load16(Sg);
-    for (int i = 16; i < n16; i += 16) {
-        v16 x = load16(Sg + i);
-        mx = x > mx ? x : mx;
-    }
-    float m = mx[0];
-    for (int l = 1; l < 16; ++l) m = mx[l] > m ? mx[l] : m;
+    // max: lane i % 16 in order of i, then the lanes in order (exact in any order but for NaNs)
+    V mx[NL];
+    for (int q = 0; q < NL; ++q) mx[q] = vload<V>(Sg + q * W);
+    for (int i = 16; i < n16; i += 16)
+        for (int q = 0; q < NL; ++q) {
+            V x = vload<V>(Sg + i + q * W);
+            mx[q] = x > mx[q] ? x : mx[q];
+        }
+    float pm[16];
+    for (int q = 0; q < NL; ++q) vstore(pm + q * W, mx[q]);
+    float m = pm[0];
+    for (int l = 1; l < 16; ++l) m = pm[l] > m ? pm[l] : m;
     // p = exp(s - m); sum: lane i % 16 in order of i, then a fixed pairwise tree
-    v16 part{};
+    V part[NL];
+    for (int q = 0; q < NL; ++q) part[q] = V{};
     int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        v16 p = exp16(load16(Sg + i), m);
-        store16(Sg + i, p);
-        part = part + p;
-    }
-    if (i < n) {
-        v16 p = exp16(load16(Sg + i), m);
-        for (int l = n - i; l < 16; ++l) p[l] = 0.0f;
-        store16(Sg + i, p);
-        part = part + p;
-    }
+    for (; i + 16 <= n; i += 16)
+        for (int q = 0; q < NL; ++q) {
+            V p = expv<V, VI>(vload<V>(Sg + i + q * W), m);
+            vstore(Sg + i + q * W, p);
+            part[q] = part[q] + p;
+        }
+    if (i < n)
+        for (int q = 0; q < NL; ++q) {
+            V p = expv<V, VI>(vload<V>(Sg + i + q * W), m);
+            for (int l = 0; l < W; ++l)
+                if (i + q * W + l >= n) p[l] = 0.0f;
+            vstore(Sg + i + q * W, p);
+            part[q] = part[q] + p;
+        }
     float pt[16];
-    store16(pt, part);
+    for (int q = 0; q < NL; ++q) vstore(pt + q * W, part[q]);
     for (int w = 8; w >= 1; w /= 2)
         for (int l = 0; l < w; ++l) pt[l] = pt[l] + pt[l + w];
-    const v16 inv_sum = splat(1.0f / pt[0]);
-    for (int j = 0; j < n16; j += 16) store16(Sg + j, load16(Sg + j) * inv_sum);  // p / sum
+    const V inv_sum = V{} + 1.0f / pt[0];
+    for (int j = 0; j < n16; j += W) vstore(Sg + j, vload<V>(Sg + j) * inv_sum);  // p / sum
+}
+static inline __attribute__((always_inline)) void softmax_visible(float* Sg, int n, bool compact, const int32_t* idx) {
+    softmax_w<16>(Sg, n, compact, idx);
 }
 
 // bfloat16 models (qkv_attention.cpp): rotary embedding and the cache writes, shared by

@@ -18,14 +18,9 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define AGENTSPEC_X86 1
-// the float32 attention kernel's hot loops: runtime dispatch between x86-64 levels
-#define AGENTSPEC_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #elif defined(__aarch64__)
 #include <arm_neon.h>
 #define AGENTSPEC_NEON 1
-#endif
-#ifndef AGENTSPEC_CLONES
-#define AGENTSPEC_CLONES
 #endif
 
 #include <cstdint>

@@ -293,6 +293,44 @@ def test_bfloat16_cache_equals_a_float32_cache_of_its_values(T):
 
 
 @pytest.mark.usefixtures("shape")
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_every_isa_level_gives_the_float32_kernel_the_same_bits(kv_dtype, restore_isa):
+    """The float32 kernel runs at the vector width of the level's registers (16 floats at AVX-512,
+    8 at AVX2, 4 at the scalar level's SSE2); every level this CPU runs gives the best one's bits:
+    one row and groups of rows (a block of keys transposed at a time, and a shared transposed copy),
+    tree masks, no mask, contexts that end inside a 16-key chunk, and segments."""
+    cpu_isa = restore_isa
+    levels = cpu_isa.supported()
+    g = torch.Generator().manual_seed(31)
+    rng = random.Random(31)
+    cases = []
+    for start, T, group in ((0, 1, 0), (5, 3, 1), (190, 8, 0), (700, 7, 2), (1203, 5, 1), (64, 16, 0)):
+        L = start + T
+        k, v = (x.to(kv_dtype) for x in make_cache(g, L + 23))
+        q = torch.randn(H, T, D, generator=g) * 4
+        mask = torch.zeros(T, L, dtype=torch.bool)
+        mask[:, :start] = True
+        mask[:, start:] = tree_mask(random_parents(rng, T))
+        cases.append((q, k, v, mask, L, group))
+    kv_new = torch.randn(2, HKV, 6, D, generator=g)
+    q_seg = torch.randn(H, 6, D, generator=g)
+    outs = {}
+    for isa in levels:
+        assert cpu_isa.set_isa(isa) == isa
+        got = [cpu_attention.decode_attention(q, k, v, m, L, group=group)
+               for q, k, v, mask, L, group in cases for m in (mask, None)]
+        segs = [(k.clone(), v.clone(), L, mask[-T:], off, T)
+                for (q, k, v, mask, L, _), off, T in zip(cases[2:4], (0, 4), (4, 2))]
+        got.append(cpu_attention.segment_attention(q_seg, kv_new, segs))
+        got.extend(s[0] for s in segs)   # the new keys written into each cache
+        outs[isa] = got
+    best = outs[levels[-1]]
+    for isa, got in outs.items():
+        for i, (a, b) in enumerate(zip(got, best)):
+            assert torch.equal(a, b), f"{isa} differs from {levels[-1]} (output {i})"
+
+
+@pytest.mark.usefixtures("shape")
 def test_bfloat16_segments_round_new_keys_as_torch_and_equal_each_alone():
     g = torch.Generator().manual_seed(6)
     sizes = [(40, 1), (257, 3), (0, 2)]
