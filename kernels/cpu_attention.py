@@ -194,6 +194,41 @@ def prefill_attention(
     return out
 
 
+def prefill_bf16_runs() -> bool:
+    """Whether ``prefill_bf16`` runs at the ISA level set now (AVX512-BF16: ``avx512bf16``)."""
+    return available() and hasattr(_cpu, "prefill_bf16_runs") and _cpu.prefill_bf16_runs()
+
+
+def prefill_bf16(
+    q: torch.Tensor,   # [H, T, D] bfloat16 (rotated), unit stride in D
+    k: torch.Tensor,   # [Hkv, capacity, D] float32 or bfloat16, contiguous: one layer of the cache
+    v: torch.Tensor,   # [Hkv, capacity, D]
+    start: int,        # the chunk's first position; its keys and values already at slots [start, start + T)
+    *,
+    threads: int = 0,
+) -> torch.Tensor:     # [T, H * D] bfloat16 (the output projection's input)
+    """Causal attention of a prompt chunk at positions ``[start, start + T)`` over every key from
+    position 0, with AVX512-BF16's VDPBF16PS (kernels/csrc/prefill_bf16.cpp): float32 scores,
+    sums and outputs, the softmax weights rounded to bfloat16. For caches that hold bfloat16
+    values (a float32 cache of them is read exactly). A row's bits do not depend on the chunk it
+    sits in or the thread count."""
+    H, T, D = q.shape
+    Hkv, cap, Dk = k.shape
+    if q.dtype != torch.bfloat16 or k.dtype not in CACHE_DTYPES or v.dtype != k.dtype:
+        raise TypeError(f"prefill_bf16 needs a bfloat16 q and a float32 or bfloat16 cache: {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
+    if Dk != D or v.shape != k.shape or not (0 <= start and start + T <= cap):
+        raise ValueError(f"shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, start {start}")
+    if not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError("k and v must be contiguous")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    out = torch.empty(T, H * D, dtype=torch.bfloat16)
+    _cpu.prefill_bf16(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), cap,
+                      k.dtype == torch.bfloat16, start, T, H, Hkv, D, out.data_ptr(), threads)
+    return out
+
+
 def prefill_qkv_attention(
     qkv: torch.Tensor,  # [T, (H + 2 Hkv) D] bfloat16: the fused projection's output (not rotated)
     cos: torch.Tensor,  # [T, D] bfloat16: the chunk's positions

@@ -55,5 +55,10 @@ void rms_norm_rows(uintptr_t x, int64_t x_st, int64_t M, uintptr_t w, int64_t di
 void linear_amx(uintptr_t x, int64_t x_st, int64_t M, uintptr_t wp, int64_t N, int64_t K, uintptr_t out,
                 int64_t o_st, int threads, int mode, uintptr_t res, int64_t r_st);
 
+// prefill_bf16.cpp: prompt attention with AVX512-BF16 over a float32 or bfloat16 cache (GGUF models)
+bool prefill_bf16_runs();
+void prefill_bf16(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v, int64_t cap, bool kv_bf16,
+                  int64_t start, int T, int H, int Hkv, int head_dim, uintptr_t out, int threads);
+
 // argmax.cpp: the first index of each bfloat16 row's maximum (torch.argmax's), per ISA level
 void argmax_bf16(uintptr_t x, int64_t x_st, int64_t M, int64_t N, uintptr_t out, int threads);

@@ -9,7 +9,7 @@ namespace nb = nanobind;
 
 NB_MODULE(_cpu, m) {
     m.doc() = "agentspec CPU kernels: exact decode / tree-verification attention, row-invariant bf16 linears";
-    m.def("abi_version", []() { return 16; });
+    m.def("abi_version", []() { return 17; });
     m.def("linear_q", &linear_q, nb::arg("x"), nb::arg("x_stride"), nb::arg("M"), nb::arg("q"), nb::arg("scales"),
           nb::arg("mins"), nb::arg("sub_scales"), nb::arg("sub_mins"), nb::arg("fmt"), nb::arg("block"), nb::arg("N"), nb::arg("K"), nb::arg("out"),
           nb::arg("out_stride"), nb::arg("threads") = 0, nb::arg("act") = 0, nb::arg("norm_weight") = 0,
@@ -31,6 +31,12 @@ NB_MODULE(_cpu, m) {
           nb::arg("v_stride_t"), nb::arg("kt2"), nb::arg("vp"), nb::arg("capacity"), nb::arg("start"), nb::arg("T"),
           nb::arg("n_heads"), nb::arg("n_kv_heads"), nb::arg("head_dim"), nb::arg("out"), nb::arg("threads") = 0,
           "Raw-pointer entry point; call agentspec.kernels.cpu_attention.prefill_attention instead.");
+    m.def("prefill_bf16_runs", &prefill_bf16_runs,
+          "whether prefill_bf16 runs at the ISA level set now (avx512bf16)");
+    m.def("prefill_bf16", &prefill_bf16, nb::arg("q"), nb::arg("q_stride_h"), nb::arg("q_stride_t"), nb::arg("k"),
+          nb::arg("v"), nb::arg("capacity"), nb::arg("kv_bf16"), nb::arg("start"), nb::arg("T"), nb::arg("n_heads"),
+          nb::arg("n_kv_heads"), nb::arg("head_dim"), nb::arg("out"), nb::arg("threads") = 0,
+          "Raw-pointer entry point; call agentspec.kernels.cpu_attention.prefill_bf16 instead.");
     m.def("prefill_qkv_attention", &prefill_qkv_attention, nb::arg("qkv"), nb::arg("qkv_stride"), nb::arg("cos"),
           nb::arg("sin"), nb::arg("cs_stride"), nb::arg("k"), nb::arg("v"), nb::arg("kt2"), nb::arg("vp"),
           nb::arg("capacity"), nb::arg("start"), nb::arg("T"), nb::arg("n_heads"), nb::arg("n_kv_heads"),

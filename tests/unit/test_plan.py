@@ -44,10 +44,26 @@ def test_a_cap_below_the_top_level_leaves_the_tiles():
 
 def test_avx512_bf16_without_amx_and_avx2():
     assert rows(plan(AVX512BF16)) == ("fused", "rows", "vector", "torch", "vector")
-    assert prefill(plan(AVX512BF16)) == ("sdpa", "bfloat16")
+    assert prefill(plan(AVX512BF16)) == ("native", "bfloat16")
     p = plan(AVX2, gemm_f32=True)   # no bfloat16 dot products: prompts multiply in float32
     assert rows(p) == ("fused", "rows", "vector", "torch", "vector") and prefill(p) == ("torch", "float32")
     assert p.torch_linears == "float32"
+
+
+def test_avx512_bf16_prompts_take_the_native_kernel_where_it_runs():
+    """AVX512-BF16 without AMX: prompt attention on the VDPBF16PS kernel (head_dim 64 and 128, a
+    float32 or bfloat16 cache, up to 8 query heads per kv head, the GGUF models' quantized linears
+    included); capped below, on AMX CPUs, asked for SDPA, or off the native kernels: SDPA."""
+    assert prefill(plan(AVX512BF16, QWEN15)) == ("native", "bfloat16")
+    assert prefill(plan(AVX512BF16, QWEN15, kv=torch.bfloat16)) == ("native", "bfloat16")
+    assert plan(AVX512BF16, QWEN15, packed=False).prefill_attention == "native"
+    assert prefill(plan(AMX_CAPPED, QWEN15)) == ("sdpa", "bfloat16")
+    assert prefill(plan(AMX, QWEN15)) == ("sdpa", "bfloat16")
+    assert prefill(plan(AVX2, QWEN15)) == ("sdpa", "bfloat16")
+    assert prefill(plan(AVX512BF16, QWEN15, settings=Settings(prefill_attention="sdpa"))) == ("sdpa", "bfloat16")
+    assert prefill(plan(AVX512BF16, QWEN15, settings=Settings(native_attention=False))) == ("sdpa", "bfloat16")
+    assert prefill(plan(AVX512BF16, dict(head_dim=64, n_heads=18, n_kv_heads=2, head_k=1152))) == ("sdpa", "bfloat16")
+    assert plan(AVX512BF16, QWEN15).prefill_fallback == "native"
 
 
 def test_head_dim_128_takes_the_layered_path_with_the_packed_linears_and_native_attention():
@@ -136,13 +152,14 @@ def test_a_step_never_verifies_more_rows_than_the_decode_kernels_take():
 
 def test_quantized_weights_run_the_quantized_linears_everywhere():
     """A GGUF file's weights kept quantized: every projection and the head run the quantized
-    linears (rows and prompts); the rest of the plan is the shape's; on AMX the prompt attention
-    stays on SDPA and the plan says which quantized linears take the AMX-INT8 tiles."""
+    linears (rows and prompts); the rest of the plan is the shape's (prompt attention on the
+    VDPBF16PS kernel with AVX512-BF16, else SDPA; on AMX it stays on SDPA) and the plan says which quantized linears take the AMX-INT8 tiles."""
     for facts, shape, path in ((AVX512BF16, SMOL, "fused"), (AVX2, QWEN15, "layered"), (AMX, SMOL, "fused")):
         p = KernelPlan.choose(device=torch.device("cpu"), dtype=torch.bfloat16, kv_dtype=torch.float32, packed=True,
                               amx_weights=False, gemm_f32=False, settings=Settings(), facts=facts, quantized=True,
                               **shape)
         assert (p.rows_path, p.rows_linears, p.head, p.prefill_linears) == (path, "quantized", "quantized", "quantized")
-        assert p.layered_linears == "quantized" == p.torch_linears and p.prefill_attention == "sdpa"
+        assert p.layered_linears == "quantized" == p.torch_linears
+        assert p.prefill_attention == ("native" if facts is AVX512BF16 else "sdpa")
         assert ("AMX-INT8 tiles take prompt chunks of Q6_K" in " ".join(p.why)) == facts.amx
         assert "quantized" in p.describe()

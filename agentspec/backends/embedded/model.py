@@ -309,6 +309,10 @@ class Block(nn.Module):
             # reading (and first writing) the packed cache; a row's bits do not depend on the
             # chunk it is in (kernels/csrc/amx.cpp). [T, H * D]
             o = cpu_attention.prefill_attention(q, k, v, cache, layer, start)
+        elif (causal or chunk) and prefill == "native":
+            # VDPBF16PS flash kernel over the cache (the chunk's keys written above): float32 scores
+            # and sums, weights in bf16; a row's bits do not depend on the chunk. [T, H * D]
+            o = cpu_attention.prefill_bf16(q, cache.k[layer], cache.v[layer], start)
         elif (causal or chunk) and prefill == "sdpa":
             # prefill in bf16 through SDPA's CPU flash kernel, one call per block of queries at the
             # block's own shapes: split-invariant (``prefill_attention_sdpa``). The keys come back
@@ -785,13 +789,13 @@ class Transformer(nn.Module):
         it alone, not on where the prompt was cut into forwards, to the token: the quantized
         linears (row by row, any row count) with the blockwise prefill attention on a CPU (every
         query block at its whole block's shapes: ``prefill_attention`` /
-        ``prefill_attention_sdpa``). The prefix cache then reuses any prefix of a prompt
+        ``prefill_attention_sdpa``; ``cpu_attention.prefill_bf16``, row by row). The prefix cache then reuses any prefix of a prompt
         (``prefix_cache``, "Reuse to the token"); ``tests/integration/test_prefix_cache.py``
         checks the bits."""
         plan = self.plan()
         amx = plan.prefill_attention == "amx" and getattr(cache, "packed", False)
         return (plan.device == "cpu" and self.quantized and plan.prefill_linears == "quantized" and not amx
-                and plan.prefill_fallback in ("sdpa", "blockwise"))
+                and plan.prefill_fallback in ("native", "sdpa", "blockwise"))
 
     def set_gemm_float32(self, on: bool) -> None:
         """Torch-path linears (prefill) of a bfloat16 model multiply in float32 (``Block.proj``'s

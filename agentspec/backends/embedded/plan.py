@@ -45,7 +45,7 @@ __all__ = ["DECODE_ATTENTION_MODES", "DECODE_LINEAR_MODES", "PREFILL_ATTENTION_M
 
 DECODE_ATTENTION_MODES = ("amx", "rows")
 DECODE_LINEAR_MODES = ("amx", "vector")
-PREFILL_ATTENTION_MODES = ("amx", "sdpa", "blockwise")
+PREFILL_ATTENTION_MODES = ("amx", "native", "sdpa", "blockwise")
 
 
 def _choice(env: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -64,7 +64,7 @@ class Settings:
     native_linears: bool = True       # AGENTSPEC_CPU_LINEAR
     decode_attention: str = "amx"     # AGENTSPEC_DECODE_ATTENTION: amx | rows
     decode_linears: str = "amx"       # AGENTSPEC_DECODE_LINEARS: amx | vector
-    prefill_attention: str = "amx"    # AGENTSPEC_PREFILL_ATTENTION: amx | sdpa | blockwise
+    prefill_attention: str = "amx"    # AGENTSPEC_PREFILL_ATTENTION: amx | native | sdpa | blockwise
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -172,8 +172,9 @@ class KernelPlan:
       ``quant_body``) or "torch" (``F.linear``); ``rows_norms``: "native" (``cpu_attention.rms_norm``) or "torch";
     - ``head``: the output projection of decode / verify rows, as ``rows_linears`` (the packed head
       where there is one);
-    - ``prefill_attention``: "amx" (AMX tiles over the packed cache), "sdpa" (torch's flash
-      kernel), "blockwise" (``model.prefill_attention``) or "torch" (float32 SDPA over the cache);
+    - ``prefill_attention``: "amx" (AMX tiles over the packed cache), "native" (AVX512-BF16's
+      VDPBF16PS over the cache: ``cpu_attention.prefill_bf16``), "sdpa" (torch's flash kernel),
+      "blockwise" (``model.prefill_attention``) or "torch" (float32 SDPA over the cache);
     - ``prefill_linears``: "amx" (``Block.forward_amx``: AMX projections, native norms and rotary),
       "quantized" (as ``rows_linears``), "bfloat16" or "float32" (torch's GEMM in that dtype; float32 where the CPU has no bfloat16
       dot products: exact, and faster there);
@@ -237,6 +238,12 @@ class KernelPlan:
             if (kv_packed and settings.prefill_attention == "amx" and settings.native_attention and amx_top
                     and 0 < group <= 4 and not quantized):
                 prefill_attention = "amx"
+            elif (settings.prefill_attention in ("amx", "native") and native and facts.isa == "avx512bf16"
+                    and not facts.amx and kv_dtype in CACHE_DTYPES and head_dim in FLOAT32_HEAD_DIMS
+                    and 0 < group <= 8):
+                # VDPBF16PS flash kernel (cpu_attention.prefill_bf16); on AMX CPUs the shapes the AMX
+                # kernel leaves keep SDPA, whose oneDNN GEMMs take the tiles (not measured against it)
+                prefill_attention = "native"
             else:
                 prefill_attention = "blockwise" if settings.prefill_attention == "blockwise" else "sdpa"
         else:
@@ -288,7 +295,8 @@ class KernelPlan:
     @property
     def prefill_fallback(self) -> str:
         """A prompt chunk that cannot take the AMX path (its first position not a multiple of
-        16, a cache without packed copies): SDPA's flash kernel, unless "blockwise" was asked."""
+        16, a cache without packed copies): SDPA's flash kernel, unless "blockwise" was asked;
+        the plan's "native" kernel takes every chunk."""
         return "sdpa" if self.prefill_attention == "amx" else self.prefill_attention
 
     def to_dict(self) -> dict:
