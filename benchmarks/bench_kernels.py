@@ -34,6 +34,17 @@ Both give the same bits (checked).
    where it runs; ``sdpa``, torch's flash attention and GEMMs), alternating ``--rounds`` times:
    per-chunk and total seconds, medians.
 
+``prefill-native``: prompt attention on AVX512-BF16 CPUs without AMX, the plan's ``native`` kernel
+(``cpu_attention.prefill_bf16``, VDPBF16PS) against the SDPA path it replaces
+(``model.prefill_attention_sdpa``, torch's flash kernel in 32-query blocks):
+
+1. One layer, a ``--chunk``-token prompt chunk after ``--contexts`` keys, at the shapes of
+   Qwen2.5-Coder-1.5B (12 query heads, 2 kv heads, head_dim 128) and -0.5B (14, 2, 64), a float32
+   cache: milliseconds (median of ``--repeat``) and GFLOP/s (4 T L D H, L the mean keys a row sees).
+2. With ``--model FILE.gguf``: that model prefilling ``--new`` tokens after ``--history`` cached
+   ones, in the engine's 256-token chunks (``prefill=True``), the two kernels alternating over
+   ``--rounds`` rounds: seconds (median) and tokens per second.
+
 ``quant-linears``: a GGUF model's quantized linears (every layer's fused q/k/v, output, fused
 gate/up and down projections, the weights as the engine packs them; not the vocabulary head, which
 a prefill runs for its last row only) at each ISA level this CPU has (``--isas``), for ``--rows``
@@ -49,6 +60,7 @@ weights in registers: ``of_peak`` is how close the body comes to its instruction
     python -m benchmarks.bench_kernels decode-attention --plain-prompt 3000 --out FILE
     python -m benchmarks.bench_kernels verify-groups --out FILE
     python -m benchmarks.bench_kernels prefill --out FILE
+    python -m benchmarks.bench_kernels prefill-native --model FILE.gguf --out FILE
     python -m benchmarks.bench_kernels quant-linears --model FILE.gguf --out FILE
 
 Prints JSON; every report carries the machine record (``harness.machine_record``).
@@ -398,6 +410,76 @@ def quant_linears(args) -> dict:
             "peak_loops": peaks, "results": results, "machine": machine_record()}
 
 
+# --- prompt attention on AVX512-BF16 ------------------------------------------------------------
+
+def prefill_native(args) -> dict:
+    import torch
+
+    from agentspec import Engine
+    from agentspec.backends.embedded.model import prefill_attention_sdpa
+    from agentspec.kernels import cpu_attention
+
+    if not cpu_attention.prefill_bf16_runs():
+        raise SystemExit("the native prompt attention needs AVX512-BF16 (ISA level avx512bf16) and the built kernels")
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    T = args.chunk
+    layer = []
+    for name, (h, hkv, d) in (("qwen2.5-coder-1.5b", (12, 2, 128)), ("qwen2.5-coder-0.5b", (14, 2, 64))):
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            L = ctx + T
+            k = torch.randn(hkv, L + 64, d, generator=g).bfloat16().float()
+            v = torch.randn(hkv, L + 64, d, generator=g).bfloat16().float()
+            q = (torch.randn(h, T, d, generator=g) * 2).bfloat16()
+            nat = _median_ms(lambda: cpu_attention.prefill_bf16(q, k, v, ctx, threads=args.threads), args.repeat)
+            sd = _median_ms(lambda: prefill_attention_sdpa(q, k[:, :L], v[:, :L], start=ctx), args.repeat)
+            flop = 4 * T * (ctx + (T + 1) / 2) * d * h
+            layer.append({"shape": name, "context": ctx, "chunk": T, "native_ms": nat, "sdpa_ms": sd,
+                          "native_gflops": round(flop / nat / 1e6, 1), "sdpa_gflops": round(flop / sd / 1e6, 1),
+                          "speedup": round(sd / nat, 2)})
+            log(f"{name}, {T} tokens after {ctx}: native {nat:.2f} ms, sdpa {sd:.2f} ms ({sd / nat:.2f}x)")
+    report = {"benchmark": "bench_kernels", "kernel": "prefill-native", "threads": args.threads,
+              "repeat": args.repeat, "layer": layer}
+    engine = None
+    if args.model:
+        engine = Engine.embedded(model=str(args.model), max_context=16384, quiet=True, threads=args.threads)
+        model, settings = engine.model, engine.model.kernel_settings
+        cache = engine.new_cache(16384)
+        ids = torch.randint(100, 20000, (args.history + max(int(n) for n in args.new.split(",")),), generator=g)
+
+        def prefill(a: int, b: int) -> float:
+            t = time.perf_counter()
+            with torch.inference_mode():
+                s = a
+                while s < b:
+                    e = min((s // 256 + 1) * 256, b)
+                    model(ids[s:e], torch.arange(s, e), cache, logits_rows=slice(-1, None), prefill=True)
+                    cache.commit(list(range(e - s)))
+                    s = e
+            return time.perf_counter() - t
+
+        rows = []
+        try:
+            prefill(0, args.history)   # the cached history (the same keys for both kernels)
+            for n in (int(x) for x in args.new.split(",")):
+                per = {"native": [], "sdpa": []}
+                for _ in range(args.rounds):
+                    for mode in per:
+                        model.set_kernel_settings(settings.with_(prefill_attention=mode))
+                        cache.length = args.history
+                        per[mode].append(prefill(args.history, args.history + n))
+                nat, sd = (statistics.median(per[m]) for m in ("native", "sdpa"))
+                rows.append({"history": args.history, "new": n, "native_s": round(nat, 3), "sdpa_s": round(sd, 3),
+                             "native_tok_s": round(n / nat, 1), "sdpa_tok_s": round(n / sd, 1),
+                             "speedup": round(sd / nat, 3)})
+                log(f"{n} tokens after {args.history}: native {nat:.3f} s, sdpa {sd:.3f} s ({sd / nat:.2f}x)")
+        finally:
+            model.set_kernel_settings(settings)
+        report["model"] = {"file": str(args.model), "prefill": rows}
+    report["machine"] = machine_record(engine)
+    return report
+
+
 # --- verification rows in groups ------------------------------------------------------------------
 
 def verify_groups(args) -> dict:
@@ -469,6 +551,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--prompt", type=int, default=4096, help="prompt tokens (part 3)")
     p.add_argument("--rounds", type=int, default=3)
+    pn = sub.add_parser("prefill-native", help="prompt attention on AVX512-BF16: the native kernel against SDPA")
+    pn.add_argument("--contexts", default="0,1024,4992", help="keys before the chunk (part 1)")
+    pn.add_argument("--chunk", type=int, default=256)
+    pn.add_argument("--repeat", type=int, default=5)
+    pn.add_argument("--model", type=Path, help="a GGUF file: prefill after a cached history (part 2)")
+    pn.add_argument("--history", type=int, default=4992)
+    pn.add_argument("--new", default="64,528", help="tokens prefilled after the history (comma-separated)")
+    pn.add_argument("--rounds", type=int, default=3)
+    pn.add_argument("--threads", type=int, default=2)
     q = sub.add_parser("quant-linears", help="a GGUF model's quantized linears at each ISA level, against "
                        "their instructions' peak")
     q.add_argument("--model", type=Path, required=True, help="a GGUF file (Q4_K_M, Q4_0, Q8_0, ...)")
@@ -477,14 +568,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="ISA levels (default: avx2, avx512 and, with AMX, avx512bf16, where the CPU has them)")
     q.add_argument("--threads", type=int, default=2)
     q.add_argument("--repeat", type=int, default=5)
-    for s in (d, v, p, q):
+    for s in (d, v, p, pn, q):
         s.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     from agentspec.kernels import cpu_isa
 
     cpu_isa.apply_env()   # AGENTSPEC_CPU_ISA caps the kernels timed, not only the machine record
     report = {"decode-attention": decode_attention, "verify-groups": verify_groups, "prefill": prefill,
-              "quant-linears": quant_linears}[args.kernel](args)
+              "prefill-native": prefill_native, "quant-linears": quant_linears}[args.kernel](args)
     emit_report(report, args.out, indent=1)
     return 0
 

@@ -72,3 +72,4 @@ def test_verify_groups_reports_both_ways_with_the_same_bits(tmp_path):
     assert (c["context"], c["requests"], c["rows_each"]) == (100, 2, 3) and c["same_bits"] is True
     assert c["one_row_ms"] > 0 and c["grouped_ms"] > 0 and c["speedup"] > 0
     assert r["machine"]["cpu"]
+
