@@ -26,7 +26,6 @@ constexpr int GC = 4;
 
 static inline v16 load16(const float* p) { v16 x; std::memcpy(&x, p, sizeof x); return x; }
 static inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
-static inline v16 splat(float x) { return v16{} + x; }
 
 // Float vectors of W lanes (16, 8 or 4: one zmm, ymm or xmm) and their int32 / uint32 / uint16
 // companions: the float32 kernel runs at the width its ISA level has registers for (attention.cpp);
@@ -87,7 +86,6 @@ static inline __attribute__((always_inline)) V expv(V x, float m) {
     V p = z * pow2;
     return low ? V{} : p;
 }
-static inline v16 exp16(v16 x, float m) { return expv<v16, v16i>(x, m); }
 
 // The head shapes every attention entry point takes: head_dim 64, 1 to MAXG query heads per kv head.
 static inline void check_heads(int H, int Hkv, int head_dim) {

@@ -50,7 +50,7 @@ struct Call {
     const uint32_t* vp;                     // [Hkv][Lp/2][D] values' key pairs
     uint16_t* out;                          // [T][H][D] bfloat16
     int64_t start, Lp;
-    int T, H, Hkv, D;
+    int H, Hkv;
     float scale;
 };
 
@@ -276,7 +276,7 @@ void prefill_bf16_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintpt
     uint32_t* vp_all = vpb.data();
     c.kt = kt_all; c.vp = vp_all;
     c.out = reinterpret_cast<uint16_t*>(out);
-    c.start = start; c.Lp = Lp; c.T = T; c.H = H; c.Hkv = Hkv; c.D = D;
+    c.start = start; c.Lp = Lp; c.H = H; c.Hkv = Hkv;
     c.scale = (float)(1.0 / std::sqrt((double)D));
     const KV* kc = reinterpret_cast<const KV*>(k);
     const KV* vc = reinterpret_cast<const KV*>(v);
