@@ -18,7 +18,7 @@ try:
 except ImportError:  # not built (e.g. a source checkout without the extension)
     _cpu = None
 
-__all__ = ["DECODE_MODES", "QKVAttention", "available", "bf16_hardware", "decode_amx_runs", "decode_attention",
+__all__ = ["DECODE_MODES", "QKVAttention", "available", "bf16_hardware", "decode_amx_runs", "decode_attention", "dot_runs",
            "packed_supported", "prefill_amx_runs", "prefill_amx_supported", "prefill_attention", "segment_attention",
            "supports", "sync_packed"]
 
@@ -81,6 +81,9 @@ def decode_attention(
     threads: int = 0,           # 0: torch's OpenMP thread count
     group: int = 0,             # rows that share each read of the cache (1-8; 0: the kernel's choice).
                                 # Any grouping gives the same bits.
+    dot: bool = False,          # the bfloat16-product mode (``dot_runs()``): q . k and p @ v with
+                                # AVX512-BF16's VDPBF16PS, the weights rounded to bfloat16; for caches
+                                # holding bfloat16 values (a float32 one's values are rounded)
 ) -> torch.Tensor:              # [T, H, D] float32 (rows first: the layout the output projection reads)
     H, T, D = q.shape
     Hkv, cap, Dk = k.shape
@@ -96,8 +99,21 @@ def decode_attention(
     out = torch.empty(T, H, D, dtype=torch.float32)
     mask, mask_ptr, mask_st = _mask_arg(mask, T, L)
     _cpu.attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), cap,
-                   mask_ptr, mask_st, out.data_ptr(), H, Hkv, T, L, D, threads, k.dtype == torch.bfloat16, group)
+                   mask_ptr, mask_st, out.data_ptr(), H, Hkv, T, L, D, threads, k.dtype == torch.bfloat16, group,
+                   _dot(dot))
     return out
+
+
+def dot_runs() -> bool:
+    """Whether ``decode_attention`` / ``segment_attention``'s ``dot`` mode runs at the ISA level set
+    now (avx512bf16: the VDPBF16PS instruction)."""
+    return available() and hasattr(_cpu, "attention_dot_runs") and bool(_cpu.attention_dot_runs())
+
+
+def _dot(dot: bool) -> bool:
+    if dot and not dot_runs():
+        raise RuntimeError("the bfloat16-product attention (dot=True) needs AVX512-BF16: ISA level avx512bf16")
+    return bool(dot)
 
 
 def segment_attention(
@@ -108,6 +124,7 @@ def segment_attention(
     *,
     threads: int = 0,
     group: int = 0,             # as decode_attention's
+    dot: bool = False,          # as decode_attention's
 ) -> torch.Tensor:              # [R, H, D] float32
     """Several requests' rows in one native call (continuous batching): writes each segment's new
     keys/values at its cache slots ``[L - T, L)`` (rounded as torch rounds them into a bfloat16
@@ -131,7 +148,7 @@ def segment_attention(
     out = torch.empty(R, H, D, dtype=torch.float32)
     _cpu.attention_segments(q.data_ptr(), q.stride(0), q.stride(1), kv_new[0].data_ptr(), kv_new[1].data_ptr(),
                             kv_new.stride(1), kv_new.stride(2), segs.data_ptr(), len(rows), out.data_ptr(), H, Hkv,
-                            D, threads, kv_dtype == torch.bfloat16, group)
+                            D, threads, kv_dtype == torch.bfloat16, group, _dot(dot))
     return out
 
 

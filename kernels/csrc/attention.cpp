@@ -118,6 +118,12 @@ static inline int segment_group_rows(int T, int Hkv, int threads, int group) {
 #define AF_W 16
 #include "attention_f32.inc"
 #pragma GCC pop_options
+
+// The bfloat16-product mode (attention_dp.inc): AVX512-BF16 only
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4,avx512bf16")
+#include "attention_dp.inc"
+#pragma GCC pop_options
 #else
 #define AF_NS f32_base
 #define AF_W 16
@@ -131,13 +137,15 @@ struct Kernels {
     void (*group_task)(const Args&, int, int, int, Scratch&);
 };
 
+// dot: the bfloat16-product mode (needs level 4, which the entry points check)
 template <int HD, typename KV>
-Kernels kernels_for(int isa) {
+Kernels kernels_for(int isa, bool dot) {
 #if defined(AGENTSPEC_X86)
+    if (dot) return {dp_bf16::transpose_keys<HD, KV>, dp_bf16::group_task<HD, KV>};
     if (isa >= 3) return {f32_avx512::transpose_keys<HD, KV>, f32_avx512::group_task<HD, KV>};
     if (isa == 2) return {f32_avx2::transpose_keys<HD, KV>, f32_avx2::group_task<HD, KV>};
 #endif
-    (void)isa;
+    (void)isa; (void)dot;
     return {f32_base::transpose_keys<HD, KV>, f32_base::group_task<HD, KV>};
 }
 
@@ -156,18 +164,29 @@ void dispatch(int head_dim, bool kv_bf16, F&& run) {
 }
 
 // The float32 kernel's head shapes: head_dim 64 or 128, 1 to MAXG query heads per kv head.
-void check_heads_f32(int H, int Hkv, int head_dim) {
+void check_heads_f32(int H, int Hkv, int head_dim, bool dot) {
     if (head_dim != 64 && head_dim != 128) throw std::invalid_argument("head_dim must be 64 or 128");
     if (Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAXG) throw std::invalid_argument("bad head counts");
+    if (dot && !attention_dot_runs())
+        throw std::invalid_argument("the bfloat16-product attention needs AVX512-BF16 (ISA level avx512bf16)");
 }
 
 }  // namespace
+
+bool attention_dot_runs() {
+#if defined(AGENTSPEC_X86)
+    return agentspec_isa() == 4;
+#else
+    return false;
+#endif
+}
 
 namespace {
 
 template <int HD, typename KV>
 void attention_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v, int64_t cap,
-                 uintptr_t mask, int64_t m_st, uintptr_t out, int H, int Hkv, int T, int L, int threads, int group) {
+                 uintptr_t mask, int64_t m_st, uintptr_t out, int H, int Hkv, int T, int L, int threads, int group,
+                 bool dot) {
     if (T <= 0 || L <= 0 || L > cap) throw std::invalid_argument("bad T / L / capacity");
     Args a;
     a.q = reinterpret_cast<const float*>(q); a.q_sh = q_sh; a.q_st = q_st;
@@ -181,11 +200,12 @@ void attention_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t
     nb::gil_scoped_release nogil;
     if (threads <= 0) threads = omp_get_max_threads();
     const int rg = segment_group_rows(T, Hkv, threads, group), ng = (T + rg - 1) / rg;
-    const Kernels kf = kernels_for<HD, KV>(agentspec_isa());
+    const Kernels kf = kernels_for<HD, KV>(agentspec_isa(), dot);
     static thread_local std::vector<float> kt;
-    if (ng > LOCAL_T) kt.resize((size_t)Hkv * HD * a.Lr);
-    a.kt = ng > LOCAL_T ? kt.data() : nullptr;
-    const int nchunk = ng > LOCAL_T ? (a.Lr + 255) / 256 : 0;
+    const bool copy = ng > LOCAL_T && !dot;   // (the bfloat16-product mode packs per group)
+    if (copy) kt.resize((size_t)Hkv * HD * a.Lr);
+    a.kt = copy ? kt.data() : nullptr;
+    const int nchunk = copy ? (a.Lr + 255) / 256 : 0;
     const int ntask = Hkv * ng;
     threads = std::max(1, std::min(threads, std::max(ntask, Hkv * nchunk)));
 #pragma omp parallel num_threads(threads)
@@ -208,11 +228,11 @@ void attention_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t
 
 void attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v, int64_t cap,
                uintptr_t mask, int64_t m_st, uintptr_t out, int H, int Hkv, int T, int L, int head_dim,
-               int threads, bool kv_bf16, int group) {
-    check_heads_f32(H, Hkv, head_dim);
+               int threads, bool kv_bf16, int group, bool dot) {
+    check_heads_f32(H, Hkv, head_dim, dot);
     auto run = [&](auto hd, auto kv) {
         attention_t<decltype(hd)::value, typename decltype(kv)::type>(q, q_sh, q_st, k, v, cap, mask, m_st, out, H,
-                                                                        Hkv, T, L, threads, group);
+                                                                        Hkv, T, L, threads, group, dot);
     };
     dispatch(head_dim, kv_bf16, run);
 }
@@ -228,7 +248,7 @@ namespace {
 template <int HD, typename KV>
 void attention_segments_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new, uintptr_t v_new, int64_t kn_sh,
                           int64_t kn_st, uintptr_t segs_ptr, int S, uintptr_t out, int H, int Hkv, int threads,
-                          int group) {
+                          int group, bool dot) {
     if (S <= 0) throw std::invalid_argument("no segments");
     const int64_t* sg = reinterpret_cast<const int64_t*>(segs_ptr);
     std::vector<Args> args(S);
@@ -253,13 +273,13 @@ void attention_segments_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_n
         a.H = H; a.Hkv = Hkv; a.scale = scale;
         a.Lr = (a.L + 15) / 16 * 16;
         const int ng = (a.T + rg - 1) / rg;
-        const bool copy = ng > LOCAL_T;   // a shared transposed copy of the keys (else per block, in group_body)
+        const bool copy = ng > LOCAL_T && !dot;   // a shared transposed copy of the keys (else per block, in group_body)
         kt_off[s + 1] = kt_off[s] + (copy ? (size_t)Hkv * HD * a.Lr : 0);
         row_base[s + 1] = row_base[s] + Hkv * a.T;
         task_base[s + 1] = task_base[s] + Hkv * ng;
         tr_base[s + 1] = tr_base[s] + (copy ? Hkv * ((a.Lr + 255) / 256) : 0);
     }
-    const Kernels kf = kernels_for<HD, KV>(agentspec_isa());
+    const Kernels kf = kernels_for<HD, KV>(agentspec_isa(), dot);
     nb::gil_scoped_release nogil;
     static thread_local std::vector<float> kt;
     kt.resize(kt_off[S]);
@@ -310,12 +330,12 @@ void attention_segments_t(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_n
 
 void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new, uintptr_t v_new, int64_t kn_sh,
                         int64_t kn_st, uintptr_t segs_ptr, int S, uintptr_t out, int H, int Hkv, int head_dim,
-                        int threads, bool kv_bf16, int group) {
-    check_heads_f32(H, Hkv, head_dim);
+                        int threads, bool kv_bf16, int group, bool dot) {
+    check_heads_f32(H, Hkv, head_dim, dot);
     auto run = [&](auto hd, auto kv) {
         attention_segments_t<decltype(hd)::value, typename decltype(kv)::type>(q, q_sh, q_st, k_new, v_new, kn_sh,
                                                                                  kn_st, segs_ptr, S, out, H, Hkv,
-                                                                                 threads, group);
+                                                                                 threads, group, dot);
     };
     dispatch(head_dim, kv_bf16, run);
 }

@@ -8,10 +8,12 @@
 // attention.cpp: decode / tree-verification attention over a float32 or bfloat16 KV cache
 void attention(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k, uintptr_t v, int64_t cap,
                uintptr_t mask, int64_t m_st, uintptr_t out, int H, int Hkv, int T, int L, int head_dim,
-               int threads, bool kv_bf16, int group);
+               int threads, bool kv_bf16, int group, bool dot);
 void attention_segments(uintptr_t q, int64_t q_sh, int64_t q_st, uintptr_t k_new, uintptr_t v_new, int64_t kn_sh,
                         int64_t kn_st, uintptr_t segs_ptr, int S, uintptr_t out, int H, int Hkv, int head_dim,
-                        int threads, bool kv_bf16, int group);
+                        int threads, bool kv_bf16, int group, bool dot);
+// whether their bfloat16-product mode (dot) runs at the ISA level set now (avx512bf16)
+bool attention_dot_runs();
 
 // qkv_attention.cpp: a bfloat16 model's whole attention for decode / verify rows; the packed copies
 void qkv_attention(uintptr_t qkv, int64_t qkv_st, uintptr_t cos, uintptr_t sin, int64_t cs_st, uintptr_t segs,

@@ -9,7 +9,7 @@ namespace nb = nanobind;
 
 NB_MODULE(_cpu, m) {
     m.doc() = "agentspec CPU kernels: exact decode / tree-verification attention, row-invariant bf16 linears";
-    m.def("abi_version", []() { return 17; });
+    m.def("abi_version", []() { return 18; });
     m.def("linear_q", &linear_q, nb::arg("x"), nb::arg("x_stride"), nb::arg("M"), nb::arg("q"), nb::arg("scales"),
           nb::arg("mins"), nb::arg("sub_scales"), nb::arg("sub_mins"), nb::arg("fmt"), nb::arg("block"), nb::arg("N"), nb::arg("K"), nb::arg("out"),
           nb::arg("out_stride"), nb::arg("threads") = 0, nb::arg("act") = 0, nb::arg("norm_weight") = 0,
@@ -53,14 +53,16 @@ NB_MODULE(_cpu, m) {
           nb::arg("q"), nb::arg("q_stride_h"), nb::arg("q_stride_t"), nb::arg("k"), nb::arg("v"),
           nb::arg("capacity"), nb::arg("mask"), nb::arg("mask_stride_t"), nb::arg("out"),
           nb::arg("n_heads"), nb::arg("n_kv_heads"), nb::arg("T"), nb::arg("L"), nb::arg("head_dim"),
-          nb::arg("threads") = 0, nb::arg("kv_bf16") = false, nb::arg("group") = 0,
+          nb::arg("threads") = 0, nb::arg("kv_bf16") = false, nb::arg("group") = 0, nb::arg("dot") = false,
           "Raw-pointer entry point; call agentspec.kernels.cpu_attention.decode_attention instead.");
     m.def("attention_segments", &attention_segments,
           nb::arg("q"), nb::arg("q_stride_h"), nb::arg("q_stride_t"), nb::arg("k_new"), nb::arg("v_new"),
           nb::arg("new_stride_h"), nb::arg("new_stride_t"), nb::arg("segments"), nb::arg("n_segments"),
           nb::arg("out"), nb::arg("n_heads"), nb::arg("n_kv_heads"), nb::arg("head_dim"), nb::arg("threads") = 0,
-          nb::arg("kv_bf16") = false, nb::arg("group") = 0,
+          nb::arg("kv_bf16") = false, nb::arg("group") = 0, nb::arg("dot") = false,
           "Raw-pointer entry point; call agentspec.kernels.cpu_attention.segment_attention instead.");
+    m.def("attention_dot_runs", &attention_dot_runs,
+          "whether attention's bfloat16-product mode (dot) runs at the ISA level set now (avx512bf16)");
     m.def("sync_packed", &sync_packed, nb::arg("k"), nb::arg("v"), nb::arg("kt2"), nb::arg("vp"), nb::arg("capacity"),
           nb::arg("n_layers"), nb::arg("n_kv_heads"), nb::arg("head_dim"), nb::arg("slots"), nb::arg("n_slots"),
           "Raw-pointer entry point; call KVCache.sync instead.");

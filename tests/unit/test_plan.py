@@ -68,8 +68,9 @@ def test_avx512_bf16_prompts_take_the_native_kernel_where_it_runs():
 
 def test_head_dim_128_takes_the_layered_path_with_the_packed_linears_and_native_attention():
     p = plan(AMX, QWEN15)
-    assert rows(p) == ("layered", "native", "vector", "torch", "vector") and not p.kv_packed
+    assert rows(p) == ("layered", "dot", "vector", "torch", "vector") and not p.kv_packed
     assert p.layered_linears == "vector" and p.layered_attention == "native" and prefill(p) == ("sdpa", "bfloat16")
+    assert p.rows_dot
     # other head_dims have no native kernel: torch attention
     p = plan(AVX2, dict(head_dim=96, n_heads=8, n_kv_heads=2, head_k=768))
     assert rows(p) == ("layered", "torch", "vector", "torch", "vector") and p.layered_attention == "torch"
@@ -78,7 +79,7 @@ def test_head_dim_128_takes_the_layered_path_with_the_packed_linears_and_native_
 def test_the_plan_says_why_a_part_falls_back():
     assert plan(AMX).why == () and plan(AVX512BF16).why == ()   # each machine's best: nothing to explain
     p = plan(AMX, QWEN15)
-    layered = "fused rows: head_dim 128 (the fused bfloat16 kernels take 64): layered rows, native float32 attention"
+    layered = "fused rows: head_dim 128 (the fused bfloat16 kernels take 64): layered rows, native attention"
     assert p.why == (layered, "AMX decode linears: they run on the fused rows path only",
                      "AMX prefill: head_dim 128 (64 only)")
     assert "[fused rows: head_dim 128" in p.describe()
@@ -106,12 +107,30 @@ def test_float32_models_and_no_extension():
     (Settings(decode_linears="vector"), ("fused", "amx", "vector", "native", "vector"), ("amx", "amx")),
     (Settings(prefill_attention="blockwise"), ("fused", "amx", "amx", "native", "amx"), ("blockwise", "bfloat16")),
     (Settings(prefill_attention="sdpa"), ("fused", "amx", "amx", "native", "amx"), ("sdpa", "bfloat16")),
-    (Settings(fused=False), ("layered", "native", "vector", "torch", "vector"), ("amx", "amx")),
+    (Settings(fused=False), ("layered", "dot", "vector", "torch", "vector"), ("amx", "amx")),
+    (Settings(fused=False, decode_attention="float32"), ("layered", "native", "vector", "torch", "vector"),
+     ("amx", "amx")),
     (Settings(native_attention=False), ("layered", "torch", "vector", "torch", "vector"), ("sdpa", "bfloat16")),
 ])
 def test_settings_steer_the_choice(settings, want_rows, want_prefill):
     p = plan(AMX, settings=settings)
     assert rows(p) == want_rows and prefill(p) == want_prefill
+
+
+def test_layered_rows_of_bfloat16_models_take_bfloat16_products_at_avx512bf16():
+    """Decode / verify rows off the fused path (head_dim 128: the 1.5B; a bfloat16 cache): the
+    native kernel's bfloat16-product mode where the CPU has AVX512-BF16 and the model's queries,
+    keys and values are bfloat16; the float32 kernel below that level, for float32 models, or when
+    AGENTSPEC_DECODE_ATTENTION=float32 asks for it."""
+    for kv in (torch.float32, torch.bfloat16):
+        assert plan(AVX512BF16, QWEN15, kv=kv).rows_attention == "dot"
+        assert plan(AVX512BF16, kv=kv, settings=Settings(fused=False)).rows_attention == "dot"
+        assert plan(AMX_CAPPED, QWEN15, kv=kv).rows_attention == "native"
+        assert plan(AVX2, QWEN15, kv=kv).rows_attention == "native"
+    assert plan(AVX512BF16, QWEN15, dtype=torch.float32, packed=False).rows_attention == "native"
+    p = plan(AVX512BF16, QWEN15, settings=Settings(decode_attention="float32"))
+    assert p.rows_attention == "native" and not p.rows_dot and p.layered_attention == "native"
+    assert plan(AVX512BF16).rows_attention == "rows"   # the fused path keeps its own kernels
 
 
 def test_more_than_4_query_heads_per_kv_head_keep_prompts_off_amx():

@@ -333,7 +333,8 @@ class Block(nn.Module):
             ).squeeze(0)                                      # [H, T, D]
         elif plan.layered_attention == "native" and cache.k.dtype in cpu_attention.CACHE_DTYPES:
             # native exact kernel (float32 or bfloat16 cache on CPU, float32 queries): [T, H, D], rows first
-            o = cpu_attention.decode_attention(q.to(torch.float32), cache.k[layer], cache.v[layer], mask, key_len)
+            o = cpu_attention.decode_attention(q.to(torch.float32), cache.k[layer], cache.v[layer], mask, key_len,
+                                               dot=plan.rows_dot)
             o = o.view(T, self.q_size).to(x.dtype)
         else:
             qa = q.to(cache.k.dtype)
@@ -395,7 +396,7 @@ class Block(nn.Module):
             o = cpu_attention.segment_attention(
                 q.to(torch.float32), kv,
                 [(sg.cache.k[layer], sg.cache.v[layer], sg.cache.length + sg.rows, sg.mask, sg.offset, sg.rows)
-                 for sg in segs])                                         # [R, H, D]
+                 for sg in segs], dot=plan.rows_dot)                      # [R, H, D]
             o = o.view(R, self.q_size).to(x.dtype)
         else:
             outs = []

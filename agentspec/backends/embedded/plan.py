@@ -43,7 +43,7 @@ import torch
 __all__ = ["DECODE_ATTENTION_MODES", "DECODE_LINEAR_MODES", "PREFILL_ATTENTION_MODES", "Facts", "KernelPlan",
            "Settings"]
 
-DECODE_ATTENTION_MODES = ("amx", "rows")
+DECODE_ATTENTION_MODES = ("amx", "rows", "float32")
 DECODE_LINEAR_MODES = ("amx", "vector")
 PREFILL_ATTENTION_MODES = ("amx", "native", "sdpa", "blockwise")
 
@@ -62,7 +62,8 @@ class Settings:
     native_attention: bool = True     # AGENTSPEC_CPU_ATTENTION
     fused: bool = True                # AGENTSPEC_CPU_FUSED
     native_linears: bool = True       # AGENTSPEC_CPU_LINEAR
-    decode_attention: str = "amx"     # AGENTSPEC_DECODE_ATTENTION: amx | rows
+    decode_attention: str = "amx"     # AGENTSPEC_DECODE_ATTENTION: amx | rows | float32 (layered rows: no
+                                      # bfloat16 products)
     decode_linears: str = "amx"       # AGENTSPEC_DECODE_LINEARS: amx | vector
     prefill_attention: str = "amx"    # AGENTSPEC_PREFILL_ATTENTION: amx | native | sdpa | blockwise
 
@@ -128,7 +129,7 @@ def _fallbacks(*, cpu: bool, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim
     elif settings.native_attention and settings.fused and not fused and head_dim != 64 and bf16 \
             and kv_dtype == torch.float32:
         out.append(f"fused rows: head_dim {head_dim} (the fused bfloat16 kernels take 64): layered rows, "
-                   "native float32 attention")
+                   "native attention")
     if settings.native_attention and settings.fused and not fused and head_dim == 64:
         if not bf16:
             out.append(f"fused rows: the model runs in {str(dtype).removeprefix('torch.')} (fused: bfloat16)")
@@ -164,9 +165,10 @@ class KernelPlan:
     - ``rows_path``: "fused" (``Block.forward_native``: one native call per layer does the rotary
       embedding, the cache writes and the attention, ``cpu_attention.QKVAttention``) or "layered"
       (``Block.forward``: torch for q/k/v, then the attention below);
-    - ``rows_attention``: "amx" / "rows" (``QKVAttention``'s modes), "native" (the float32-cache
-      kernel ``cpu_attention.decode_attention`` / ``segment_attention``) or "torch"
-      (``small_attention``);
+    - ``rows_attention``: "amx" / "rows" (``QKVAttention``'s modes), "native" (the float32 kernel
+      ``cpu_attention.decode_attention`` / ``segment_attention`` over a float32 or bfloat16 cache),
+      "dot" (the same entry points' bfloat16-product mode: VDPBF16PS, for bfloat16 models on
+      AVX512-BF16 CPUs) or "torch" (``small_attention``);
     - ``rows_linears``: "amx" (``PackedLinear.prefill``'s tiles), "vector" (``PackedLinear``),
       "quantized" (``cpu_quant.QuantLinear``: a GGUF file's weights kept quantized, its body in
       ``quant_body``) or "torch" (``F.linear``); ``rows_norms``: "native" (``cpu_attention.rms_norm``) or "torch";
@@ -224,6 +226,11 @@ class KernelPlan:
         else:
             rows_attention = ("native" if native and kv_dtype in CACHE_DTYPES
                               and head_dim in FLOAT32_HEAD_DIMS and 0 < group <= 8 else "torch")
+            if rows_attention == "native" and bf16 and facts.isa == "avx512bf16" \
+                    and settings.decode_attention != "float32":
+                # the bfloat16-product mode: the model's queries, keys and values are bfloat16
+                # values, so only the weights' rounding is new (cpu_attention.decode_attention's dot)
+                rows_attention = "dot"
         if quantized:
             rows_linears = "quantized"
         elif not packed:
@@ -290,7 +297,12 @@ class KernelPlan:
     def layered_attention(self) -> str:
         """Decode / verify rows off the fused path: the native float32-cache kernel where it runs
         ("native"), else torch's (``small_attention``)."""
-        return "native" if self.rows_attention in ("amx", "rows", "native") else "torch"
+        return "native" if self.rows_attention in ("amx", "rows", "native", "dot") else "torch"
+
+    @property
+    def rows_dot(self) -> bool:
+        """Layered rows' native attention in its bfloat16-product mode ("dot")."""
+        return self.rows_attention == "dot"
 
     @property
     def prefill_fallback(self) -> str:
