@@ -117,8 +117,9 @@ def _engine_args(p: argparse.ArgumentParser, *, deterministic: bool = True) -> N
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype")
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16"],
-                   help="KV cache dtype (default float32; bfloat16 halves the cache's memory and the bytes a "
-                        "long-context step reads, exact with the native CPU attention)")
+                   help="KV cache dtype (default bfloat16 where it gives float32's bits: the GGUF models on CPU, "
+                        "whose keys and values are bfloat16 values; else float32). bfloat16 halves the cache's "
+                        "memory and the bytes a long-context step reads")
     p.add_argument("--max-context", type=_positive_int("--max-context"), metavar="TOKENS",
                    help="context window in tokens, up to the model's own (default: the model's, capped at 8192; "
                         "agent CLIs' prompts run 8k-20k tokens: Qwen2.5-Coder takes 32768)")

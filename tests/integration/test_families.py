@@ -507,6 +507,38 @@ def test_bfloat16_kv_verification_rows_equal_plain_rows_bitwise(family, isa_leve
     _verified_rows_equal_plain_rows(eng)
 
 
+@pytest.mark.parametrize("isa_level", _isa_levels())
+def test_the_default_kv_cache_is_bfloat16_where_it_gives_float32s_bits(isa_level, folders, quantized, restore_isa):
+    """Without kv_dtype a bfloat16 model on the layered rows path (head_dim 128: Qwen2, dense or
+    quantized) gets a bfloat16 cache, and every logit of a greedy decode equals the float32
+    cache's; the fused head_dim-64 path and float32 models keep float32."""
+    cpu_isa = restore_isa
+    if cpu_isa.ISA_LEVELS.index(isa_level) > cpu_isa.ISA_LEVELS.index(cpu_isa.active()):
+        pytest.skip(f"kernels capped at {cpu_isa.active()}")
+    cpu_isa.set_isa(isa_level)
+    eng = quantized["qwen2"][0]
+    assert eng.kv_dtype == torch.bfloat16 and eng.new_cache(64).k.dtype == torch.bfloat16
+    assert quantized["llama"][0].kv_dtype == torch.float32
+    f32 = agentspec.Engine.embedded(model=str(eng.model_path), weights="quantized", kv_dtype="float32", quiet=True,
+                                    row_cost=0.05, prefix_cache_bytes=0)
+    ids = _prompt(eng)
+    want = f32.generate(ids, max_tokens=32, spec=None, stop=None)
+    got = eng.generate(ids, max_tokens=32, spec=None, stop=None)
+    assert got.token_ids == want.token_ids
+    # the logits of the last position, bit for bit
+    seq = torch.tensor(ids + got.token_ids[:-1])
+    outs = []
+    for e in (eng, f32):
+        cache = e.new_cache(len(seq) + 8)
+        outs.append(e.model(seq, torch.arange(len(seq)), cache, logits_rows=slice(-1, None), prefill=True))
+    assert torch.equal(outs[0], outs[1])
+    dense = agentspec.Engine.embedded(model=str(folders["qwen2"]), dtype="bfloat16", quiet=True, row_cost=0.05,
+                                      prefix_cache_bytes=0)
+    assert dense.kv_dtype == torch.bfloat16
+    assert agentspec.Engine.embedded(model=str(folders["qwen2"]), dtype="float32", quiet=True, row_cost=0.05,
+                                     prefix_cache_bytes=0).kv_dtype == torch.float32
+
+
 def test_quantized_weights_are_refused_where_they_cannot_run(tmp_path, folders):
     with pytest.raises(ConfigError, match="weights='quantized' cannot run here: the model is not a GGUF file"):
         agentspec.Engine.embedded(model=str(folders["qwen2"]), quiet=True, row_cost=0.05, weights="quantized")

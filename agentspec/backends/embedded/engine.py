@@ -64,10 +64,12 @@ class EmbeddedEngine:
       cpu_isa: cap the native kernels' ISA ("avx512bf16", "avx512", "avx2", "neon", "scalar");
         default ``$AGENTSPEC_CPU_ISA`` or the best this CPU runs. Below AVX512-BF16, prefill
         multiplies in float32 (torch's bfloat16 GEMM is slow without bf16 instructions).
-      kv_dtype: KV cache dtype; default float32. bfloat16 halves the cache and the bytes a
-        long-context decode step reads; exact where the native attention reads it (the kernel
-        plan's "native" rows attention: CPU, head_dim 64 or 128, layered rows), not on the torch
-        fallback (its bf16 GEMMs re-block by shape: 2 of 6 rewrites diverged there).
+      kv_dtype: KV cache dtype. Default bfloat16 where it gives the same bits as float32 (a
+        bfloat16 model on CPU whose decode / verify rows take the layered path's native attention:
+        the GGUF models but SmolLM2's fused path), else float32. bfloat16 halves the cache and the
+        bytes a long-context decode step reads; exact where the native attention reads it (the
+        kernel plan's "native" / "dot" rows attention: CPU, head_dim 64 or 128, layered rows), not
+        on the torch fallback (its bf16 GEMMs re-block by shape: 2 of 6 rewrites diverged there).
       max_context: context window in tokens; default the model's (capped at 8192).
       deterministic: pad every decode forward to fixed shapes (``deterministic_width`` rows,
         a per-request fixed key length) and verify linear drafts only, so that a token's logits
@@ -189,6 +191,12 @@ class EmbeddedEngine:
             self.model.pack_linears(keep_weights=self._keep_weight_copy())
             # prefill: torch's GEMM, in float32 where the CPU has no bf16 dot products
             self.model.set_gemm_float32(dtype == torch.bfloat16 and not _cpu_isa.bf16_native())
+        if kv_dtype is None and self._bfloat16_cache_is_exact():
+            # the model's keys and values are bfloat16 values and the native attention reads a
+            # bfloat16 cache as the floats it holds: the same bits in half the bytes
+            self.kv_dtype = torch.bfloat16
+            self.model.kv_dtype = self.kv_dtype
+            self.model._plans.clear()   # (plans read the cache's dtype)
         self.max_context = min(max_context or min(ckpt.args.max_seq_len, 8192), ckpt.args.max_seq_len)
         self.deterministic = deterministic
         self.deterministic_width = deterministic_width
@@ -224,6 +232,17 @@ class EmbeddedEngine:
             print(f"[agentspec] model ready: {n / 1e6:.0f}M parameters, {str(dtype).removeprefix('torch.')} "
                   f"on {self.device} ({self.hardware_summary()}), context {self.max_context}, row cost {self.row_cost:.3f}{row_cost_note} ({self.load_seconds:.1f}s)",
                   file=sys.stderr, flush=True)
+
+    def _bfloat16_cache_is_exact(self) -> bool:
+        """Whether a bfloat16 KV cache gives this model the bits a float32 one does: a bfloat16
+        model on CPU whose decode / verify rows take the layered path's native attention (which
+        reads a bfloat16 cache as the floats it holds; prompts' attention reads the keys in
+        bfloat16 either way). The fused path keeps float32 (its packed copies), as does the torch
+        fallback (its GEMMs would run in bfloat16)."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            return False
+        plan = self.model.plan()
+        return not plan.fused and plan.layered_attention == "native"
 
     @property
     def prefix_cache_dtype(self) -> torch.dtype:
