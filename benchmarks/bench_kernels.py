@@ -22,6 +22,21 @@ cache (the kernel's choice) against one row at a time (``group=1``), alternating
 round; milliseconds per layer (best of ``--repeat``, median over ``--rounds``) and the speed-up.
 Both give the same bits (checked).
 
+``dot-attention`` (AVX512-BF16): decode / verify attention of the layered rows path at
+Qwen2.5-Coder-1.5B's shape (12 query heads, 2 kv heads, head_dim 128), one request's ``--rows``
+(a draft chain) after ``--contexts`` keys, one layer a call: the float32 kernel
+(``decode_attention``) over a float32 and over a bfloat16 cache, and its bfloat16-product mode
+(``dot=True``, the plan's ``dot``) over each, alternating within each round; milliseconds a layer
+(best of ``--repeat``, median over ``--rounds``) and the speed-ups against the float32 kernel over a
+float32 cache (the plan before the mode existed).
+
+``verify-step --model FILE``: what a decode / verification forward of a real model costs by its row
+count: after a ``--context``-token prompt (prefilled in the engine's chunks), a forward of R rows (a
+draft chain; ``--rows``) with the engine's kernel plan, milliseconds (median of ``--repeat`` after
+two untimed), and the part of it in the rows' attention calls (``decode_attention``, timed around
+each call; the layered rows path's, the GGUF models': the fused path's attention is inside its
+``QKVAttention`` call and reads 0): where a draft row's price comes from.
+
 ``prefill``: prompt attention and projections, AMX against torch (CPUs with AMX-BF16 only):
 
 1. One layer of the bundled model's shape, a 256-token prompt chunk after ``--contexts`` keys:
@@ -528,6 +543,104 @@ def verify_groups(args) -> dict:
             "results": results, "machine": machine_record()}
 
 
+def dot_attention(args) -> dict:
+    import torch
+
+    from agentspec.kernels import cpu_attention
+    from agentspec.kernels.tree import tree_mask
+
+    if not cpu_attention.dot_runs():
+        raise SystemExit("the bfloat16-product attention needs AVX512-BF16 and the built kernels (scripts/setup.sh)")
+    torch.set_num_threads(args.threads)
+    h, hkv, d = 12, 2, 128
+    modes = {"float32 kernel, float32 cache": (torch.float32, False),
+             "float32 kernel, bfloat16 cache": (torch.bfloat16, False),
+             "bf16 products, float32 cache": (torch.float32, True),
+             "bf16 products, bfloat16 cache": (torch.bfloat16, True)}
+    results = []
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        for rows in (int(r) for r in args.rows.split(",")):
+            g = torch.Generator().manual_seed(ctx + rows)
+            k = torch.randn(hkv, ctx + rows, d, generator=g).to(torch.bfloat16)
+            v = torch.randn(hkv, ctx + rows, d, generator=g).to(torch.bfloat16)
+            q = torch.randn(h, rows, d, generator=g).to(torch.bfloat16).float()
+            m = torch.zeros(rows, ctx + rows, dtype=torch.bool)
+            m[:, :ctx] = True
+            m[:, ctx:] = tree_mask(list(range(-1, rows - 1)))
+            caches = {dt: (k.to(dt), v.to(dt)) for dt in (torch.float32, torch.bfloat16)}
+            per: dict[str, list[float]] = {name: [] for name in modes}
+            for _ in range(args.rounds):
+                for name, (dt, dot) in modes.items():
+                    kc, vc = caches[dt]
+                    best = float("inf")
+                    for _ in range(args.repeat + 1):
+                        t = time.perf_counter()
+                        cpu_attention.decode_attention(q, kc, vc, m, ctx + rows, dot=dot)
+                        best = min(best, time.perf_counter() - t)
+                    per[name].append(best)
+            ms = {name: round(statistics.median(x) * 1e3, 3) for name, x in per.items()}
+            base = ms["float32 kernel, float32 cache"]
+            results.append({"context": ctx, "rows": rows, "ms_a_layer": ms,
+                            "speedup_vs_float32_kernel_float32_cache": {n: round(base / x, 2) for n, x in ms.items()}})
+            log(f"context {ctx}, {rows} rows: " + ", ".join(f"{n} {x:.3f}" for n, x in ms.items()) + " ms a layer")
+    return {"benchmark": "bench_kernels dot-attention", "shape": {"heads": h, "kv_heads": hkv, "head_dim": d},
+            "threads": args.threads, "repeat": args.repeat, "rounds": args.rounds, "results": results,
+            "machine": machine_record()}
+
+
+def verify_step(args) -> dict:
+    import torch
+
+    from agentspec.backends.embedded.engine import EmbeddedEngine
+    from agentspec.kernels import cpu_attention
+    from agentspec.kernels.tree import tree_mask
+
+    torch.set_num_threads(args.threads)
+    eng = EmbeddedEngine(model=str(args.model), max_context=args.context + 64, quiet=True)
+    mdl, n, chunk = eng.model, args.context, eng.chunk_tokens
+    g = torch.Generator().manual_seed(0)
+    cache = eng.new_cache(n + 64)
+    ids = torch.randint(100, 20000, (n,), generator=g)
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        mdl(ids[a:b], torch.arange(a, b), cache, logits_rows=slice(-1, None), prefill=True)
+        cache.commit(list(range(b - a)))
+    orig, spent = cpu_attention.decode_attention, [0.0]
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return orig(*a, **k)
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    results = []
+    cpu_attention.decode_attention = timed
+    try:
+        for rows in (int(r) for r in args.rows.split(",")):
+            toks = torch.randint(100, 20000, (rows,), generator=g)
+            pos = torch.arange(n, n + rows)
+            m = torch.zeros(rows, n + rows, dtype=torch.bool)
+            m[:, :n] = True
+            m[:, n:] = tree_mask(list(range(-1, rows - 1)))
+            steps, attn = [], []
+            for i in range(args.repeat + 2):
+                spent[0] = 0.0
+                t = time.perf_counter()
+                mdl(toks, pos, cache, m if rows > 1 else None)
+                if i >= 2:
+                    steps.append(time.perf_counter() - t)
+                    attn.append(spent[0])
+            step, at = statistics.median(steps) * 1e3, statistics.median(attn) * 1e3
+            results.append({"rows": rows, "step_ms": round(step, 2), "attention_ms": round(at, 2),
+                            "rest_ms": round(step - at, 2)})
+            log(f"{rows} rows after {n} tokens: {step:.1f} ms ({at:.1f} ms attention)")
+    finally:
+        cpu_attention.decode_attention = orig
+    return {"benchmark": "bench_kernels verify-step", "model": args.model.name, "context": n,
+            "threads": args.threads, "repeat": args.repeat, "results": results, "machine": machine_record(eng)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="kernel", required=True)
@@ -546,6 +659,20 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--threads", type=int, default=2)
     v.add_argument("--repeat", type=int, default=3)
     v.add_argument("--rounds", type=int, default=3)
+    da = sub.add_parser("dot-attention", help="decode / verify attention at the 1.5B's shape: the float32 kernel "
+                        "against its bfloat16-product mode, float32 and bfloat16 caches (AVX512-BF16)")
+    da.add_argument("--contexts", default="1024,4096,16384")
+    da.add_argument("--rows", default="1,4,8")
+    da.add_argument("--threads", type=int, default=2)
+    da.add_argument("--repeat", type=int, default=5)
+    da.add_argument("--rounds", type=int, default=3)
+    vs = sub.add_parser("verify-step", help="a real model's decode / verification forward by its row count, "
+                        "and its attention's part")
+    vs.add_argument("--model", type=Path, required=True, help="a GGUF file or model folder")
+    vs.add_argument("--context", type=int, default=4096)
+    vs.add_argument("--rows", default="1,2,4,8,16")
+    vs.add_argument("--threads", type=int, default=2)
+    vs.add_argument("--repeat", type=int, default=9)
     p = sub.add_parser("prefill", help="prompt attention and projections: AMX against torch")
     p.add_argument("--contexts", default="0,1024,2048,3840", help="keys before the 256-token chunk (part 1)")
     p.add_argument("--repeat", type=int, default=15)
@@ -568,13 +695,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="ISA levels (default: avx2, avx512 and, with AMX, avx512bf16, where the CPU has them)")
     q.add_argument("--threads", type=int, default=2)
     q.add_argument("--repeat", type=int, default=5)
-    for s in (d, v, p, pn, q):
+    for s in (d, v, da, vs, p, pn, q):
         s.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     from agentspec.kernels import cpu_isa
 
     cpu_isa.apply_env()   # AGENTSPEC_CPU_ISA caps the kernels timed, not only the machine record
-    report = {"decode-attention": decode_attention, "verify-groups": verify_groups, "prefill": prefill,
+    report = {"decode-attention": decode_attention, "verify-groups": verify_groups, "dot-attention": dot_attention,
+              "verify-step": verify_step, "prefill": prefill,
               "prefill-native": prefill_native, "quant-linears": quant_linears}[args.kernel](args)
     emit_report(report, args.out, indent=1)
     return 0

@@ -18,7 +18,8 @@ tests and benchmarks pass their own ``Settings``):
 ``AGENTSPEC_CPU_FUSED=0``       native attention without the fused ``QKVAttention`` (rotary and
                                 cache writes in torch)
 ``AGENTSPEC_CPU_LINEAR=0``      no native linears (torch's GEMM for decode rows too)
-``AGENTSPEC_DECODE_ATTENTION``  decode / verify attention: ``amx`` (default, where AMX runs) or ``rows``
+``AGENTSPEC_DECODE_ATTENTION``  decode / verify attention: ``amx`` (default, where AMX runs) or ``rows``;
+                                ``float32``: layered rows keep the float32 kernel (no bfloat16 products)
 ``AGENTSPEC_DECODE_LINEARS``    decode / verify projections: ``amx`` (default, where AMX runs) or ``vector``
 ``AGENTSPEC_PREFILL_ATTENTION`` prompt attention: ``amx`` (default where AMX runs, else ``sdpa``),
                                 ``sdpa`` or ``blockwise``
