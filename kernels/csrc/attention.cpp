@@ -141,7 +141,7 @@ struct Kernels {
 template <int HD, typename KV>
 Kernels kernels_for(int isa, bool dot) {
 #if defined(AGENTSPEC_X86)
-    if (dot) return {dp_bf16::transpose_keys<HD, KV>, dp_bf16::group_task<HD, KV>};
+    if (dot) return {nullptr, dp_bf16::group_task<HD, KV>};   // (no shared copy: each group packs its blocks)
     if (isa >= 3) return {f32_avx512::transpose_keys<HD, KV>, f32_avx512::group_task<HD, KV>};
     if (isa == 2) return {f32_avx2::transpose_keys<HD, KV>, f32_avx2::group_task<HD, KV>};
 #endif

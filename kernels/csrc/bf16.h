@@ -77,6 +77,22 @@ static inline v16 dp_hw(v16 acc, v16i a, uint32_t b) {
     return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)_mm512_set1_epi32((int)b));
 }
 
+// VDPBF16PS's operands for the AVX512-BF16 attention kernels (prefill_bf16.cpp, attention_dp.inc):
+// one bfloat16 pair broadcast to every lane, and 16 cache values as bfloat16 zero-extended to 32
+// bits (a float32 cache's rounded to nearest even: exact for the bfloat16 values it holds)
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+static inline __m512bh bf16_pair_bcast(uint32_t pair) {
+    return (__m512bh)_mm512_set1_epi32((int)pair);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+static inline __m512i bf16_zext16(const float* p) {
+    return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p)));
+}
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+static inline __m512i bf16_zext16(const uint16_t* p) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // The emulation with fused multiply-adds (same bits: the products are exact), 512-bit vectors
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 static inline v16 dp_fma512(v16 acc, v16i a, uint32_t b) {

@@ -54,9 +54,6 @@ struct Call {
     float scale;
 };
 
-// One bfloat16 pair as VDPBF16PS's broadcast operand
-static inline __m512bh bcast(uint32_t pair) { return (__m512bh)_mm512_set1_epi32((int)pair); }
-
 // scores of R rows (their queries' dim pairs qr[r][0 .. D/2)) against keys [j0, j0 + 64) (kt: the
 // kv head's pairs, row stride Lp), scaled; keys past a row's position pos[r] -> -inf
 template <int R, int D>
@@ -71,7 +68,7 @@ static inline __attribute__((always_inline)) void qk_tile(const uint32_t* const*
         const __m512bh k0 = (__m512bh)_mm512_loadu_si512(ki), k1 = (__m512bh)_mm512_loadu_si512(ki + 16),
                        k2 = (__m512bh)_mm512_loadu_si512(ki + 32), k3 = (__m512bh)_mm512_loadu_si512(ki + 48);
         for (int r = 0; r < R; ++r) {
-            const __m512bh b = bcast(qr[r][i]);
+            const __m512bh b = bf16_pair_bcast(qr[r][i]);
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, b);
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, b);
             acc[r][2] = _mm512_dpbf16_ps(acc[r][2], k2, b);
@@ -110,7 +107,7 @@ static inline __attribute__((always_inline)) void pv_tile(float* o, const float*
             const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vr), v1 = (__m512bh)_mm512_loadu_si512(vr + 16),
                            v2 = (__m512bh)_mm512_loadu_si512(vr + 32), v3 = (__m512bh)_mm512_loadu_si512(vr + 48);
             for (int r = 0; r < R; ++r) {
-                const __m512bh b = bcast(P[r * (PKB / 2) + jp]);
+                const __m512bh b = bf16_pair_bcast(P[r * (PKB / 2) + jp]);
                 acc[r][0] = _mm512_dpbf16_ps(acc[r][0], v0, b);
                 acc[r][1] = _mm512_dpbf16_ps(acc[r][1], v1, b);
                 acc[r][2] = _mm512_dpbf16_ps(acc[r][2], v2, b);
@@ -224,13 +221,6 @@ void prefill_task(const Call& c, int hk, int t0, int t1, TaskScratch& ts) {
         }
 }
 
-// 16 cache values of a float32 or bfloat16 layer as bfloat16 (exact for bfloat16 values; float32
-// ones round to nearest even), zero-extended to 32 bits
-static inline __m512i bf16x16(const float* p) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p))); }
-static inline __m512i bf16x16(const uint16_t* p) {
-    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // Keys and values of kv head hk, slots [j0, j0 + 64), packed: kt[i][j] = (k[j][2i], k[j][2i+1]),
 // vp[j / 2][d] = (v[j][d], v[j + 1][d]); slots >= L zeros
 template <int D, typename KV>
@@ -239,7 +229,7 @@ void pack_block(const KV* k, const KV* v, int64_t L, int64_t j0, uint32_t* kt, u
     for (int64_t j = j0; j < j0 + PKB; ++j) {
         if (j < L) {
             for (int d = 0; d < D; d += 32) {
-                const __m512i lo = bf16x16(k + j * D + d), hi = bf16x16(k + j * D + d + 16);
+                const __m512i lo = bf16_zext16(k + j * D + d), hi = bf16_zext16(k + j * D + d + 16);
                 // pairs (d, d+1): even dims in the low halves
                 const __m512i idx_e = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
                 const __m512i idx_o = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
@@ -254,8 +244,8 @@ void pack_block(const KV* k, const KV* v, int64_t L, int64_t j0, uint32_t* kt, u
     for (int64_t j = j0; j < j0 + PKB; j += 2) {
         uint32_t* dst = vp + (j / 2) * D;
         for (int d = 0; d < D; d += 16) {
-            const __m512i a = j < L ? bf16x16(v + j * D + d) : _mm512_setzero_si512();
-            const __m512i b = j + 1 < L ? bf16x16(v + (j + 1) * D + d) : _mm512_setzero_si512();
+            const __m512i a = j < L ? bf16_zext16(v + j * D + d) : _mm512_setzero_si512();
+            const __m512i b = j + 1 < L ? bf16_zext16(v + (j + 1) * D + d) : _mm512_setzero_si512();
             _mm512_storeu_si512(dst + d, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
         }
     }

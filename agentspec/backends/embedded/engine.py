@@ -174,7 +174,7 @@ class EmbeddedEngine:
         self.tokenizer: Tokenizer = ckpt.tokenizer
         self.model = Transformer(ckpt.args, init_weights=False)  # every weight is loaded next
         self.model.set_kernel_settings(settings)
-        self.model.kv_dtype = self.kv_dtype
+        self.model.set_kv_dtype(self.kv_dtype)
         if quant:
             self.model.drop_projections()   # they come quantized, below
         # to the device and dtype first (the parameters are still empty), then the checkpoint's
@@ -195,8 +195,7 @@ class EmbeddedEngine:
             # the model's keys and values are bfloat16 values and the native attention reads a
             # bfloat16 cache as the floats it holds: the same bits in half the bytes
             self.kv_dtype = torch.bfloat16
-            self.model.kv_dtype = self.kv_dtype
-            self.model._plans.clear()   # (plans read the cache's dtype)
+            self.model.set_kv_dtype(self.kv_dtype)
         self.max_context = min(max_context or min(ckpt.args.max_seq_len, 8192), ckpt.args.max_seq_len)
         self.deterministic = deterministic
         self.deterministic_width = deterministic_width

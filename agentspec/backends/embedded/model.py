@@ -748,6 +748,12 @@ class Transformer(nn.Module):
         self.kernel_settings = settings
         self._plans.clear()
 
+    def set_kv_dtype(self, dtype: torch.dtype) -> None:
+        """The dtype of the KV caches this model's forwards get (the engine's ``kv_dtype``): the
+        plan's attention choices read it."""
+        self.kv_dtype = dtype
+        self._plans.clear()
+
     def plan(self, facts: Facts | None = None) -> KernelPlan:
         """The kernel plan for the ISA level the native kernels run at now (``plan.KernelPlan``:
         chosen once per level and settings, then looked up)."""
