@@ -11,7 +11,10 @@ from ``/proc``):
 
   agentspec:plain     ``agentspec serve --model FILE`` with ``"speculation": false``
   agentspec:spec      the same server config, speculation on (suffix index over prompt and output)
-  agentspec:plain-kv-bf16  plain, with ``--kv-dtype bfloat16`` (its outputs against the float32 cache's)
+  agentspec:plain-kv-bf16  plain, with ``--kv-dtype bfloat16`` (the default for the GGUF files on CPU:
+                      the same as agentspec:plain there)
+  agentspec:plain-kv-f32   plain, with ``--kv-dtype float32`` (outputs compared with agentspec:plain's:
+                      the two caches hold the same values)
   agentspec:workspace agentspec:spec with a workspace indexed (``--repo``): a copy of ``--workspace
                       DIR``, one subfolder per repository the prompts were recorded in (``python -m
                       benchmarks.workspaces DIR --repos ...``: releases from before the recorded
@@ -502,6 +505,10 @@ def index_summary(log_path: Path) -> dict | None:
     return {"files": int(m[1]), "chunks": int(m[2]), "tokens": int(m[3]), "seconds": float(m[4])} if m else None
 
 
+# agentspec plain decoding with a KV cache dtype asked for: its server arguments
+KV_METHODS = {"agentspec:plain-kv-bf16": ["--kv-dtype", "bfloat16"], "agentspec:plain-kv-f32": ["--kv-dtype", "float32"]}
+
+
 # agentspec methods that speculate with fewer draft sources (a route in a --config file), for
 # measuring what each source gives: the suffix index alone (neither escape-aware copying nor a
 # grammar's forced tokens), without escape-aware copying, without forced-token drafts
@@ -692,14 +699,14 @@ def grid(server: Path | None, args, methods: list[str], tmp: Path) -> dict:
                 key = f"ctx{ctx}_c{c}"
                 log(f"{m} {key}" + (f" (repeat {rep + 1}/{args.grid_repeats})" if args.grid_repeats > 1 else ""))
                 port = free_port()
-                if m in ("agentspec:plain", "agentspec:plain-kv-bf16"):
+                if m in ("agentspec:plain", *KV_METHODS):
                     # the context the cell needs (the server's default stops at 8192), and no request
                     # timeout (the default 600 s ends a 32k-token prefill on 2 cores)
                     config = tmp / "grid-server.toml"
                     config.write_text("[server]\nrequest_timeout_s = 86400\n")
                     cmd = agentspec_cmd(args.model, port, args.threads, "--max-context", str(ctx + args.grid_tokens + 256),
                                         "--config", str(config),
-                                        *(["--kv-dtype", "bfloat16"] if m.endswith("kv-bf16") else []))
+                                        *KV_METHODS.get(m, []))
                     p = Process(cmd, port, tmp / f"grid-{m.replace(':', '-')}-{key}.log", "/health", args.start_timeout,
                                 env=dict(os.environ))
                     name, extra = args.model.name.removesuffix(".gguf"), {"speculation": False}
@@ -709,7 +716,8 @@ def grid(server: Path | None, args, methods: list[str], tmp: Path) -> dict:
                     p = Process(cmd, port, tmp / f"grid-llama-{key}.log", "/health", args.start_timeout)
                     name, extra = args.model.name, {"cache_prompt": False}
                 else:
-                    raise SystemExit(f"--grid runs agentspec:plain, agentspec:plain-kv-bf16 and llama.cpp:plain, not {m!r}")
+                    raise SystemExit(f"--grid runs agentspec:plain, agentspec:plain-kv-bf16, agentspec:plain-kv-f32 and "
+                                     f"llama.cpp:plain, not {m!r}")
                 try:
                     warm = None
                     if c > 1:   # prefill all C (timed), then decode all C together from the prompt caches
@@ -768,8 +776,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--context", type=int, default=8192, help="llama-server's context (-c)")
     ap.add_argument("--methods", default="agentspec:plain,agentspec:spec,llama.cpp:plain",
-                    help="comma-separated: agentspec:plain, agentspec:spec, agentspec:plain-kv-bf16 (a bfloat16 KV "
-                         "cache), agentspec:workspace (needs --workspace), agentspec:spec-suffix / "
+                    help="comma-separated: agentspec:plain, agentspec:spec, agentspec:plain-kv-bf16 / "
+                         "agentspec:plain-kv-f32 (a bfloat16 / float32 KV cache), agentspec:workspace (needs --workspace), agentspec:spec-suffix / "
                          "agentspec:spec-no-json-copy / agentspec:spec-no-forced (fewer draft sources), llama.cpp:plain, "
                          "agentspec:spec-draft-model (needs --llama-draft-model), llama.cpp:plain-cache-reuse (its "
                          "--cache-reuse on: cached chunks shifted past a change in the prompt)")
@@ -811,7 +819,7 @@ def main() -> int:
             ap.error(f"--llama-draft-model is not a file: {str(args.llama_draft_model)!r}")
         llama_specs += ["draft-simple", "ngram-simple,ngram-mod,draft-simple"]
     if args.grid:
-        methods = [m for m in methods if m.endswith(":plain") or m == "agentspec:plain-kv-bf16"]
+        methods = [m for m in methods if m.endswith(":plain") or m in KV_METHODS]
         llama_specs = []
         try:
             args.contexts = [int(x) for x in args.contexts.split(",") if x]
@@ -865,9 +873,9 @@ def main() -> int:
                 results[m], kern = ours(args.model, prompts, args, True, tmp,
                                         extra_args=["--draft-model", str(args.llama_draft_model)])
                 kernels = kernels or kern
-            elif m in ("agentspec:plain", "agentspec:spec", "agentspec:plain-kv-bf16"):
+            elif m in ("agentspec:plain", "agentspec:spec", *KV_METHODS):
                 results[m], kern = ours(args.model, prompts, args, m.endswith("spec"), tmp,
-                                        extra_args=["--kv-dtype", "bfloat16"] if m.endswith("kv-bf16") else [])
+                                        extra_args=KV_METHODS.get(m, []))
                 kernels = kernels or kern
             elif m in ROUTES:
                 results[m], kern = ours(args.model, prompts, args, True, tmp, route=m)
