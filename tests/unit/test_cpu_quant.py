@@ -68,6 +68,9 @@ def test_every_isa_level_gives_the_references_bits_row_by_row(qtype, restore_isa
         # each row alone, and one thread: the same bits
         assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(M)]), ref), isa
         assert torch.equal(lin(x, threads=1), ref), isa
+        # every tile height a body has (1 to 7 rows: one tile each on the 8-row bodies)
+        for rows in range(1, M):
+            assert torch.equal(lin(x[:rows]), ref[:rows]), (isa, rows)
         # a prompt chunk (more rows than one pass over the weight takes): each row the same bits
         big = torch.cat([x] * 11)
         assert torch.equal(lin(big), torch.cat([ref] * 11)), isa
