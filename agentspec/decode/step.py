@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -186,6 +186,20 @@ class Decoder:
 
     def prefill(self, seq: SeqState) -> list[int]:
         """Start the drafter, run the prompt into ``seq.cache``; the first token, as a list."""
+        steps = self.prefill_steps(seq)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_steps(self, seq: SeqState) -> Generator[None, None, list[int]]:
+        """``prefill`` one forward at a time: the generator yields after each prompt chunk but the
+        last (another request may run a step there: each chunk is computed as ``prefill`` computes
+        it, on the full thread team, at the same absolute positions, so the bits are the same
+        however the chunks interleave with other work) and returns the first token, as a list.
+        Closing it early leaves the drafter started and the cache partly written (the caller
+        releases the request)."""
         seq.t_start = time.perf_counter()
         if seq.spec_on:
             td = time.perf_counter()
@@ -229,17 +243,19 @@ class Decoder:
         # there a forward takes PREFILL_CHUNKS chunks at once, the same bits with fewer passes
         # over the weights.
         step = C * PREFILL_CHUNKS if self.model.prefill_row_invariant(seq.cache) else C
-        with self.engine.governor.full_team():
-            a = start
-            while a < len(ids):
-                b = min((a // step + 1) * step, len(ids))   # (a hit inside a chunk: to its end first)
+        a = start
+        while a < len(ids):
+            b = min((a // step + 1) * step, len(ids))   # (a hit inside a chunk: to its end first)
+            with self.engine.governor.full_team():
                 out = self.model(tokens[a:b], torch.arange(a, b, device=dev), seq.cache,
                                  logits_rows=slice(-1, None), hidden_layers=layers, prefill=True)
-                logits, hidden = out if layers else (out, None)
-                seq.cache.commit(list(range(b - a)))
-                if hidden is not None:
-                    hiddens.append(hidden)
-                a = b
+            logits, hidden = out if layers else (out, None)
+            seq.cache.commit(list(range(b - a)))
+            if hidden is not None:
+                hiddens.append(hidden)
+            a = b
+            if a < len(ids):
+                yield
         if hiddens:
             self._observe(seq, ids, {i: torch.cat([h[i] for h in hiddens]) for i in hiddens[0]}, None)
         if pc is not None and (len(ids) // C > start // C or to_token and len(ids) > start):

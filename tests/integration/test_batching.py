@@ -188,3 +188,69 @@ def test_batched_kernel_verification_equals_reference(engine, prompts, reference
     assert sum(g.stats.accepted_tokens for g in out) > 0
     with pytest.raises(ValueError, match="verify"):
         BatchEngine(engine, step_costs=step_costs, verify="fast")
+
+
+def _long_prompt(engine, prompts, chunks: int) -> list[int]:
+    """A prompt of ``chunks`` prefill chunks and a few tokens more, from the recorded prompts."""
+    step = engine.chunk_tokens * (8 if engine.model.prefill_row_invariant(engine.new_cache(64)) else 1)
+    ids: list[int] = []
+    while len(ids) < chunks * step + 10:
+        ids += [t for p in prompts for t in p]
+    return ids[:chunks * step + 10]
+
+
+def test_a_long_prompt_runs_a_chunk_at_a_time_between_the_running_requests_steps(engine, prompts, plain_greedy,
+                                                                               step_costs):
+    """A long prompt admitted beside running requests does not stop them for its whole prefill: a
+    chunk, then their step, in turn; a short prompt admitted after it gets its first token after
+    one of its chunks, not all of them. Every output is still plain decoding's."""
+    long_ids = _long_prompt(engine, prompts, 4)          # 5 chunks: 4 yields between them
+    events: list[tuple[str, int]] = []
+    results: dict[str, object] = {}
+
+    def on_done(name):
+        def done(g, err):
+            results[name] = err or g
+        return done
+
+    with BatchEngine(engine, budget_policy="off", step_costs=step_costs, background=False, max_batch=4) as be:
+        be.submit(prompts[0], max_tokens=40, on_tokens=lambda t: events.append(("running", len(t))),
+                  on_done=on_done("running"))
+        # the running request first (its prompt is one chunk), then the long one and a short one behind it
+        be.submit(long_ids, max_tokens=6, on_tokens=lambda t: events.append(("long", len(t))), on_done=on_done("long"))
+        be.submit(prompts[1], max_tokens=6, on_tokens=lambda t: events.append(("short", len(t))),
+                  on_done=on_done("short"))
+        be.run_until_idle()
+    first_long = events.index(next(e for e in events if e[0] == "long"))
+    first_short = events.index(next(e for e in events if e[0] == "short"))
+    # the running request's steps went on while the long prompt ran (4 chunk boundaries)
+    assert sum(1 for e in events[:first_long] if e[0] == "running") >= 4
+    assert first_short < first_long
+    for name, ids, n in (("running", prompts[0], 40), ("long", long_ids, 6), ("short", prompts[1], 6)):
+        g, ref = results[name], plain_greedy(ids, n)
+        assert not isinstance(g, BaseException), g
+        assert g.token_ids == ref.token_ids, name
+        assert g.stats.prompt_tokens == len(ids)
+
+
+def test_a_request_cancelled_while_its_prompt_runs_ends_before_its_next_chunk(engine, prompts, plain_greedy,
+                                                                            step_costs):
+    """A client gone during a long prefill frees the server at the next chunk boundary, with no
+    tokens; the next request is served as before."""
+    long_ids = _long_prompt(engine, prompts, 6)
+    calls = []
+
+    def should_stop() -> bool:   # asked at admission, then before each chunk: stop after the first chunk
+        calls.append(1)
+        return len(calls) >= 3
+
+    got = {}
+    with BatchEngine(engine, budget_policy="load_aware", step_costs=step_costs, background=False) as be:
+        be.submit(long_ids, max_tokens=8, should_stop=should_stop, on_done=lambda g, e: got.update(g=g, e=e))
+        be.run_until_idle()
+        assert got["e"] is None
+        g = got["g"]
+        assert g.finish_reason == "cancelled" and g.token_ids == [] and len(calls) == 3
+        assert be.num_running == 0
+        after = be.generate_many([prompts[2]], max_tokens=12)[0]
+    assert after.token_ids == plain_greedy(prompts[2], 12).token_ids

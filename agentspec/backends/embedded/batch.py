@@ -23,7 +23,7 @@ import collections
 import heapq
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +145,7 @@ class _Request:
     on_done: Callable[[Any, Any], None]     # (Generation | None, error | None)
     should_stop: Callable[[], bool] | None
     finished: bool = False                  # on_done was called (it is called exactly once)
+    prefill: Generator[None, None, list[int]] | None = None   # while its prompt runs (``Decoder.prefill_steps``)
 
     def stopping(self) -> bool:
         """``should_stop()`` (False when there is none, or it fails: admission then fails the request)."""
@@ -216,6 +217,7 @@ class BatchEngine:
             self._take_profile()
         self._waiting = FairQueue()   # per tenant, served in turn (a flood waits behind itself)
         self._running: list[_Request] = []
+        self._prefilling: list[_Request] = []   # admitted, their prompts running a chunk a turn (``_prefill_chunk``)
         self._free_caches: list = []   # finished requests' KV caches, for the next ones (``_cache_for``)
         self._cv = threading.Condition()
         self._closed = False
@@ -231,7 +233,7 @@ class BatchEngine:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self._running) + len(self._prefilling)
 
     @property
     def num_waiting(self) -> int:
@@ -458,28 +460,29 @@ class BatchEngine:
         busy = time.monotonic()  # last time there was work (or the loop started)
         while True:
             with self._cv:
-                if not self._waiting and not self._running:
+                if not self._waiting and not self._running and not self._prefilling:
                     self._free_caches.clear()   # idle: give the pooled caches' memory back
                     if until_idle:
                         return
-                while not self._waiting and not self._running and not self._closed:
+                while not self._waiting and not self._running and not self._prefilling and not self._closed:
                     quiet = time.monotonic() - busy
                     if self._profile is not None and not until_idle and quiet >= self.PROFILE_AFTER_IDLE_S:
                         break  # idle a while: measure the step-cost profile, one forward (below)
                     # a timeout keeps the main thread responsive to signals
                     self._cv.wait(0.5 if self._profile is None else max(self.PROFILE_AFTER_IDLE_S - quiet, 0.01))
                 if self._closed:
-                    pending = self._waiting.drain() + self._running
-                    self._running = []
+                    pending = self._waiting.drain() + self._prefilling + self._running
+                    self._running, self._prefilling = [], []
                     break
                 # waiting requests cancelled or past their deadline end now, not when a slot frees:
                 # their clients get their answer (504, 499) at once and their queue places go to
                 # others (bounded by max_queue: a cheap sweep once per step)
                 stopped = self._waiting.take_if(_Request.stopping) if self._waiting else []
                 joining = []
-                if self._waiting and len(self._running) < self.max_batch:
-                    in_batch = collections.Counter(r.seq.tenant for r in self._running)
-                    while self._waiting and len(self._running) + len(joining) < self.max_batch:
+                admitted = len(self._running) + len(self._prefilling)
+                if self._waiting and admitted < self.max_batch:
+                    in_batch = collections.Counter(r.seq.tenant for r in self._running + self._prefilling)
+                    while self._waiting and admitted + len(joining) < self.max_batch:
                         joining.append(self._waiting.pop(in_batch))
                         in_batch[joining[-1].seq.tenant] += 1
             for req in stopped:
@@ -487,7 +490,7 @@ class BatchEngine:
             for req in joining:
                 self._guard(req, self._admit)
             self._running = [r for r in self._running if r.seq.cache is not None]
-            if joining or self._running:
+            if joining or self._running or self._prefilling:
                 busy = time.monotonic()
             elif self._profile is not None:
                 try:
@@ -497,6 +500,8 @@ class BatchEngine:
 
                     print(f"[agentspec] step-cost profiling failed: {err!r}", file=sys.stderr, flush=True)
                 continue
+            if self._prefilling:
+                self._prefill_chunk()
             if self._running:
                 try:
                     self._step()
@@ -562,10 +567,38 @@ class BatchEngine:
             self._end_waiting(req)
             return
         seq.cache = self._cache_for(self.decoder.cache_need(seq))
-        first = self.decoder.prefill(seq)
-        self._commit(req, first)
-        if seq.cache is not None:
-            self._running.append(req)
+        req.prefill = self.decoder.prefill_steps(seq)
+        self._prefilling.append(req)
+
+    def _prefill_chunk(self) -> None:
+        """One prompt chunk of the next admitted request whose prompt is still running (in turn:
+        a short prompt admitted behind a long one waits one chunk, not the whole prompt), between
+        the running requests' steps (they wait one chunk, ~1-2 s at 256 tokens of the 1.5B on 2
+        cores, not a 20 s prompt). A chunk is the same computation whatever ran between two
+        (``Decoder.prefill_steps``). The last chunk's request joins the running ones with its
+        first token; one cancelled or past its deadline ends before its next chunk."""
+        req = self._prefilling.pop(0)
+        seq = req.seq
+        if req.stopping():
+            req.prefill.close()
+            req.prefill = None
+            seq.finish = "cancelled"
+            self._release(seq)
+            req.done(self.decoder.result(seq), None)
+            return
+        try:
+            next(req.prefill)
+        except StopIteration as done:
+            req.prefill = None
+            self._guard(req, lambda r: self._commit(r, done.value))
+            if seq.cache is not None and not req.finished:
+                self._running.append(req)
+            return
+        except Exception as err:  # noqa: BLE001 - this request's failure is its own
+            req.prefill = None
+            self._fail(req, err)
+            return
+        self._prefilling.append(req)
 
     def _commit(self, req: _Request, new: list[int]) -> None:
         """Append newly verified tokens; emit them; finish the request if it is done."""
