@@ -254,3 +254,20 @@ def test_a_request_cancelled_while_its_prompt_runs_ends_before_its_next_chunk(en
         assert be.num_running == 0
         after = be.generate_many([prompts[2]], max_tokens=12)[0]
     assert after.token_ids == plain_greedy(prompts[2], 12).token_ids
+
+
+def test_a_long_prompt_behind_short_ones_runs_after_a_bounded_wait(engine, prompts, step_costs, monkeypatch):
+    """Shorter prompts go first, but a prompt passed over ``PREFILL_PASSES`` times runs its next
+    chunk anyway: short prompts arriving all the time cannot hold a long one back for ever."""
+    monkeypatch.setattr(BatchEngine, "PREFILL_PASSES", 2)
+    long_ids = _long_prompt(engine, prompts, 3)          # 4 chunks
+    firsts: list[str] = []
+    with BatchEngine(engine, budget_policy="off", step_costs=step_costs, background=False, max_batch=16) as be:
+        be.submit(long_ids, max_tokens=2, on_tokens=lambda t: firsts.append("long") if "long" not in firsts else None)
+        for i in range(10):
+            be.submit(prompts[i % len(prompts)], max_tokens=2,
+                      on_tokens=lambda t, i=i: firsts.append(i) if i not in firsts else None)
+        be.run_until_idle()
+    # passed over twice, a chunk of its own, and so on: its 4 chunks end after at most 2 * 4 short prompts
+    assert firsts.index("long") <= 2 * 4
+    assert firsts[0] != "long" and len(firsts) == 11

@@ -146,6 +146,7 @@ class _Request:
     should_stop: Callable[[], bool] | None
     finished: bool = False                  # on_done was called (it is called exactly once)
     prefill: Generator[None, None, list[int]] | None = None   # while its prompt runs (``Decoder.prefill_steps``)
+    passed: int = 0                         # chunks of other prompts run while this one's waited
 
     def stopping(self) -> bool:
         """``should_stop()`` (False when there is none, or it fails: admission then fails the request)."""
@@ -217,7 +218,7 @@ class BatchEngine:
             self._take_profile()
         self._waiting = FairQueue()   # per tenant, served in turn (a flood waits behind itself)
         self._running: list[_Request] = []
-        self._prefilling: list[_Request] = []   # admitted, their prompts running a chunk a turn (``_prefill_chunk``)
+        self._prefilling: list[_Request] = []   # admitted, their prompts running (``_prefill_chunk``)
         self._free_caches: list = []   # finished requests' KV caches, for the next ones (``_cache_for``)
         self._cv = threading.Condition()
         self._closed = False
@@ -570,14 +571,24 @@ class BatchEngine:
         req.prefill = self.decoder.prefill_steps(seq)
         self._prefilling.append(req)
 
+    PREFILL_PASSES = 16   # chunks a prompt lets shorter ones run before it goes next anyway
+
     def _prefill_chunk(self) -> None:
-        """One prompt chunk of the next admitted request whose prompt is still running (in turn:
-        a short prompt admitted behind a long one waits one chunk, not the whole prompt), between
-        the running requests' steps (they wait one chunk, ~1-2 s at 256 tokens of the 1.5B on 2
-        cores, not a 20 s prompt). A chunk is the same computation whatever ran between two
+        """One prompt chunk between the running requests' steps (they wait one chunk, ~1-2 s at
+        256 tokens of the 1.5B on 2 cores, not a 20 s prompt): of the admitted prompt with the
+        fewest tokens left (a short prompt admitted behind a long one waits one chunk, not the
+        whole prompt; prompts of one length run one after the other, not in rotation, so the
+        first finishes first), or of the longest-waiting one once it let ``PREFILL_PASSES``
+        chunks of others go before it. A chunk is the same computation whatever ran between two
         (``Decoder.prefill_steps``). The last chunk's request joins the running ones with its
         first token; one cancelled or past its deadline ends before its next chunk."""
-        req = self._prefilling.pop(0)
+        starved = [r for r in self._prefilling if r.passed >= self.PREFILL_PASSES]
+        req = starved[0] if starved else min(
+            self._prefilling, key=lambda r: len(r.seq.ids) - (r.seq.cache.length if r.seq.cache is not None else 0))
+        self._prefilling.remove(req)
+        for r in self._prefilling:
+            r.passed += 1
+        req.passed = 0
         seq = req.seq
         if req.stopping():
             req.prefill.close()
@@ -598,7 +609,7 @@ class BatchEngine:
             req.prefill = None
             self._fail(req, err)
             return
-        self._prefilling.append(req)
+        self._prefilling.insert(0, req)   # (first among equals: it goes on next)
 
     def _commit(self, req: _Request, new: list[int]) -> None:
         """Append newly verified tokens; emit them; finish the request if it is done."""
