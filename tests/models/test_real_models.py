@@ -4,7 +4,8 @@
 Opt-in (``make test-models``; ``AGENTSPEC_TEST_MODELS=1``): the download is 491 MB. The file runs
 quantized, as ``agentspec serve --model FILE`` runs it (its projections in their GGUF types,
 ``agentspec.kernels.cpu_quant``). Checks: it loads and answers; greedy speculation equals plain decoding
-on recorded rewrite prompts; every verified row's logits equal plain decoding's bit for bit at
+on recorded rewrite prompts, and under continuous batching with a long prompt run a chunk at a time
+between the other requests' steps; every verified row's logits equal plain decoding's bit for bit at
 each ISA level this CPU runs; the chat template from the GGUF renders as transformers renders
 it; ``/v1/apply`` through a real server merges an edit into a real file; README.md's tour runs as
 written on it (the model ``make run`` serves).
@@ -80,6 +81,25 @@ def test_greedy_speculation_equals_plain(engine, prompts):
         assert spec.stats.accepted_tokens > 0   # rewrites copy the prompt: drafts are accepted
         whole = engine.generate(ids, max_tokens=96, spec=SpecConfig(row_cost=0.0))   # whole budget verified
         assert whole.token_ids == plain.token_ids
+
+
+def test_batched_sessions_with_prompts_between_steps_equal_plain(engine, prompts):
+    """The server's scheduler on the real file: a long prompt (several 256-token chunks, run one
+    at a time between the other requests' steps, a short prompt admitted behind it going first)
+    beside speculating requests; every output equals its single-request plain decoding."""
+    from agentspec.backends.embedded.batch import BatchEngine
+
+    long_ids = [t for p in prompts for t in p][:1100]
+    batch = [prompts[0], long_ids, prompts[1]]
+    firsts: list[int] = []
+    with BatchEngine(engine, background=False, max_batch=4) as be:
+        for i, ids in enumerate(batch):
+            be.submit(ids, max_tokens=48, on_tokens=lambda t, i=i: firsts.append(i) if i not in firsts else None)
+        be.run_until_idle()
+        out = be.generate_many(batch, max_tokens=48)
+    assert firsts.index(1) == 2   # the long prompt's first token last
+    for ids, g in zip(batch, out):
+        assert g.token_ids == engine.generate(list(ids), max_tokens=48, spec=None).token_ids
 
 
 def _isa_levels():
