@@ -314,3 +314,24 @@ def test_neighbours_of_one_type_are_one_part_with_the_same_bits():
     assert len(merged.parts) == 1 and merged.types() == ["Q4_K", "Q4_K"] and merged.N == 64
     x = torch.randn(5, K).to(torch.bfloat16)
     assert torch.equal(merged(x), apart(x))
+
+
+def test_the_x86_bodies_prefetch_their_weights():
+    """The quantized bodies prefetch the weights a few blocks ahead (``prefetch_ahead``): as a
+    plain inline helper called from the bodies' target regions it once compiled to nothing, with
+    no error, and 4-8 decode rows then waited on memory (the 1.5B's linears at 8 rows: 48 against
+    39 ms on Zen 4). The built module must hold the instructions."""
+    import platform
+    import shutil
+    import subprocess
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 bodies only")
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump to read the build with")
+    from agentspec.kernels import _cpu
+
+    asm = subprocess.run([objdump, "-d", "--no-show-raw-insn", _cpu.__file__], capture_output=True, text=True,
+                         check=True).stdout
+    assert asm.count("prefetcht0") >= 32
