@@ -192,7 +192,9 @@ def test_batched_kernel_verification_equals_reference(engine, prompts, reference
 
 def _long_prompt(engine, prompts, chunks: int) -> list[int]:
     """A prompt of ``chunks`` prefill chunks and a few tokens more, from the recorded prompts."""
-    step = engine.chunk_tokens * (8 if engine.model.prefill_row_invariant(engine.new_cache(64)) else 1)
+    from agentspec.decode.step import PREFILL_CHUNKS
+
+    step = engine.chunk_tokens * (PREFILL_CHUNKS if engine.model.prefill_row_invariant(engine.new_cache(64)) else 1)
     ids: list[int] = []
     while len(ids) < chunks * step + 10:
         ids += [t for p in prompts for t in p]
@@ -216,7 +218,7 @@ def test_a_long_prompt_runs_a_chunk_at_a_time_between_the_running_requests_steps
     with BatchEngine(engine, budget_policy="off", step_costs=step_costs, background=False, max_batch=4) as be:
         be.submit(prompts[0], max_tokens=40, on_tokens=lambda t: events.append(("running", len(t))),
                   on_done=on_done("running"))
-        # the running request first (its prompt is one chunk), then the long one and a short one behind it
+        # two one-chunk prompts and a long one between them: the short ones go first (fewest tokens left)
         be.submit(long_ids, max_tokens=6, on_tokens=lambda t: events.append(("long", len(t))), on_done=on_done("long"))
         be.submit(prompts[1], max_tokens=6, on_tokens=lambda t: events.append(("short", len(t))),
                   on_done=on_done("short"))

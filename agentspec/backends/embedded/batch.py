@@ -583,8 +583,7 @@ class BatchEngine:
         (``Decoder.prefill_steps``). The last chunk's request joins the running ones with its
         first token; one cancelled or past its deadline ends before its next chunk."""
         starved = [r for r in self._prefilling if r.passed >= self.PREFILL_PASSES]
-        req = starved[0] if starved else min(
-            self._prefilling, key=lambda r: len(r.seq.ids) - (r.seq.cache.length if r.seq.cache is not None else 0))
+        req = starved[0] if starved else min(self._prefilling, key=lambda r: len(r.seq.ids) - r.seq.cache.length)
         self._prefilling.remove(req)
         for r in self._prefilling:
             r.passed += 1
