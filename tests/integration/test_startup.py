@@ -262,7 +262,7 @@ def test_step_costs_miss_then_cached(cache_env, fake_engine, fake_profile):
     # then what a row's attention adds per token of context: a row and 33 at two contexts
     assert be.step_costs_source == "measured"
     assert fake_profile == [(step_profile.GRID, 1024, step_profile.REPEAT),
-                            ((2, 33), 256, step_profile.REPEAT), ((2, 33), 1024, step_profile.REPEAT)]
+                            ((2, 33), 256, step_profile.REPEAT), ((2, 33), 4096, step_profile.REPEAT)]
     assert be.profile.row_context_cost == 0.0 and be.costs.row_context_cost == 0.0   # the same at both here
     be.close()
     be2 = BatchEngine(fake_engine, background=False)
@@ -287,7 +287,7 @@ def test_the_batch_measures_only_what_the_engine_start_left(cache_env, fake_engi
     assert be.step_costs == lower_convex_hull(MEASURED) and be.step_costs_source == "measured"
     rest = tuple(n for n in step_profile.GRID if n not in (1, 33))
     assert fake_profile == [((1, 33), 1024, step_profile.REPEAT), (rest, 1024, step_profile.REPEAT),
-                            ((1, 33), 256, step_profile.REPEAT), ((1, 33), 1024, step_profile.REPEAT)]
+                            ((1, 33), 256, step_profile.REPEAT), ((1, 33), 4096, step_profile.REPEAT)]
     assert profile_cache.load(start.key, profile_cache.valid_step_costs) == MEASURED
     be.close()
 
@@ -305,7 +305,7 @@ def test_a_cached_profile_that_the_machine_no_longer_matches_is_measured_again(c
     assert be.step_costs_source == "cached" and be._step_costs == lower_convex_hull(stale)
     assert be.step_costs == lower_convex_hull(MEASURED) and be.step_costs_source == "measured"
     assert fake_profile == [(step_profile.CHECK, 1024, step_profile.REPEAT), (step_profile.GRID, 1024, step_profile.REPEAT),
-                            ((2, 33), 256, step_profile.REPEAT), ((2, 33), 1024, step_profile.REPEAT)]
+                            ((2, 33), 256, step_profile.REPEAT), ((2, 33), 4096, step_profile.REPEAT)]
     assert profile_cache.load(key, profile_cache.valid_step_costs) == MEASURED
     be.close()
 

@@ -10,8 +10,8 @@ One curve, one cache entry (``"step_costs"``), two readers:
   start-up (a few seconds, mostly the context's prefill) and stores them;
 - the batch scheduler's **step costs** (``BatchEngine.step_costs``): the whole ``GRID``, for the
   load-aware budget, and what a verified row's attention adds per token of context
-  (``row_context_cost``: a row and ``ROW_COST_ROWS`` timed at ``SHORT_CONTEXT`` and at ``CONTEXT``
-  one after the other, its own cache entry), so the budget prices rows over a 4k-token history
+  (``row_context_cost``: a row and ``ROW_COST_ROWS`` timed at ``SHORT_CONTEXT`` and at
+  ``LONG_CONTEXT`` one after the other, its own cache entry), so the budget prices rows over a 4k-token history
   at what they cost there, not at the 1k profile's price. The points still missing are measured
   one forward at a time in the scheduler's idle time (``StepProfile.pending``) and the complete profile stored; a complete
   cached profile is checked against two of its points timed again (``CHECK``).
@@ -34,12 +34,15 @@ from ...kernels.tree import tree_mask
 from . import profile_cache
 from .model import round_up
 
-__all__ = ["CHECK", "CONTEXT", "GRID", "REPEAT", "ROW_COST_ROWS", "SHORT_CONTEXT", "StepProfile", "measure",
+__all__ = ["CHECK", "CONTEXT", "GRID", "LONG_CONTEXT", "REPEAT", "ROW_COST_ROWS", "SHORT_CONTEXT", "StepProfile", "measure",
            "plausible", "profile", "row_context_cost_of", "row_cost_of", "stand_in"]
 
 GRID = (1, 2, 8, 16, 33, 66, 132, 264)   # rows per forward (segments of up to 33 rows)
 CONTEXT = 1024                            # tokens cached per segment
-SHORT_CONTEXT = 256                       # the second context of ``row_context_cost``
+SHORT_CONTEXT = 256                       # the two contexts of ``row_context_cost``: between 256
+LONG_CONTEXT = 4096                       # and 1,024 keys a row's attention grew less than the
+                                          # timing noise (measured 0 on the 1.5B, whose rows cost
+                                          # ~7.3 ms at 3k against ~6.0 at 1k)
 REPEAT = 3                                # timed runs per point (after one untimed)
 ROW_COST_ROWS = 33                        # the row cost's draft-sized step
 CHECK = (2, 33)                           # a cached profile's points timed again
@@ -188,8 +191,9 @@ class StepProfile:
         self.source = "cached" if self.points else "none"
         self._checked = False
         self._attempts = 0
+        self.long_context = min(LONG_CONTEXT, engine.max_context - 64)
         self.context_key = profile_cache.engine_key("row_context_cost", engine, rows=[base, ROW_COST_ROWS],
-                                                    contexts=[SHORT_CONTEXT, self.context], repeat=REPEAT)
+                                                    contexts=[SHORT_CONTEXT, self.long_context], repeat=REPEAT)
         # seconds per verified row per token of context (None: not measured yet)
         self.row_context_cost: float | None = profile_cache.load(self.context_key,
                                                                  profile_cache.valid_row_context_cost)
@@ -227,7 +231,7 @@ class StepProfile:
             return self._merged(measure(self.engine, missing, self.context, REPEAT))
         if self.source == "cached" and not self._checked:
             return self._check()
-        if self.row_context_cost is None and self.context > SHORT_CONTEXT:
+        if self.row_context_cost is None and self.long_context > SHORT_CONTEXT:
             return self._row_context_cost()
         return None
 
@@ -237,8 +241,8 @@ class StepProfile:
         measurements are plausible. Returns None: ``finish`` has nothing more to take."""
         rows = [self.base, ROW_COST_ROWS]
         short = yield from measure(self.engine, rows, SHORT_CONTEXT, REPEAT)
-        long = yield from measure(self.engine, rows, self.context, REPEAT)
-        self.row_context_cost = row_context_cost_of(short, long, self.base, SHORT_CONTEXT, self.context)
+        long = yield from measure(self.engine, rows, self.long_context, REPEAT)
+        self.row_context_cost = row_context_cost_of(short, long, self.base, SHORT_CONTEXT, self.long_context)
         if plausible(short) and plausible(long):
             profile_cache.store(self.context_key, self.row_context_cost)
         return None
