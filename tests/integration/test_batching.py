@@ -164,40 +164,6 @@ def test_select_slots_keeps_global_top_b():
     assert select_slots([[0.1, 0.9]], 2, 1.0, lambda rows: 1.0 + 0.01 * rows) == [2]
 
 
-
-def test_select_slots_prices_rows_at_the_rate_the_steps_achieve():
-    """A lone request whose step costs 1 (a plain token per unit of time) and 0.15 a draft row:
-    a draft token estimated at 0.2 raises this step's own ratio (1.2 / 1.15), so the ratio rule
-    takes it; at the rate speculation achieves overall (1.5 tokens per unit) its 0.15 units
-    would buy 0.225 tokens, more than it yields, so the rate rule does not."""
-    def cost(rows):
-        return 1.0 + 0.15 * (rows - 1)
-
-    assert select_slots([[0.2]], 1, 1.0, cost) == [1]
-    assert select_slots([[0.2]], 1, 1.0, cost, rate=1.5) == [0]
-    # the rows the rate pays for: each kept token worth more than its 0.15 units at 1.5 (0.225
-    # tokens), where the ratio rule, its bar rising with this step's good drafts, stops at 0.3
-    assert select_slots([[0.9, 0.5, 0.3, 0.25, 0.1]], 1, 1.0, cost, rate=1.5) == [4]
-    assert select_slots([[0.9, 0.5, 0.3, 0.25, 0.1]], 1, 1.0, cost) == [3]
-    # a rate at or below this step's draft-free one is the ratio rule (never drafts more)
-    assert select_slots([[0.2]], 1, 1.0, cost, rate=0.5) == [1]
-    # rows dearer past a point (a convex curve): the rate rule stops where a row's tokens are
-    # worth no more than its seconds
-    steep = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.6, 5: 2.0}
-    assert select_slots([[0.95, 0.9, 0.8, 0.7]], 1, 1.0, steep.__getitem__, rate=2.0) == [2]
-
-def test_the_budget_learns_the_gain_its_steps_achieve(engine, rewrite_prompts, step_costs):
-    """The rate the load-aware budget prices rows at: draft-free steps gain nothing (exactly 1),
-    speculative steps on rewrites (copies of their prompts) gain what they commit over the
-    draft-free steps their rows cost."""
-    with BatchEngine(engine, step_costs=step_costs, background=False) as be:
-        assert be.gain == 1.0
-        be.generate_many(rewrite_prompts[:2], max_tokens=MAX_TOKENS, spec=None)
-        assert be.gain == 1.0 and be.steps > 0
-        be.generate_many(rewrite_prompts[:2], max_tokens=MAX_TOKENS)
-        assert be.gain > 1.2
-
-
 def test_step_cost_profile_loses_its_noise_spikes():
     # the profile that made the load-aware budget over-draft at 16 requests (2026-11-30)
     seen = {2: 13.6, 8: 18.2, 16: 39.5, 33: 51.3, 66: 89.4, 132: 172.3, 264: 324.6}

@@ -45,23 +45,14 @@ BudgetPolicy = str  # "load_aware" | "fixed" | "off"
 
 
 def select_slots(survivals: Sequence[Sequence[float]], base_rows: int, base_tokens: float,
-                 step_cost: Callable[[int], float], rate: float = 0.0) -> list[int]:
+                 step_cost: Callable[[int], float]) -> list[int]:
     """How many draft slots (a prefix of each request's draft) to verify this step.
 
     ``survivals[r]``: expected acceptance of each of request r's draft tokens, in draft order
     (best first; parents before children, so any prefix is a tree). Slots are taken in global
-    descending order (a k-way merge of the prefixes). ``rate`` (tokens per second; 0: none): B =
-    the count maximising ``base_tokens + sum of taken survivals - rate * step_cost(base_rows + B)``,
-    a row kept where its expected tokens are worth its seconds at that rate; without it (or
-    with a rate below this step's draft-free one) B maximises the step's own
+    descending order (a k-way merge of the prefixes); B = the count maximising
     ``(base_tokens + sum of taken survivals) / step_cost(base_rows + B)``. Returns the prefix
     length per request.
-
-    The scheduler passes the rate its recent steps achieved (``BatchEngine._step``): the
-    steps' tokens over their seconds is what the budget maximises, and a step whose own ratio
-    is low (no draft it trusts) would otherwise take rows whose tokens come dearer than the
-    run's average (Dinkelbach's rule for a ratio of sums: at the optimum each step maximises
-    tokens - rate * seconds at the best achievable rate).
     """
     heap = [(-s[0], r, 0) for r, s in enumerate(survivals) if len(s)]
     heapq.heapify(heap)
@@ -72,21 +63,15 @@ def select_slots(survivals: Sequence[Sequence[float]], base_rows: int, base_toke
         order.append(r)
         if i + 1 < len(survivals[r]):
             heapq.heappush(heap, (-float(survivals[r][i + 1]), r, i + 1))
-    base_cost = step_cost(base_rows)
-    by_rate = rate > base_tokens / base_cost
-
-    def value(tokens: float, rows: int) -> float:
-        return tokens - rate * (step_cost(rows) - base_cost) if by_rate else tokens / step_cost(rows)
-
-    best_value = value(base_tokens, base_rows)
+    best_value = base_tokens / step_cost(base_rows)
     best_k, total = 0, base_tokens
     counts = [0] * len(survivals)
     for k, r in enumerate(order, start=1):
         total += float(survivals[r][counts[r]])
         counts[r] += 1
-        v = value(total, base_rows + k)
-        if v > best_value:
-            best_value, best_k = v, k
+        value = total / step_cost(base_rows + k)
+        if value > best_value:
+            best_value, best_k = value, k
     for r in order[:best_k]:
         taken[r] += 1
     return taken
@@ -238,7 +223,6 @@ class BatchEngine:
         self._cv = threading.Condition()
         self._closed = False
         self.steps = 0
-        self._gain_tokens = self._gain_plain = self.GAIN_PRIOR   # ``gain``: decayed sums
         self._serving = False
         self._threads = torch.get_num_threads()
         self._thread: threading.Thread | None = None
@@ -247,19 +231,6 @@ class BatchEngine:
             self._thread.start()
 
     # ---- public -------------------------------------------------------------------------------
-
-    GAIN_DECAY = 0.98   # per step: the gain remembers the last ~50 steps
-    GAIN_PRIOR = 4.0    # steps' worth of "no gain" it starts from
-
-    @property
-    def gain(self) -> float:
-        """What the recent steps committed over what the same time would have bought in draft-free
-        steps (each step's cost over a draft-free one's, by the budget's curve at its batch and
-        context; at least 1). The
-        load-aware budget prices a draft row at this multiple of the draft-free rate: at c = 1
-        on agent sessions (1.5B, 2 cores, speculation committing ~1.5x plain's tokens per
-        second) a row then has to be accepted ~1 time in 4 to pay, not ~1 in 6."""
-        return max(self._gain_tokens / self._gain_plain, 1.0)
 
     @property
     def num_running(self) -> int:
@@ -661,21 +632,13 @@ class BatchEngine:
         dec = self.decoder
         context = sum(s.cache.length for s in seqs) / len(seqs)   # tokens cached per request
         drafts = dec.propose_many(seqs, cost_cut=self.budget_policy == "fixed")
-        cost = None
-        if self.budget_policy == "load_aware":
+        if self.budget_policy == "load_aware" and any(d.token_ids for d in drafts):
+            surv = [[x * s.tracker.trust for x in d.survival()] for s, d in zip(seqs, drafts)]
             # the rows a draft-free step runs: one per request (two for a lone request where a
             # single row would take another kernel path: the profile's base)
             base_rows = max(len(seqs), self.profile.base if self.profile is not None else 2)
-            cost = self.slot_costs(base_rows, context)
-            base_cost = max(cost(base_rows), 1e-12)
-            if any(d.token_ids for d in drafts):
-                surv = [[x * s.tracker.trust for x in d.survival()] for s, d in zip(seqs, drafts)]
-                keep = select_slots(surv, base_rows, float(len(seqs)), cost, rate=self.gain * len(seqs) / base_cost)
-                drafts = [d.prefix(k) for d, k in zip(drafts, keep)]
-        rows = sum(1 + len(d.token_ids) for d in drafts)
-        # this step's cost in draft-free steps, by the curve it was planned with (read before
-        # ``observe`` below moves the curve)
-        relative = cost(max(rows, base_rows)) / base_cost if cost is not None else 0.0
+            keep = select_slots(surv, base_rows, float(len(seqs)), self.slot_costs(base_rows, context))
+            drafts = [d.prefix(k) for d, k in zip(drafts, keep)]
         news = dec.step(seqs, drafts, batched_verify=self._batched_verify)
         self.steps += 1
         for r, new in zip(reqs, news):
@@ -683,10 +646,4 @@ class BatchEngine:
         self._running = [r for r in self._running if r.seq.cache is not None]
         # the whole step (drafting, policy, forward, verification, commits): what a step's
         # tokens cost, so what the budget weighs them against
-        self.costs.observe(rows, context, time.perf_counter() - t0)
-        if cost is not None:
-            # the steps' tokens over the draft-free steps their rows cost, by the same curve
-            # (unit-free: a given or stand-in curve need not be in seconds)
-            d = self.GAIN_DECAY
-            self._gain_tokens = d * self._gain_tokens + sum(len(n) for n in news)
-            self._gain_plain = d * self._gain_plain + len(seqs) * relative
+        self.costs.observe(sum(1 + len(d.token_ids) for d in drafts), context, time.perf_counter() - t0)
