@@ -92,14 +92,16 @@ def test_batched_sessions_with_prompts_between_steps_equal_plain(engine, prompts
     long_ids = [t for p in prompts for t in p][:1100]
     batch = [prompts[0], long_ids, prompts[1]]
     firsts: list[int] = []
+    out: dict[int, object] = {}
     with BatchEngine(engine, background=False, max_batch=4) as be:
         for i, ids in enumerate(batch):
-            be.submit(ids, max_tokens=48, on_tokens=lambda t, i=i: firsts.append(i) if i not in firsts else None)
+            be.submit(ids, max_tokens=48, on_tokens=lambda t, i=i: firsts.append(i) if i not in firsts else None,
+                      on_done=lambda g, err, i=i: out.__setitem__(i, g if err is None else err))
         be.run_until_idle()
-        out = be.generate_many(batch, max_tokens=48)
     assert firsts.index(1) == 2   # the long prompt's first token last
-    for ids, g in zip(batch, out):
-        assert g.token_ids == engine.generate(list(ids), max_tokens=48, spec=None).token_ids
+    for i, ids in enumerate(batch):
+        assert not isinstance(out[i], Exception), out[i]
+        assert out[i].token_ids == engine.generate(list(ids), max_tokens=48, spec=None).token_ids
 
 
 def _isa_levels():

@@ -11,8 +11,8 @@ One curve, one cache entry (``"step_costs"``), two readers:
 - the batch scheduler's **step costs** (``BatchEngine.step_costs``): the whole ``GRID``, for the
   load-aware budget, and what a verified row's attention adds per token of context
   (``row_context_cost``: a row and ``ROW_COST_ROWS`` timed at ``SHORT_CONTEXT`` and at
-  ``LONG_CONTEXT`` one after the other, its own cache entry), so the budget prices rows over a 4k-token history
-  at what they cost there, not at the 1k profile's price. The points still missing are measured
+  ``LONG_CONTEXT`` one after the other, its own cache entry), so the budget prices rows over a
+  4k-token history at what they cost there, not at the 1k profile's price. The points still missing are measured
   one forward at a time in the scheduler's idle time (``StepProfile.pending``) and the complete profile stored; a complete
   cached profile is checked against two of its points timed again (``CHECK``).
 
@@ -39,10 +39,11 @@ __all__ = ["CHECK", "CONTEXT", "GRID", "LONG_CONTEXT", "REPEAT", "ROW_COST_ROWS"
 
 GRID = (1, 2, 8, 16, 33, 66, 132, 264)   # rows per forward (segments of up to 33 rows)
 CONTEXT = 1024                            # tokens cached per segment
-SHORT_CONTEXT = 256                       # the two contexts of ``row_context_cost``: between 256
-LONG_CONTEXT = 4096                       # and 1,024 keys a row's attention grew less than the
-                                          # timing noise (measured 0 on the 1.5B, whose rows cost
-                                          # ~7.3 ms at 3k against ~6.0 at 1k)
+# the two contexts of ``row_context_cost`` (LONG_CONTEXT capped by the engine's): between 256 and
+# 1,024 keys a row's attention grew less than the timing noise (measured 0 on the 1.5B, whose rows
+# cost ~7.3 ms at 3k against ~6.0 at 1k)
+SHORT_CONTEXT = 256
+LONG_CONTEXT = 4096
 REPEAT = 3                                # timed runs per point (after one untimed)
 ROW_COST_ROWS = 33                        # the row cost's draft-sized step
 CHECK = (2, 33)                           # a cached profile's points timed again
